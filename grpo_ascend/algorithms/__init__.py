@@ -1,0 +1,1 @@
+"""Advantage estimators and policy/value losses, each behind a small registry."""

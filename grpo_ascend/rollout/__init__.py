@@ -1,0 +1,1 @@
+"""Rollout: grouped sampling of completions and the on-device rollout buffer."""

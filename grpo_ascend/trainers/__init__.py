@@ -1,0 +1,1 @@
+"""Trainers: GRPO and PPO, sharing the rollout engine, rewards and losses."""

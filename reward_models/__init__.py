@@ -1,0 +1,1 @@
+"""Reward functions: protocol, loading, combining, built-in rule rewards and a learned scorer."""

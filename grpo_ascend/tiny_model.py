@@ -1,0 +1,251 @@
+"""Offline, deterministic tiny Qwen2-architecture models and a byte-level BPE tokenizer.
+
+Tests, benchmarks and the default recipe need a real causal LM without any download. The builder
+trains a small byte-level BPE tokenizer on generated text, builds a Qwen2 model from a fixed seed,
+optionally warm-starts it with a short supervised run on the synthetic arithmetic task (so that RL
+has signal), and saves both with ``save_pretrained``. Builds are cached per size and version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_ascend.errors import ConfigError, closest
+from grpo_ascend.synthetic import arithmetic_problems, conversation
+
+logger = logging.getLogger(__name__)
+
+BUILD_VERSION = 1
+VOCAB_SIZE = 1024
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySize:
+    """Architecture of one built-in size."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+
+
+SIZES: dict[str, TinySize] = {
+    # ~1.8M parameters: unit tests and the CPU demo.
+    "tiny": TinySize(192, 4, 6, 2, 512),
+    # ~25M parameters: benchmarks.
+    "small": TinySize(512, 8, 8, 4, 1408),
+}
+
+_WORDS = (
+    "the a model reward policy group token sample answer question number step value train learn "
+    "good bad fast slow small large think reason because so then first next last plus minus times "
+    "equal result correct wrong yes no please write short long story about cat dog sun moon tree "
+    "river city road book music light dark red blue green hello world assistant user system"
+).split()
+
+
+def _tokenizer_corpus(seed: int = 0, n: int = 4000) -> list[str]:
+    """Deterministic training text: rendered arithmetic chats plus word soup for general prompts."""
+    rng = random.Random(seed)
+    lines = []
+    for p in arithmetic_problems(n, seed=seed, max_operand=100, ops="+-*"):
+        lines.append(f"<|im_start|>user\n{p.question}<|im_end|>\n<|im_start|>assistant\n{p.completion}<|im_end|>")
+    for _ in range(n):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 16))]
+        sentence = " ".join(words).capitalize() + rng.choice([".", "?", "!", ","])
+        lines.append(sentence)
+    return lines
+
+
+def build_tokenizer(vocab_size: int = VOCAB_SIZE, seed: int = 0):
+    """Train the byte-level BPE tokenizer (digits split one per token) and wrap it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tokenizer_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, padding_side="left"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model(size: str, tokenizer, seed: int = 0):
+    """A randomly initialised Qwen2ForCausalLM of the given built-in size, reproducible by ``seed``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    spec = _size(size)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with _seeded(seed):
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    model.to(torch.float32)
+    return model
+
+
+def warm_start(model, tokenizer, steps: int = 300, batch_size: int = 32, lr: float = 3e-3, seed: int = 0):
+    """Short supervised run on the synthetic task (loss on the completion only) so RL starts with signal.
+
+    Deliberately brief: the model learns the answer format and part of the arithmetic, leaving
+    accuracy for RL to improve.
+    """
+    import torch
+
+    problems = arithmetic_problems(steps * batch_size, seed=seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / steps))
+    model.train()
+    with _seeded(seed):
+        for step in range(steps):
+            batch = problems[step * batch_size : (step + 1) * batch_size]
+            ids, labels = _sft_batch(tokenizer, batch)
+            attn = (ids != tokenizer.pad_token_id).long()
+            out = model(input_ids=ids, attention_mask=attn, labels=labels)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if step % 100 == 0 or step == steps - 1:
+                logger.info("warm start step %d/%d loss %.4f", step + 1, steps, out.loss.item())
+    model.eval()
+    return model
+
+
+def _sft_batch(tokenizer, problems):
+    """Right-padded ids with labels masked (-100) everywhere except the completion and its EOS."""
+    import torch
+
+    rows, labels = [], []
+    for p in problems:
+        prompt = tokenizer.apply_chat_template(conversation(p.question), tokenize=False, add_generation_prompt=True)
+        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        c_ids = tokenizer(p.completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(p_ids + c_ids)
+        labels.append([-100] * len(p_ids) + c_ids)
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
+    return ids, lab
+
+
+def cache_dir() -> Path:
+    """Where built models live: ``$GRPO_ASCEND_CACHE`` or ``~/.cache/grpo_ascend``."""
+    root = os.environ.get("GRPO_ASCEND_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "grpo_ascend"
+    )
+    return Path(root) / "tiny-models"
+
+
+def build_tiny_model(
+    size: str = "tiny",
+    warm: bool = False,
+    out_dir: str | os.PathLike | None = None,
+    force: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Build (or reuse from the cache) a built-in model + tokenizer and return its directory.
+
+    The directory loads with ``AutoModelForCausalLM.from_pretrained`` and
+    ``AutoTokenizer.from_pretrained``. ``warm=True`` adds the supervised warm start.
+    """
+    _size(size)
+    name = f"{size}{'-warm' if warm else ''}-s{seed}-v{BUILD_VERSION}"
+    target = Path(out_dir) if out_dir is not None else cache_dir() / name
+    if (target / "config.json").exists() and (target / "tokenizer.json").exists() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        tokenizer = build_tokenizer(seed=seed)
+        model = build_model(size, tokenizer, seed=seed)
+        if warm:
+            warm_start(model, tokenizer, seed=seed)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            if not force and (target / "config.json").exists():
+                return target  # another process finished the same build first
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_builtin(name: str) -> Path | None:
+    """Map ``builtin:tiny``, ``builtin:tiny-warm``, ``builtin:small`` to a built model directory."""
+    if not name.startswith("builtin:"):
+        return None
+    spec = name.split(":", 1)[1]
+    size, _, flavour = spec.partition("-")
+    if flavour not in ("", "warm"):
+        raise ConfigError(f"unknown built-in model {name!r}: expected builtin:<size>[-warm], size in {sorted(SIZES)}")
+    return build_tiny_model(size, warm=flavour == "warm")
+
+
+def _size(size: str) -> TinySize:
+    if size not in SIZES:
+        raise ConfigError(f"unknown tiny model size {size!r}; expected one of {sorted(SIZES)}{closest(size, SIZES)}")
+    return SIZES[size]
+
+
+class _seeded:
+    """Fork the torch RNG with a fixed seed so building never disturbs the caller's random state."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def __enter__(self):
+        import torch
+
+        self._fork = torch.random.fork_rng(devices=[])
+        self._fork.__enter__()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc):
+        return self._fork.__exit__(*exc)

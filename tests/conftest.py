@@ -1,0 +1,37 @@
+"""Shared fixtures: the offline tiny model (built once per machine, cached) and quiet logs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir():
+    """Directory of the random-init ``tiny`` Qwen2 model and its tokenizer."""
+    from grpo_ascend.tiny_model import build_tiny_model
+
+    return build_tiny_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_warm_model_dir():
+    """Directory of the ``tiny`` model after its supervised warm start on the synthetic task."""
+    from grpo_ascend.tiny_model import build_tiny_model
+
+    return build_tiny_model("tiny", warm=True)
+
+
+@pytest.fixture()
+def tiny_model(tiny_model_dir):
+    """A fresh fp32 ``tiny`` model (eval mode) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)

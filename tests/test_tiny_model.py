@@ -1,0 +1,54 @@
+"""The offline tiny model and the synthetic task are deterministic and load with plain transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_ascend.errors import ConfigError
+from grpo_ascend.synthetic import arithmetic_dataset, arithmetic_problems
+from grpo_ascend.tiny_model import build_model, build_tokenizer, resolve_builtin
+
+
+def test_tokenizer_is_deterministic_and_has_chat_template():
+    a, b = build_tokenizer(), build_tokenizer()
+    assert a.get_vocab() == b.get_vocab()
+    assert a.eos_token == "<|im_end|>" and a.pad_token == "<|endoftext|>"
+    text = a.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert a.decode(a("<answer>12</answer>")["input_ids"]) == "<answer>12</answer>"
+    assert [t for t in a.tokenize("1234") if t.strip("Ġ")] == ["1", "2", "3", "4"]
+
+
+def test_model_build_is_reproducible():
+    tok = build_tokenizer()
+    m1, m2 = build_model("tiny", tok, seed=3), build_model("tiny", tok, seed=3)
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p1, p2)
+    n = sum(p.numel() for p in m1.parameters())
+    assert 1_000_000 < n < 5_000_000
+
+
+def test_built_dir_loads_with_auto_classes(tiny_model):
+    model, tok = tiny_model
+    ids = tok("What is 1 + 1?", return_tensors="pt")["input_ids"]
+    logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], len(tok))
+    assert model.config.eos_token_id == tok.eos_token_id
+
+
+def test_unknown_size_suggests_closest():
+    with pytest.raises(ConfigError, match="did you mean 'tiny'"):
+        resolve_builtin("builtin:tyny")
+
+
+def test_synthetic_task_is_deterministic_and_correct():
+    assert arithmetic_problems(5, seed=1) == arithmetic_problems(5, seed=1)
+    for p in arithmetic_problems(50, seed=2, ops="+-*"):
+        a, op, b = p.question.removeprefix("What is ").rstrip("?").split()
+        assert eval(f"{a}{op}{b}") == p.answer  # noqa: S307 - our own generated digits
+    ds = arithmetic_dataset(8, seed=0)
+    assert ds.column_names == ["prompt", "answer"]
+    assert ds[0]["prompt"][-1]["role"] == "user"
+    with pytest.raises(ValueError, match="ops"):
+        arithmetic_problems(3, ops="/")

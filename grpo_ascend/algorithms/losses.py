@@ -1,0 +1,347 @@
+"""Policy losses (GRPO, BNPO, Dr. GRPO, DAPO; token- or sequence-level ratios) and PPO's value loss.
+
+Exact gradient accumulation
+---------------------------
+Every loss returns ``sum of its contributions over the micro-batch / normaliser`` where the
+normaliser describes the whole *optimizer step* (all its micro-batches), not the micro-batch.
+Backward'ing each micro-batch's loss and summing the gradients therefore gives exactly the
+gradient of the full-batch loss, whatever the micro-batch split and padding. The trainer builds
+one :class:`LossNormaliser` per optimizer step (``LossNormaliser.for_step``) and must NOT divide
+the loss by ``gradient_accumulation_steps`` again.
+
+Aggregation per ``loss_type`` (L_it the per-token loss, m_it the 0/1 mask, T_i = Σ_t m_it):
+
+* ``grpo``    (DeepSeekMath): Σ_i [Σ_t L_it m_it / max(T_i, 1)] / num_sequences
+                              — mean over sequences of per-sequence token means.
+* ``bnpo``    : Σ_it L_it m_it / num_tokens — token mean over the optimizer step (this rank).
+* ``dr_grpo`` : Σ_it L_it m_it / (num_sequences × max_completion_length) — constant denominator.
+* ``dapo``    : Σ_it L_it m_it / num_tokens_per_step_global — token mean over the whole
+                generation batch, so every token weighs the same across steps and ranks.
+
+Normaliser fields (per rank; under data parallelism the gradients are then *averaged* over the
+W ranks, which is why the dapo field divides by W):
+
+* ``num_sequences``: sequences this rank processes in this optimizer step (all micro-batches).
+* ``num_tokens``: valid (mask = 1) completion tokens this rank processes in this optimizer step.
+* ``num_tokens_per_step_global``: valid completion tokens of the whole generation batch summed
+  over all ranks, divided by (optimizer steps that generation batch feeds × W). After the
+  gradient average over ranks, each optimizer step's gradient is
+  Σ_{all tokens of the step, all ranks} ∇L / (mean global tokens per step).
+
+``mask_truncated_completions``: the caller zeroes the mask rows of completions that hit
+``max_completion_length`` without an EOS *before* building the batch and the normaliser, so they
+contribute nothing and are not counted.
+
+Per-token objective (r the importance ratio, A the advantage):
+``L = −min(min(r, δ)·A, clip(r, 1−ε, 1+ε_high)·A) + β·k3(ref, logp) − entropy_coef·H``,
+``k3 = exp(ref − logp) − (ref − logp) − 1``. The min(r, δ) cap (TRL's two-sided clipping) is
+applied only when ``delta`` is set. With ``importance_sampling_level="sequence"`` (GSPO) every
+token of sequence i uses s_i = exp(mean over its valid tokens of (logp − old_logp)), written as
+``sg[s_i]·exp(logp − sg[logp])`` (GSPO-token): its value is s_i at every token and its gradient at
+token t is s_i·∇logp_t. Because every aggregation above weighs all tokens of a sequence equally
+and the advantage is per sequence, this gives exactly GSPO's sequence-level gradient
+s_i·mean_t ∇logp_t under ``grpo`` (and the same gradient as a broadcast sequence ratio under the
+others).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grpo_ascend.algorithms.registry import Registry
+from grpo_ascend.errors import ConfigError, DataError, closest
+
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+Number = Tensor | float | int
+
+
+@dataclass
+class PolicyLossBatch:
+    """Tensors of one micro-batch. ``[B, T]`` unless noted; all on the same device.
+
+    logps: log-probs of the sampled tokens under the current policy (with grad).
+    advantages: ``[B]`` (one per sequence, GRPO) or ``[B, T]`` (per token, PPO/GAE).
+    mask: 0/1 (or bool) validity of completion tokens.
+    old_logps: log-probs under the policy that sampled; None → ``logps.detach()`` (ratio 1).
+    ref_logps: log-probs under the reference model; needed when beta > 0.
+    entropies: per-token entropies (with grad); needed when entropy_coef != 0.
+    """
+
+    logps: Tensor
+    advantages: Tensor
+    mask: Tensor
+    old_logps: Tensor | None = None
+    ref_logps: Tensor | None = None
+    entropies: Tensor | None = None
+
+
+@dataclass
+class PolicyLossSettings:
+    """Hyper-parameters, TRL names and meanings. ``epsilon_high=None`` means ``epsilon``."""
+
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    beta: float = 0.0
+    entropy_coef: float = 0.0
+    importance_sampling_level: str = "token"
+    max_completion_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.epsilon >= 0:
+            raise ConfigError(f"epsilon must be >= 0, got {self.epsilon!r}")
+        if self.epsilon_high is not None and not self.epsilon_high >= 0:
+            raise ConfigError(f"epsilon_high must be >= 0, got {self.epsilon_high!r}")
+        if self.delta is not None and not self.delta > 1 + self.eps_high:
+            raise ConfigError(
+                f"delta={self.delta!r} must be > 1 + epsilon_high = {1 + self.eps_high!r} "
+                "(it caps the unclipped ratio above the clipping range)"
+            )
+        if not self.beta >= 0:
+            raise ConfigError(f"beta must be >= 0, got {self.beta!r}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            hint = closest(str(self.importance_sampling_level), IMPORTANCE_SAMPLING_LEVELS)
+            raise ConfigError(
+                f"importance_sampling_level={self.importance_sampling_level!r} is not valid{hint}; "
+                f"use one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"
+            )
+        if self.max_completion_length is not None and not self.max_completion_length >= 1:
+            raise ConfigError(f"max_completion_length must be >= 1, got {self.max_completion_length!r}")
+
+    @property
+    def eps_high(self) -> float:
+        """Upper clipping width: ``epsilon_high`` or, when unset, ``epsilon``."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@dataclass
+class LossNormaliser:
+    """Optimizer-step totals the losses divide by (see the module docstring for definitions)."""
+
+    num_sequences: Number
+    num_tokens: Number
+    num_tokens_per_step_global: Number
+
+    @classmethod
+    def for_step(
+        cls,
+        step_mask: Tensor,
+        generation_tokens_global: Number | None = None,
+        steps_per_generation: int = 1,
+        world_size: int = 1,
+    ) -> LossNormaliser:
+        """Build the normaliser from the completion mask [S, T] of ALL sequences of this optimizer
+        step on this rank, and the valid-token count of the whole generation batch over all ranks
+        (None: use this rank's step count, i.e. the step is the whole generation batch, one rank)."""
+        if steps_per_generation < 1 or world_size < 1:
+            raise ConfigError(
+                f"steps_per_generation ({steps_per_generation}) and world_size ({world_size}) must be >= 1"
+            )
+        num_tokens = step_mask.sum()
+        if generation_tokens_global is None:
+            per_step_global = num_tokens
+        else:
+            per_step_global = generation_tokens_global / (steps_per_generation * world_size)
+        return cls(
+            num_sequences=step_mask.shape[0],
+            num_tokens=num_tokens,
+            num_tokens_per_step_global=per_step_global,
+        )
+
+
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("loss_type")
+
+
+def _at_least_one(x: Number) -> Number:
+    return x.clamp(min=1) if isinstance(x, Tensor) else max(x, 1)
+
+
+def _check_shapes(batch: PolicyLossBatch) -> None:
+    shape = batch.logps.shape
+    if batch.logps.dim() != 2:
+        raise DataError(f"logps must be [B, T], got shape {tuple(shape)}")
+    for name in ("mask", "old_logps", "ref_logps", "entropies"):
+        t = getattr(batch, name)
+        if t is not None and t.shape != shape:
+            raise DataError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like logps")
+    adv = batch.advantages
+    if not (adv.shape == shape[:1] or adv.shape == shape):
+        raise DataError(f"advantages must be [B] or [B, T] = {tuple(shape)}, got {tuple(adv.shape)}")
+
+
+def per_token_policy_loss(
+    batch: PolicyLossBatch, settings: PolicyLossSettings
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token loss [B, T] (zero at masked tokens) and detached stat SUMS over valid tokens.
+
+    Stats: clipped_low ((r < 1−ε) & (A < 0)), clipped_high ((r > 1+ε_high) & (A > 0)),
+    clipped_region (either), kl_sum, entropy_sum, ratio_sum, token_count. Summing them over
+    micro-batches (and ranks) and dividing by the summed token_count gives exact batch means.
+    """
+    _check_shapes(batch)
+    if settings.beta > 0 and batch.ref_logps is None:
+        raise DataError(f"beta={settings.beta} > 0 needs ref_logps (the reference model's log-probs)")
+    if settings.entropy_coef != 0 and batch.entropies is None:
+        raise DataError(f"entropy_coef={settings.entropy_coef} != 0 needs per-token entropies")
+
+    logps = batch.logps
+    valid = batch.mask.bool()
+    m = valid.to(logps.dtype)
+    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
+    old = logps.detach() if batch.old_logps is None else batch.old_logps
+    # torch.where (not multiplication by the mask) keeps inf/NaN at padded positions out of
+    # both the values and the gradients.
+    log_ratio = torch.where(valid, logps - old, zero)
+    if settings.importance_sampling_level == "sequence":
+        seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)
+        log_ratio = seq_log_ratio.detach().unsqueeze(-1) + torch.where(valid, logps - logps.detach(), zero)
+    ratio = torch.exp(log_ratio)
+
+    adv = batch.advantages.to(logps.dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)
+    clipped_ratio = ratio.clamp(1 - settings.epsilon, 1 + settings.eps_high)
+    capped_ratio = ratio if settings.delta is None else ratio.clamp(max=settings.delta)
+    per_token = -torch.minimum(capped_ratio * adv, clipped_ratio * adv)
+
+    stat_dtype = torch.promote_types(logps.dtype, torch.float32)
+    kl_sum = torch.zeros((), dtype=stat_dtype, device=logps.device)
+    if batch.ref_logps is not None:
+        diff = torch.where(valid, batch.ref_logps - logps, zero)
+        kl = torch.exp(diff) - diff - 1
+        if settings.beta > 0:
+            per_token = per_token + settings.beta * kl
+        kl_sum = (kl.detach() * m).sum().to(stat_dtype)
+    entropy_sum = torch.zeros((), dtype=stat_dtype, device=logps.device)
+    if batch.entropies is not None:
+        ent = torch.where(valid, batch.entropies, zero)
+        if settings.entropy_coef != 0:
+            per_token = per_token - settings.entropy_coef * ent
+        entropy_sum = ent.detach().sum().to(stat_dtype)
+
+    per_token = torch.where(valid, per_token, zero)
+    r = ratio.detach()
+    low = (r < 1 - settings.epsilon) & (adv < 0) & valid
+    high = (r > 1 + settings.eps_high) & (adv > 0) & valid
+    stats = {
+        "clipped_low": low.sum().to(stat_dtype),
+        "clipped_high": high.sum().to(stat_dtype),
+        "clipped_region": (low | high).sum().to(stat_dtype),
+        "kl_sum": kl_sum,
+        "entropy_sum": entropy_sum,
+        "ratio_sum": (r * m).sum().to(stat_dtype),
+        "token_count": valid.sum().to(stat_dtype),
+    }
+    return per_token, stats
+
+
+def _normaliser_or_local(batch: PolicyLossBatch, normaliser: LossNormaliser | None) -> LossNormaliser:
+    return LossNormaliser.for_step(batch.mask) if normaliser is None else normaliser
+
+
+@POLICY_LOSSES.register("grpo")
+def grpo_loss(
+    batch: PolicyLossBatch, settings: PolicyLossSettings, normaliser: LossNormaliser | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DeepSeekMath GRPO: mean over sequences of each sequence's token-mean loss."""
+    per_token, stats = per_token_policy_loss(batch, settings)
+    norm = _normaliser_or_local(batch, normaliser)
+    seq_len = batch.mask.to(per_token.dtype).sum(-1).clamp(min=1)
+    loss = (per_token.sum(-1) / seq_len).sum() / _at_least_one(norm.num_sequences)
+    return loss, stats
+
+
+@POLICY_LOSSES.register("bnpo")
+def bnpo_loss(
+    batch: PolicyLossBatch, settings: PolicyLossSettings, normaliser: LossNormaliser | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """BNPO: token mean over the optimizer step's valid tokens (this rank)."""
+    per_token, stats = per_token_policy_loss(batch, settings)
+    norm = _normaliser_or_local(batch, normaliser)
+    return per_token.sum() / _at_least_one(norm.num_tokens), stats
+
+
+@POLICY_LOSSES.register("dr_grpo")
+def dr_grpo_loss(
+    batch: PolicyLossBatch, settings: PolicyLossSettings, normaliser: LossNormaliser | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Dr. GRPO: token sum / (num_sequences × max_completion_length), no length bias."""
+    if settings.max_completion_length is None:
+        raise ConfigError("loss_type='dr_grpo' needs max_completion_length in the loss settings")
+    per_token, stats = per_token_policy_loss(batch, settings)
+    norm = _normaliser_or_local(batch, normaliser)
+    denom = _at_least_one(norm.num_sequences) * settings.max_completion_length
+    return per_token.sum() / denom, stats
+
+
+@POLICY_LOSSES.register("dapo")
+def dapo_loss(
+    batch: PolicyLossBatch, settings: PolicyLossSettings, normaliser: LossNormaliser | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DAPO: token sum / mean valid tokens per optimizer step over the generation batch (per rank)."""
+    per_token, stats = per_token_policy_loss(batch, settings)
+    norm = _normaliser_or_local(batch, normaliser)
+    return per_token.sum() / _at_least_one(norm.num_tokens_per_step_global), stats
+
+
+def policy_loss(
+    loss_type: str,
+    batch: PolicyLossBatch,
+    settings: PolicyLossSettings,
+    normaliser: LossNormaliser | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Loss registered as ``loss_type``; ``normaliser=None`` treats the micro-batch as the whole step."""
+    return POLICY_LOSSES.get(loss_type)(batch, settings, normaliser)
+
+
+def ppo_policy_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cliprange: float = 0.2,
+    normaliser: LossNormaliser | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped policy loss: the token-level ``bnpo`` loss with per-token advantages [B, T]."""
+    batch = PolicyLossBatch(logps=logps, advantages=advantages, mask=mask, old_logps=old_logps)
+    return bnpo_loss(batch, PolicyLossSettings(epsilon=cliprange), normaliser)
+
+
+def ppo_value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    cliprange_value: float = 0.2,
+    normaliser: LossNormaliser | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss Σ 0.5·max((v−R)², (clip(v, v_old±c)−R)²)·m / num_tokens.
+
+    Same convention as the policy losses: divided by the optimizer step's ``num_tokens``
+    (the micro-batch's own count when ``normaliser`` is None). Stats: value_clipped (tokens where
+    the clipped branch is the larger), token_count (sums) and clip_fraction (this micro-batch).
+    """
+    if not cliprange_value >= 0:
+        raise ConfigError(f"cliprange_value must be >= 0, got {cliprange_value!r}")
+    for name, t in (("old_values", old_values), ("returns", returns), ("mask", mask)):
+        if t.shape != values.shape:
+            raise DataError(f"{name} has shape {tuple(t.shape)}, expected {tuple(values.shape)} like values")
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    loss_unclipped = (values - returns) ** 2
+    loss_clipped = (clipped_values - returns) ** 2
+    per_token = torch.where(valid, 0.5 * torch.maximum(loss_unclipped, loss_clipped), zero)
+    num_tokens = mask.sum() if normaliser is None else normaliser.num_tokens
+    loss = per_token.sum() / _at_least_one(num_tokens)
+
+    stat_dtype = torch.promote_types(values.dtype, torch.float32)
+    clipped = ((loss_clipped > loss_unclipped) & valid).sum().to(stat_dtype)
+    count = valid.sum().to(stat_dtype)
+    stats = {"value_clipped": clipped, "token_count": count, "clip_fraction": clipped / count.clamp(min=1)}
+    return loss, stats

@@ -1,0 +1,488 @@
+"""Configuration: ``GRPOConfig`` / ``PPOConfig`` (TRL's field names and meanings) and ``RecipeConfig``.
+
+Every field carries its help text in ``metadata["help"]`` so the README's config reference is
+generated from these dataclasses and cannot drift. Values come from Python, a YAML recipe, or
+``--key value`` overrides on the command line; bad values raise :class:`ConfigError` with one
+clear line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+from grpo_ascend.errors import ConfigError, closest
+
+T = TypeVar("T", bound="_Validated")
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+class _Validated:
+    """Mixin: typed construction from dicts and YAML with helpful errors."""
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+    @classmethod
+    def from_dict(cls: type[T], values: dict[str, Any], source: str = "config") -> T:
+        """Build from a mapping, rejecting unknown keys (with the closest valid name) and wrong types."""
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: expected a mapping of settings, got {type(values).__name__}")
+        names = cls.field_names()
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, value in values.items():
+            if key not in names:
+                raise ConfigError(f"{source}: unknown key {key!r}{closest(key, names)}")
+            kwargs[key] = _coerce(value, hints[key], f"{source}: {key}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def replace(self: T, **changes: Any) -> T:
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check ``value`` against a type hint; int→float and int/str→bool-free conversions only."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{where}: expected {_type_name(hint)}, got {value!r}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(
+            f"{where}: expected one of {list(args)}, got {value!r}{closest(str(value), [str(a) for a in args])}"
+        )
+    if origin in (list, tuple):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        return [_coerce(v, inner, where) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML reads "1e-5" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+_FRIENDLY = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _type_name(hint: Any) -> str:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    names = []
+    for a in args:
+        if typing.get_origin(a) is Literal:
+            names.append(" | ".join(repr(x) for x in typing.get_args(a)))
+        else:
+            names.append(_FRIENDLY.get(a, getattr(a, "__name__", str(a))))
+    optional = " or null" if type(None) in typing.get_args(hint) else ""
+    return " or ".join(names) + optional
+
+
+def _positive(cfg: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+@dataclass
+class BaseRLConfig(_Validated):
+    """Settings shared by the GRPO and PPO trainers (TRL's names where TRL has the concept)."""
+
+    # --- run ---
+    output_dir: str = _f("outputs/run", "Folder for metrics.jsonl, samples.jsonl, checkpoints and exports.")
+    seed: int = _f(42, "Seed for every RNG (python, numpy, torch, device); sampling is reproducible with it.")
+    device: str = _f("auto", "'auto' (npu > cuda > cpu), or an explicit device like 'cpu', 'npu:0', 'cuda'.")
+    max_steps: int = _f(-1, "Optimizer steps to run; -1 = derive from num_train_epochs and the dataset size.")
+    num_train_epochs: float = _f(1.0, "Passes over the prompt dataset when max_steps is -1.")
+    shuffle_dataset: bool = _f(True, "Shuffle prompts each epoch (seeded).")
+    # --- batch ---
+    per_device_train_batch_size: int = _f(8, "Completions per micro-batch on each device (forward/backward unit).")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches accumulated into one optimizer step.")
+    num_generations: int = _f(8, "G: completions sampled per prompt (the group).")
+    steps_per_generation: int | None = _f(
+        None, "Micro-batches fed by one generation batch (default: gradient_accumulation_steps)."
+    )
+    generation_batch_size: int | None = _f(
+        None, "Completions sampled per generation round, all devices; alternative to steps_per_generation."
+    )
+    # --- generation ---
+    max_prompt_length: int | None = _f(512, "Longest prompt in tokens; longer prompts follow prompt_truncation.")
+    prompt_truncation: Literal["error", "left"] = _f("error", "Too-long prompts: 'error' (refuse) or 'left' (keep the end).")
+    max_completion_length: int = _f(256, "Most tokens generated per completion.")
+    temperature: float = _f(1.0, "Sampling temperature (log-probs are of softmax(logits / temperature)).")
+    top_p: float = _f(1.0, "Nucleus sampling mass in (0, 1].")
+    top_k: int = _f(0, "Keep only the k most likely tokens; 0 = off.")
+    min_p: float | None = _f(None, "Drop tokens below min_p × the top probability; null = off.")
+    repetition_penalty: float = _f(1.0, "Penalty > 1 discourages tokens already generated; 1 = off.")
+    stop_strings: list[str] = _f([], "Extra strings that end a completion (EOS always does).")
+    length_bucket: int = _f(64, "Pad prompt/completion lengths to multiples of this so NPUs compile few shapes.")
+    # --- rewards ---
+    reward_weights: list[float] | None = _f(None, "Weight per reward function (default 1 each).")
+    reward_errors: Literal["raise", "zero"] = _f("raise", "A raising reward function stops the run, or scores 0 and is counted.")
+    reward_timeout: float | None = _f(None, "Seconds allowed per reward-function call; null = no limit.")
+    # --- optimisation ---
+    learning_rate: float = _f(1e-6, "AdamW peak learning rate.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.999, "AdamW beta2.")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = _f("linear", "Decay after warm-up.")
+    warmup_ratio: float = _f(0.0, "Fraction of max_steps spent warming up linearly.")
+    warmup_steps: int = _f(0, "Warm-up steps (overrides warmup_ratio when > 0).")
+    # --- precision and memory ---
+    bf16: bool | None = _f(None, "bf16 autocast; null = on when the device supports it and is not the CPU.")
+    fp16: bool = _f(False, "fp16 autocast with a dynamic grad scaler (older Ascend parts).")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    logprob_chunk_size: int = _f(128, "Sequence chunk for log-prob/entropy computation (bounds full-vocab memory).")
+    # --- checkpoints and logging ---
+    save_steps: int = _f(500, "Save a checkpoint every N optimizer steps (and at the end); 0 = only at the end.")
+    save_total_limit: int | None = _f(None, "Keep only the newest N checkpoints; null = keep all.")
+    resume_from_checkpoint: str | bool | None = _f(None, "Checkpoint folder, or 'latest' / true to resume the newest in output_dir.")
+    export_adapter_at_end: bool = _f(False, "Export the LoRA adapter (PEFT format) to output_dir/adapter at the end.")
+    logging_steps: int = _f(1, "Write metrics every N optimizer steps.")
+    log_completions_steps: int = _f(10, "Write sample completions with rewards to samples.jsonl every N steps; 0 = off.")
+    num_completions_to_print: int = _f(4, "Completions written per sampling of samples.jsonl.")
+    report_to: list[str] = _f([], "Extra trackers, e.g. ['tensorboard'] (needs the tensorboard package).")
+    disable_tqdm: bool = _f(False, "Hide the progress bar.")
+
+    def __post_init__(self) -> None:
+        _positive(
+            self,
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "max_completion_length",
+            "max_prompt_length",
+            "num_train_epochs",
+            "learning_rate",
+            "logprob_chunk_size",
+            "steps_per_generation",
+            "generation_batch_size",
+            "reward_timeout",
+        )
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"max_steps must be a positive number of optimizer steps or -1, got {self.max_steps}")
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"num_generations must be >= 2 (group-relative advantages need a group), got {self.num_generations}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if self.bf16 and self.fp16:
+            raise ConfigError("bf16 and fp16 are both true; choose one precision")
+        for name in ("save_steps", "logging_steps", "log_completions_steps", "warmup_steps", "length_bucket"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.logging_steps == 0:
+            raise ConfigError("logging_steps must be >= 1")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ConfigError(f"save_total_limit must be >= 1 or null, got {self.save_total_limit}")
+        self.batch_plan(int(os.environ.get("WORLD_SIZE", "1")))
+        if self.resume_from_checkpoint is True:
+            self.resume_from_checkpoint = "latest"
+        elif self.resume_from_checkpoint is False:
+            self.resume_from_checkpoint = None
+
+    # --- derived batch plan -------------------------------------------------------------------
+    def resolved_steps_per_generation(self, world_size: int = 1) -> int:
+        """Micro-batches per generation round on each device (TRL's steps_per_generation)."""
+        if self.generation_batch_size is not None:
+            per_round = self.per_device_train_batch_size * world_size
+            if self.generation_batch_size % per_round:
+                raise ConfigError(
+                    f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
+                    f"per_device_train_batch_size × processes ({per_round})"
+                )
+            return self.generation_batch_size // per_round
+        return self.steps_per_generation or self.gradient_accumulation_steps
+
+    def batch_plan(self, world_size: int = 1) -> BatchPlan:
+        """The batch arithmetic, validated: what one generation round and one optimizer step contain."""
+        spg = self.resolved_steps_per_generation(world_size)
+        gen_completions = self.per_device_train_batch_size * spg * world_size
+        if gen_completions % self.num_generations:
+            raise ConfigError(
+                f"completions per generation round ({gen_completions} = per_device_train_batch_size "
+                f"{self.per_device_train_batch_size} × steps_per_generation {spg} × processes {world_size}) must be "
+                f"divisible by num_generations ({self.num_generations}); change one of them"
+            )
+        if spg % self.gradient_accumulation_steps:
+            raise ConfigError(
+                f"steps_per_generation ({spg}) must be a multiple of gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}) so each generation round feeds whole optimizer steps"
+            )
+        return BatchPlan(
+            world_size=world_size,
+            num_generations=self.num_generations,
+            micro_batch=self.per_device_train_batch_size,
+            grad_accum=self.gradient_accumulation_steps,
+            steps_per_generation=spg,
+            num_iterations=getattr(self, "num_iterations", 1),
+        )
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Batch arithmetic for one run, spelled out (TRL's is a frequent source of confusion)."""
+
+    world_size: int
+    num_generations: int
+    micro_batch: int
+    grad_accum: int
+    steps_per_generation: int
+    num_iterations: int
+
+    @property
+    def completions_per_generation(self) -> int:
+        return self.micro_batch * self.steps_per_generation * self.world_size
+
+    @property
+    def prompts_per_generation(self) -> int:
+        return self.completions_per_generation // self.num_generations
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.micro_batch * self.grad_accum * self.world_size
+
+    @property
+    def optimizer_steps_per_generation(self) -> int:
+        return self.steps_per_generation // self.grad_accum * self.num_iterations
+
+    def describe(self) -> str:
+        return (
+            f"batch plan: {self.prompts_per_generation} prompts × {self.num_generations} generations = "
+            f"{self.completions_per_generation} completions per generation round; "
+            f"{self.completions_per_step} completions per optimizer step "
+            f"({self.grad_accum} micro-batches of {self.micro_batch} × {self.world_size} process(es)); "
+            f"{self.optimizer_steps_per_generation} optimizer step(s) per generation round"
+            + (f" ({self.num_iterations} iterations)" if self.num_iterations > 1 else "")
+        )
+
+
+@dataclass
+class GRPOConfig(BaseRLConfig):
+    """GRPO settings. Field names and meanings follow TRL's GRPOConfig where TRL has the concept."""
+
+    learning_rate: float = _f(1e-6, "AdamW peak learning rate.")
+    beta: float = _f(0.0, "KL coefficient to the reference policy (k3 estimator); 0 = no reference model.")
+    epsilon: float = _f(0.2, "Lower clipping range: ratio clipped at 1 - epsilon.")
+    epsilon_high: float | None = _f(None, "Upper clipping range (DAPO clip-higher); null = epsilon.")
+    delta: float | None = _f(None, "Cap on the unclipped ratio (two-sided clipping); must exceed 1 + epsilon_high.")
+    loss_type: str = _f("dapo", "Loss aggregation: grpo | bnpo | dr_grpo | dapo.")
+    scale_rewards: str | bool = _f("group", "Advantage scaling: group | batch | none (Dr. GRPO); true = group, false = none.")
+    importance_sampling_level: Literal["token", "sequence"] = _f("token", "Importance ratio per token, or per sequence (GSPO).")
+    num_iterations: int = _f(1, "μ: optimisation passes over each generation batch.")
+    mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
+    entropy_coef: float = _f(0.0, "Entropy bonus coefficient (subtracted from the loss).")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop zero-variance groups and refill from more prompts.")
+    max_dynamic_sampling_rounds: int = _f(3, "Extra generation rounds allowed to refill dropped groups.")
+    advantage_estimator: str = _f("grpo", "Advantage estimator registry name.")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scale_rewards, bool):
+            self.scale_rewards = "group" if self.scale_rewards else "none"
+        super().__post_init__()
+        if self.scale_rewards not in ("group", "batch", "none"):
+            raise ConfigError(
+                f"scale_rewards must be 'group', 'batch' or 'none', got {self.scale_rewards!r}"
+                f"{closest(str(self.scale_rewards), ['group', 'batch', 'none'])}"
+            )
+        if self.epsilon <= 0:
+            raise ConfigError(f"epsilon must be > 0, got {self.epsilon}")
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ConfigError(
+                f"epsilon_high ({self.epsilon_high}) must be >= epsilon ({self.epsilon}); clip-higher widens the upper range"
+            )
+        high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
+        if self.delta is not None and self.delta <= 1 + high:
+            raise ConfigError(f"delta ({self.delta}) must be > 1 + epsilon_high ({1 + high})")
+        if self.beta < 0 or not math.isfinite(self.beta):
+            raise ConfigError(f"beta must be a finite number >= 0, got {self.beta}")
+        if self.num_iterations < 1:
+            raise ConfigError(f"num_iterations must be >= 1, got {self.num_iterations}")
+        if self.max_dynamic_sampling_rounds < 0:
+            raise ConfigError(f"max_dynamic_sampling_rounds must be >= 0, got {self.max_dynamic_sampling_rounds}")
+
+
+@dataclass
+class PPOConfig(BaseRLConfig):
+    """PPO settings: the shared fields plus critic, KL-penalised token rewards and GAE."""
+
+    learning_rate: float = _f(1e-5, "AdamW peak learning rate (policy and critic).")
+    num_generations: int = _f(2, "Completions sampled per prompt (PPO needs no group; >= 2 keeps batches comparable).")
+    epsilon: float = _f(0.2, "Policy ratio clipping range.")
+    epsilon_high: float | None = _f(None, "Upper policy clipping range; null = epsilon.")
+    kl_coef: float = _f(0.05, "Per-token KL penalty coefficient in the rewards.")
+    adaptive_kl: bool = _f(False, "Adapt kl_coef towards target_kl (proportional controller).")
+    target_kl: float = _f(6.0, "Target KL (sum over tokens) for the adaptive controller.")
+    kl_horizon: int = _f(10000, "Horizon of the adaptive KL controller.")
+    gamma: float = _f(1.0, "Discount factor for GAE.")
+    lam: float = _f(0.95, "GAE lambda.")
+    whiten_advantages: bool = _f(True, "Normalise advantages over valid tokens.")
+    cliprange_value: float = _f(0.2, "Value clipping range around the old values.")
+    vf_coef: float = _f(0.1, "Value loss coefficient.")
+    entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
+    ppo_epochs: int = _f(2, "Optimisation passes over each rollout batch.")
+    num_mini_batches: int = _f(1, "Mini-batches (optimizer steps) per pass over a rollout batch.")
+    critic_init: Literal["policy", "reward_model"] = _f(
+        "policy", "Critic backbone: the policy's frozen base with its own LoRA, or a reward model path."
+    )
+    critic_model: str | None = _f(None, "Reward-model path for critic_init='reward_model'.")
+    rollout_buffer_size: int | None = _f(None, "On-device rollout buffer capacity in completions (default: one round).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise ConfigError(f"gamma and lam must be in [0, 1], got gamma={self.gamma}, lam={self.lam}")
+        if self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ConfigError(f"epsilon_high ({self.epsilon_high}) must be >= epsilon ({self.epsilon})")
+        _positive(self, "ppo_epochs", "num_mini_batches", "cliprange_value", "epsilon")
+        if self.kl_coef < 0:
+            raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.critic_init == "reward_model" and not self.critic_model:
+            raise ConfigError("critic_init='reward_model' needs critic_model: the reward model's path")
+
+
+@dataclass
+class RecipeConfig(_Validated):
+    """What a recipe adds around the trainer config: model, LoRA, dataset and rewards."""
+
+    algorithm: Literal["grpo", "ppo"] = _f("grpo", "Which trainer runs the recipe.")
+    model: str = _f("builtin:tiny-warm", "Model path or hub id; builtin:tiny, builtin:tiny-warm, builtin:small are offline.")
+    model_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("float32", "Dtype the policy weights load in.")
+    use_peft: bool = _f(True, "Train a LoRA adapter (true) or the full model (false).")
+    lora_r: int = _f(16, "LoRA rank.")
+    lora_alpha: int = _f(32, "LoRA alpha (scaling = alpha / r).")
+    lora_dropout: float = _f(0.0, "LoRA dropout.")
+    lora_target_modules: str | list[str] = _f("all-linear", "Modules that get adapters ('all-linear' = every linear but the head).")
+    dataset: str = _f("synthetic:arithmetic", "Hub id, local .json/.jsonl/.parquet/.csv file, or synthetic:arithmetic.")
+    dataset_config: str | None = _f(None, "Dataset configuration name (hub datasets).")
+    dataset_split: str = _f("train", "Split to train on.")
+    dataset_kwargs: dict[str, Any] = _f({}, "Options for the synthetic task: n, max_operand, ops, seed.")
+    prompt_column: str = _f("prompt", "Column holding the prompt (text or chat messages).")
+    system_prompt: str | None = _f(None, "System message prepended to text prompts (turns them into chats).")
+    max_train_samples: int | None = _f(None, "Use only the first N prompts.")
+    reward_funcs: list[Any] = _f(["accuracy"], "Reward functions: built-in names, module:function, file.py:function, model paths.")
+
+    def __post_init__(self) -> None:
+        _positive(self, "lora_r", "lora_alpha", "max_train_samples")
+        if not self.reward_funcs:
+            raise ConfigError("reward_funcs is empty: give at least one reward function")
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn ``["--key", "value", "--flag=1"]`` into a dict, values parsed as YAML scalars/lists."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"override {arg!r} is not of the form --key value")
+        key = arg[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            raw = args[i + 1]
+            i += 1
+        else:
+            raw = "true"
+        out[key.replace("-", "_")] = yaml.safe_load(raw) if raw != "" else ""
+        i += 1
+    return out
+
+
+def load_recipe(path: str | Path | None, overrides: dict[str, Any] | None = None) -> tuple[RecipeConfig, BaseRLConfig]:
+    """Read a flat YAML recipe (+ overrides) into a RecipeConfig and a GRPOConfig or PPOConfig."""
+    values: dict[str, Any] = {}
+    source = "overrides"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {str(p)!r}")
+        source = str(p)
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}".splitlines()[0]) from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: expected a mapping of settings at the top level, got {type(loaded).__name__}")
+        values.update(loaded)
+    values.update(overrides or {})
+    algorithm = values.get("algorithm", "grpo")
+    trainer_cls: type[BaseRLConfig] = {"grpo": GRPOConfig, "ppo": PPOConfig}.get(algorithm)  # type: ignore[assignment]
+    if trainer_cls is None:
+        raise ConfigError(f"{source}: algorithm must be 'grpo' or 'ppo', got {algorithm!r}")
+    recipe_keys = set(RecipeConfig.field_names())
+    trainer_keys = set(trainer_cls.field_names())
+    unknown = [k for k in values if k not in recipe_keys | trainer_keys]
+    if unknown:
+        key = unknown[0]
+        raise ConfigError(f"{source}: unknown key {key!r}{closest(key, recipe_keys | trainer_keys)}")
+    recipe = RecipeConfig.from_dict({k: v for k, v in values.items() if k in recipe_keys}, source)
+    trainer = trainer_cls.from_dict({k: v for k, v in values.items() if k in trainer_keys}, source)
+    return recipe, trainer

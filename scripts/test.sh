@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Run the test suite in a fresh or reused virtual environment.
+#   bash scripts/test.sh            # everything (CPU, under 10 minutes on 2 cores)
+#   bash scripts/test.sh --fast     # skip the slow end-to-end tests
+#   bash scripts/test.sh tests/test_config.py -k yaml   # any pytest arguments
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/env.sh" test
+cd "$ROOT"
+args=()
+for a in "$@"; do
+  if [ "$a" = "--fast" ]; then args+=(-m "not slow"); else args+=("$a"); fi
+done
+ruff check grpo_ascend reward_models tests bench recipes
+python -m pytest "${args[@]}"

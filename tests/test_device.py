@@ -1,0 +1,515 @@
+"""Device layer: the CPU path for real; the NPU and CUDA branches through recording fakes."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import random
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from grpo_ascend import device as dev
+from grpo_ascend.errors import ConfigError, DeviceError
+
+NPU_ENV = tuple(dev.NPU_RUNTIME_DEFAULTS)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_npu_cache():
+    dev.load_torch_npu.cache_clear()
+    dev._warn_npu_import_failed.cache_clear()
+    yield
+    dev.load_torch_npu.cache_clear()
+    dev._warn_npu_import_failed.cache_clear()
+
+
+def _track_env(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """Unset ``names`` for the test and restore their original state afterwards, even if code sets them."""
+    for name in names:
+        monkeypatch.setenv(name, "placeholder")
+        monkeypatch.delenv(name)
+
+
+# --------------------------------------------------------------------------------------------
+# fakes
+# --------------------------------------------------------------------------------------------
+
+
+class Recorder:
+    """Fake torch.npu / torch.cuda namespace whose functions record their calls."""
+
+    def __init__(self, count: int = 2, bf16: bool = True) -> None:
+        self.calls: list[tuple] = []
+        self.count = count
+        self.bf16 = bf16
+        self.rng = {i: torch.tensor([i], dtype=torch.uint8) for i in range(count)}
+
+    def _rec(self, *call):
+        self.calls.append(call)
+
+    def names(self) -> list[str]:
+        return [call[0] for call in self.calls]
+
+    def is_available(self):
+        return self.count > 0
+
+    def device_count(self):
+        return self.count
+
+    def current_device(self):
+        return 0
+
+    def set_device(self, index):
+        self._rec("set_device", index)
+
+    def synchronize(self, index=None):
+        self._rec("synchronize", index)
+
+    def empty_cache(self):
+        self._rec("empty_cache")
+
+    def memory_allocated(self, index=None):
+        self._rec("memory_allocated", index)
+        return 100
+
+    def memory_reserved(self, index=None):
+        self._rec("memory_reserved", index)
+        return 200
+
+    def max_memory_allocated(self, index=None):
+        self._rec("max_memory_allocated", index)
+        return 150
+
+    def reset_peak_memory_stats(self, index=None):
+        self._rec("reset_peak_memory_stats", index)
+
+    def mem_get_info(self, index=None):
+        self._rec("mem_get_info", index)
+        return (1000, 4000)
+
+    def is_bf16_supported(self):
+        return self.bf16
+
+    def get_device_name(self, index=None):
+        return "Fake Accelerator"
+
+    def manual_seed_all(self, seed):
+        self._rec("manual_seed_all", seed)
+
+    def get_rng_state(self, index=None):
+        self._rec("get_rng_state", index)
+        return self.rng[index].clone()
+
+    def set_rng_state(self, state, index=None):
+        self._rec("set_rng_state", index)
+        self.rng[index] = state.clone()
+
+
+class FakeDevice:
+    """Stands in for torch.device('npu:N'), which only parses once the real torch_npu registers 'npu'."""
+
+    def __init__(self, spec: str) -> None:
+        kind, _, index = spec.partition(":")
+        self.type = kind
+        self.index = int(index) if index else None
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+    def __eq__(self, other) -> bool:
+        return str(self) == str(other)
+
+    __hash__ = None
+
+
+@pytest.fixture()
+def fake_npu(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """Insert a fake torch_npu module and torch.npu namespace; torch.device learns 'npu'."""
+    recorder = Recorder()
+    module = types.ModuleType("torch_npu")
+    module.__version__ = "2.5.1.post1"
+    module.npu = recorder
+    module.utils = types.SimpleNamespace(get_cann_version=lambda module="CANN": "8.0.RC3")
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    monkeypatch.setattr(torch, "npu", recorder, raising=False)
+    real_device = torch.device
+
+    def device_factory(spec, index=None):
+        if isinstance(spec, str) and spec.split(":")[0] == "npu":
+            return FakeDevice(spec if index is None else f"npu:{index}")
+        return real_device(spec) if index is None else real_device(spec, index)
+
+    monkeypatch.setattr(torch, "device", device_factory)
+    _track_env(monkeypatch, "LOCAL_RANK", *NPU_ENV)
+    return recorder
+
+
+@pytest.fixture()
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """Make torch.cuda look available with two devices; record the calls made on it."""
+    recorder = Recorder()
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # torch_npu absent
+    for name in (
+        "is_available", "device_count", "current_device", "set_device", "synchronize", "empty_cache",
+        "memory_allocated", "memory_reserved", "max_memory_allocated", "reset_peak_memory_stats",
+        "mem_get_info", "is_bf16_supported", "get_device_name", "manual_seed_all", "get_rng_state",
+        "set_rng_state",
+    ):
+        monkeypatch.setattr(torch.cuda, name, getattr(recorder, name))
+    _track_env(monkeypatch, "LOCAL_RANK")
+    return recorder
+
+
+@pytest.fixture()
+def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _track_env(monkeypatch, "LOCAL_RANK")
+
+
+class _BrokenTorchNpuFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Makes `import torch_npu` fail the way it does when the CANN libraries are not on the path."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "torch_npu":
+            return importlib.machinery.ModuleSpec(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise OSError("libascendcl.so: cannot open shared object file: No such file or directory")
+
+
+# --------------------------------------------------------------------------------------------
+# CPU, for real
+# --------------------------------------------------------------------------------------------
+
+
+def test_cpu_resolution(cpu_only):
+    assert dev.detect_device_type() == "cpu"
+    assert dev.resolve_device() == torch.device("cpu")
+    assert dev.resolve_device("CPU") == torch.device("cpu")
+    assert dev.device_type("cpu") == "cpu"
+    assert dev.device_type(torch.device("cpu")) == "cpu"
+    assert dev.dist_backend("cpu") == "gloo"
+    assert dev.device_count() == 1
+    assert dev.bf16_supported("cpu")
+    dev.synchronize("cpu")
+    dev.empty_cache("cpu")
+
+
+def test_unknown_device_names_the_value_and_suggests(cpu_only):
+    with pytest.raises(DeviceError, match=r"unknown device 'nup'.*did you mean 'npu'"):
+        dev.resolve_device("nup")
+    with pytest.raises(DeviceError, match="index after ':'"):
+        dev.resolve_device("cpu:x")
+
+
+def test_cuda_requested_on_cpu_only_machine(cpu_only):
+    with pytest.raises(DeviceError) as info:
+        dev.resolve_device("cuda")
+    message = str(info.value)
+    assert "'cuda'" in message and "CUDA is not available" in message and "--device" in message
+    with pytest.raises(DeviceError, match="'cuda:1'"):
+        dev.resolve_device("cuda:1")
+
+
+def test_autocast_bf16_on_cpu_changes_matmul_dtype():
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with dev.autocast("cpu", "bf16"):
+        assert (a @ b).dtype == torch.bfloat16
+    with dev.autocast(torch.device("cpu"), "fp32"):
+        assert (a @ b).dtype == torch.float32
+    with dev.autocast("cpu", None):
+        assert (a @ b).dtype == torch.float32
+    assert (a @ b).dtype == torch.float32
+
+
+def test_autocast_rejects_fp16_on_cpu_and_unknown_dtypes():
+    with pytest.raises(ConfigError, match="fp16 mixed precision is not supported on device 'cpu'"):
+        dev.autocast("cpu", "fp16")
+    with pytest.raises(ConfigError, match=r"'bf61'.*did you mean 'bf16'"):
+        dev.autocast("cpu", "bf61")
+    assert dev.grad_scaler("cpu", enabled=False) is None
+    with pytest.raises(ConfigError, match="fp16 loss scaling"):
+        dev.grad_scaler("cpu", enabled=True)
+
+
+def test_mixed_precision_for_accelerate():
+    assert dev.mixed_precision_for_accelerate(True, False) == "bf16"
+    assert dev.mixed_precision_for_accelerate(False, True) == "fp16"
+    assert dev.mixed_precision_for_accelerate(False, False) == "no"
+    with pytest.raises(ConfigError, match="both true"):
+        dev.mixed_precision_for_accelerate(True, True)
+
+
+def _draws() -> tuple:
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+
+def test_seed_everything_is_reproducible():
+    dev.seed_everything(1234)
+    first = _draws()
+    dev.seed_everything(1234)
+    assert _draws() == first
+    dev.seed_everything(4321)
+    assert _draws() != first
+
+
+def test_rng_state_round_trip_gives_identical_draws(tmp_path):
+    dev.seed_everything(7)
+    _draws()
+    state = dev.rng_state("cpu")
+    assert set(state) == {"python", "numpy", "torch"}
+    expected = _draws()
+    # the state survives a weights_only checkpoint round trip
+    torch.save(state, tmp_path / "rng.pt")
+    loaded = torch.load(tmp_path / "rng.pt", weights_only=True)
+    _draws()
+    dev.set_rng_state(loaded, "cpu")
+    assert _draws() == expected
+    with pytest.raises(ConfigError, match="missing"):
+        dev.set_rng_state({"python": state["python"]})
+
+
+def test_cpu_memory_stats_are_positive():
+    stats = dev.memory_stats("cpu")
+    assert set(stats) == {"allocated", "reserved", "peak"}
+    assert all(isinstance(v, int) and v > 0 for v in stats.values())
+    assert stats["peak"] >= stats["allocated"]
+    dev.reset_peak_memory("cpu")
+    assert dev.memory_stats("cpu")["peak"] > 0
+    free, total = dev.free_memory("cpu")
+    assert 0 < free <= total
+
+
+def test_npu_runtime_defaults_only_fill_unset_values():
+    env = {"HCCL_CONNECT_TIMEOUT": "600"}
+    applied = dev.apply_npu_runtime_defaults(env)
+    assert "HCCL_CONNECT_TIMEOUT" not in applied
+    assert env["HCCL_CONNECT_TIMEOUT"] == "600"
+    assert applied == {k: v for k, v in dev.NPU_RUNTIME_DEFAULTS.items() if k != "HCCL_CONNECT_TIMEOUT"}
+    assert env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+    assert dev.apply_npu_runtime_defaults(env) == {}
+
+
+# --------------------------------------------------------------------------------------------
+# NPU through a fake torch_npu
+# --------------------------------------------------------------------------------------------
+
+
+def test_detection_prefers_npu_over_cuda(fake_npu, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert dev.detect_device_type() == "npu"
+    assert dev.device_count() == 2
+
+
+def test_resolve_npu_sets_device_and_env_defaults(fake_npu, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "7000")
+    device = dev.resolve_device()
+    assert str(device) == "npu:1"
+    assert ("set_device", 1) in fake_npu.calls
+    assert os.environ["HCCL_EXEC_TIMEOUT"] == "7000"  # user value kept
+    assert os.environ["HCCL_CONNECT_TIMEOUT"] == dev.NPU_RUNTIME_DEFAULTS["HCCL_CONNECT_TIMEOUT"]
+    assert os.environ["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+    assert str(dev.resolve_device("npu:0", local_rank=1)) == "npu:0"  # explicit index wins
+    assert ("set_device", 0) in fake_npu.calls
+    with pytest.raises(DeviceError, match=r"index 5 .* 2 npu device"):
+        dev.resolve_device("npu:5")
+
+
+def test_npu_calls_reach_torch_npu(fake_npu):
+    device = dev.resolve_device("npu")
+    assert dev.device_type(device) == "npu"
+    assert dev.dist_backend(device) == "hccl"
+    assert dev.bf16_supported(device)
+    fake_npu.calls.clear()
+    dev.synchronize(device)
+    dev.empty_cache(device)
+    assert dev.memory_stats(device) == {"allocated": 100, "reserved": 200, "peak": 150}
+    dev.reset_peak_memory(device)
+    assert dev.free_memory(device) == (1000, 4000)
+    assert fake_npu.calls == [
+        ("synchronize", 0),
+        ("empty_cache",),
+        ("memory_allocated", 0),
+        ("memory_reserved", 0),
+        ("max_memory_allocated", 0),
+        ("reset_peak_memory_stats", 0),
+        ("mem_get_info", 0),
+    ]
+    scaler = dev.grad_scaler(device, enabled=True)
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler._device == "npu"
+
+
+def test_npu_seed_and_rng_state(fake_npu):
+    device = dev.resolve_device("npu:1")
+    dev.seed_everything(3)
+    assert ("manual_seed_all", 3) in fake_npu.calls
+    state = dev.rng_state(device)
+    assert state["device_type"] == "npu" and state["device"].tolist() == [1]
+    fake_npu.rng[1] = torch.tensor([9], dtype=torch.uint8)
+    dev.set_rng_state(state, device)
+    assert fake_npu.rng[1].tolist() == [1]
+    assert ("set_rng_state", 1) in fake_npu.calls
+
+
+def test_npu_summary_reports_versions(fake_npu):
+    summary = dev.device_summary()
+    assert summary["device_type"] == "npu"
+    assert summary["torch_npu"] == "2.5.1.post1" and summary["torch_npu_status"] == "ok"
+    assert summary["cann"] == "8.0.RC3"
+    assert summary["dist_backend"] == "hccl"
+    assert summary["free_memory"] == 1000 and summary["total_memory"] == 4000
+    assert summary["device_name"] == "Fake Accelerator"
+
+
+def test_npu_present_but_no_device(fake_npu):
+    fake_npu.count = 0
+    assert dev.detect_device_type() in ("cuda", "cpu")
+    with pytest.raises(DeviceError, match="reports no NPU.*npu-smi"):
+        dev.resolve_device("npu")
+
+
+def test_missing_torch_npu_message(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    with pytest.raises(DeviceError) as info:
+        dev.resolve_device("npu")
+    message = str(info.value)
+    assert "torch_npu is not installed" in message
+    assert "pip install" in message and "torch-npu==" in message and "grpo-ascend[npu]" in message
+    assert "\n" not in message
+
+
+def test_torch_npu_import_failure_names_cann(monkeypatch, caplog):
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenTorchNpuFinder(), *sys.meta_path])
+    with pytest.raises(DeviceError) as info:
+        dev.resolve_device("npu:0")
+    message = str(info.value)
+    assert "importing it failed" in message and "libascendcl.so" in message
+    assert "set_env.sh" in message and "TORCH_DEVICE_BACKEND_AUTOLOAD" in message
+    # auto-detection falls back instead of failing, and says why once
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level("WARNING", logger="grpo_ascend.device"):
+        assert dev.detect_device_type() == "cpu"
+        assert dev.detect_device_type() == "cpu"
+    assert sum("libascendcl.so" in r.getMessage() for r in caplog.records) == 1
+    summary = dev.device_summary()
+    assert summary["torch_npu_status"].startswith("import failed: OSError")
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA through monkeypatched torch.cuda
+# --------------------------------------------------------------------------------------------
+
+
+def test_cuda_branch(fake_cuda, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert dev.detect_device_type() == "cuda"
+    device = dev.resolve_device()
+    assert device == torch.device("cuda:1")
+    assert ("set_device", 1) in fake_cuda.calls
+    assert dev.dist_backend(device) == "nccl"
+    assert dev.memory_stats(device) == {"allocated": 100, "reserved": 200, "peak": 150}
+    dev.synchronize(device)
+    dev.empty_cache(device)
+    assert ("synchronize", 1) in fake_cuda.calls and ("empty_cache",) in fake_cuda.calls
+    scaler = dev.grad_scaler(device, enabled=True)
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler._device == "cuda" and scaler.is_enabled()
+    fake_cuda.bf16 = False
+    with pytest.raises(ConfigError, match="bf16 is not supported on device 'cuda:1'"):
+        dev.autocast(device, "bf16")
+    with pytest.raises(DeviceError, match="out of range"):
+        dev.resolve_device("cuda:2")
+    monkeypatch.setenv("LOCAL_RANK", "abc")
+    with pytest.raises(DeviceError, match="LOCAL_RANK='abc' is not an integer"):
+        dev.resolve_device("cuda")
+
+
+# --------------------------------------------------------------------------------------------
+# fused NPU kernels (npu_patches) through a fake torch_npu implemented with plain torch
+# --------------------------------------------------------------------------------------------
+
+
+def _reference_torch_npu(counts: dict[str, int]) -> types.ModuleType:
+    module = types.ModuleType("torch_npu")
+
+    def npu_rms_norm(x, gamma, epsilon=1e-6):
+        counts["rms_norm"] += 1
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
+        return (x.float() * rstd).to(x.dtype) * gamma, rstd
+
+    def npu_swiglu(x, dim=-1):
+        counts["swiglu"] += 1
+        a, b = x.chunk(2, dim=dim)
+        return torch.nn.functional.silu(a) * b
+
+    def npu_rotary_mul(x, r1, r2):
+        counts["rotary"] += 1
+        assert x.dim() == 4 and r1.dim() == 4
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * r1 + torch.cat((-x2, x1), dim=-1) * r2
+
+    module.npu_rms_norm = npu_rms_norm
+    module.npu_swiglu = npu_swiglu
+    module.npu_rotary_mul = npu_rotary_mul
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def test_npu_patches_match_eager_outputs(tiny_qwen2, monkeypatch):
+    import copy
+
+    from transformers.models.qwen2 import modeling_qwen2
+    from transformers.utils import is_torch_npu_available
+
+    from grpo_ascend.npu_patches import apply_npu_patches
+
+    is_torch_npu_available()  # cache the real answer before the fake module appears
+    model = copy.deepcopy(tiny_qwen2)
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        expected = model(ids).logits
+
+    assert apply_npu_patches(model) == []  # parameters on the CPU: no-op
+    counts = {"rms_norm": 0, "swiglu": 0, "rotary": 0}
+    monkeypatch.setitem(sys.modules, "torch_npu", _reference_torch_npu(counts))
+    monkeypatch.setattr(modeling_qwen2, "apply_rotary_pos_emb", modeling_qwen2.apply_rotary_pos_emb)
+    patched = apply_npu_patches(model, device="npu")
+    assert patched == [
+        "npu_rms_norm: 5 x Qwen2RMSNorm",
+        "npu_swiglu: 2 x Qwen2MLP",
+        f"npu_rotary_mul: {modeling_qwen2.__name__}.apply_rotary_pos_emb",
+    ]
+    with torch.no_grad():
+        actual = model(ids).logits
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert counts == {"rms_norm": 5, "swiglu": 2, "rotary": 4}  # rotary: q and k per layer
+    assert apply_npu_patches(model, device="npu") == []  # idempotent
+    # other models in the process keep their eager RMSNorm / MLP
+    assert "forward" not in vars(tiny_qwen2.model.norm)
+    # gradients flow through the patched modules
+    model(ids).logits.sum().backward()
+    assert model.model.layers[0].mlp.gate_proj.weight.grad is not None
+    with pytest.raises(ConfigError, match="did you mean 'swiglu'"):
+        apply_npu_patches(model, device="npu", kinds=["swigl"])

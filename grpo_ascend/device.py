@@ -616,8 +616,11 @@ def cann_version() -> str | None:
     return None
 
 
-def device_summary() -> dict[str, Any]:
-    """Everything ``grpo-ascend doctor`` reports about torch, torch_npu, CANN and the device."""
+def device_summary(device: torch.device | str | None = None) -> dict[str, Any]:
+    """Everything ``grpo-ascend doctor`` reports about torch, torch_npu, CANN and a device.
+
+    ``device`` defaults to the auto-detected one (at this process's LOCAL_RANK index).
+    """
     npu_import = load_torch_npu()
     if npu_import.module is not None:
         npu_status = "ok"
@@ -628,8 +631,11 @@ def device_summary() -> dict[str, Any]:
     else:
         npu_status = "not installed"
         npu_version = None
-    kind = detect_device_type()
-    device: str = kind if kind == "cpu" else f"{kind}:{_local_rank(None)}"
+    if device is None:
+        kind = detect_device_type()
+        device = kind if kind == "cpu" else f"{kind}:{_local_rank(None)}"
+    else:
+        kind = device_type(device)
     summary: dict[str, Any] = {
         "torch": torch.__version__,
         "torch_cuda_build": torch.version.cuda,
@@ -637,7 +643,7 @@ def device_summary() -> dict[str, Any]:
         "torch_npu_status": npu_status,
         "cann": cann_version(),
         "device_type": kind,
-        "device": device,
+        "device": str(device),
         "device_count": device_count(kind),
         "device_name": None,
         "bf16_supported": bf16_supported(kind),
@@ -656,7 +662,7 @@ def device_summary() -> dict[str, Any]:
     summary["env"].update({name: os.environ[name] for name in extra})
     try:
         if kind in ACCELERATOR_TYPES:
-            summary["device_name"] = str(_backend_module(kind).get_device_name(_local_rank(None)))
+            summary["device_name"] = str(_backend_module(kind).get_device_name(_index(device)))
         free, total = free_memory(device)
         summary["free_memory"], summary["total_memory"] = free, total
     except Exception as exc:  # doctor reports rather than crashes

@@ -1,0 +1,215 @@
+"""``grpo-ascend`` command line: a registry of subcommands, one line each, plus ``doctor``.
+
+Adding a command is one entry in :data:`COMMANDS`; its module is imported only when that
+command runs (``lazy("package.module:function")``), so ``grpo-ascend --help`` stays fast and a
+broken optional dependency of one command cannot break the others. User errors
+(:class:`GrpoAscendError`, a missing file) print one line ``grpo-ascend: error: ...`` and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_ascend.errors import GrpoAscendError
+
+PROG = "grpo-ascend"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its help line, how to add its arguments, and how to run it (returns an exit code)."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def lazy(target: str) -> Callable[..., Any]:
+    """A callable that imports ``'package.module:function'`` on first call and forwards to it."""
+    module_name, sep, attribute = target.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"lazy target {target!r} must look like 'package.module:function'")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module_name), attribute)(*args, **kwargs)
+
+    call.__name__ = attribute
+    call.__qualname__ = target
+    return call
+
+
+# --------------------------------------------------------------------------------------------
+# doctor
+# --------------------------------------------------------------------------------------------
+
+_PACKAGES = ("transformers", "peft", "accelerate", "datasets")
+
+
+def _add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="check that this device is usable (auto, cpu, cuda, npu, npu:0, ...); exit 2 if it is not",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def _version(dist_name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _gib(num_bytes: int | None) -> str:
+    return "unknown" if num_bytes is None else f"{num_bytes / 2**30:.1f} GiB"
+
+
+def doctor_report(device: str | None = None) -> dict[str, Any]:
+    """Versions, device facts and Ascend environment; raises DeviceError if ``device`` is unusable."""
+    from grpo_ascend import device as dev
+
+    resolved = dev.resolve_device(device) if device is not None else None
+    summary = dev.device_summary(resolved)
+    summary["python"] = platform.python_version()
+    summary["grpo-ascend"] = _version("grpo-ascend")
+    summary["packages"] = {name: _version(name) for name in _PACKAGES}
+    summary["requested_device"] = device
+    return summary
+
+
+def format_doctor_report(report: dict[str, Any]) -> str:
+    """Aligned, human-readable text for :func:`doctor_report`."""
+    not_installed = "not installed"
+    torch_line = report["torch"] + (f" (CUDA {report['torch_cuda_build']})" if report["torch_cuda_build"] else "")
+    if report["torch_npu"] is None:
+        npu_line = not_installed
+    elif report["torch_npu_status"] == "ok":
+        npu_line = report["torch_npu"]
+    else:
+        npu_line = f"{report['torch_npu']} - {report['torch_npu_status']}"
+    software = [
+        ("python", report["python"]),
+        ("grpo-ascend", report["grpo-ascend"] or "not installed (running from source)"),
+        ("torch", torch_line),
+        ("torch_npu", npu_line),
+        ("CANN", report["cann"] or "n/a"),
+        *((name, version or not_installed) for name, version in report["packages"].items()),
+    ]
+    on_cpu = report["device_type"] == "cpu"
+    if report["free_memory"] is None:
+        memory = f"unknown ({report['memory_error']})" if report["memory_error"] else "unknown"
+    else:
+        where = " (host RAM)" if on_cpu else ""
+        memory = f"{_gib(report['free_memory'])} free of {_gib(report['total_memory'])}{where}"
+    device_rows = [
+        ("device", report["device"] + ("" if report["requested_device"] is None else f"  (--device {report['requested_device']}: usable)")),
+        ("device count", str(report["device_count"])),
+        ("device name", report["device_name"] or ("host CPU" if on_cpu else "unknown")),
+        ("bf16 supported", "yes" if report["bf16_supported"] else "no"),
+        ("dist backend", report["dist_backend"]),
+        ("free memory", memory),
+    ]
+    pending = report["npu_defaults_pending"]
+    env_rows = []
+    for name, value in report["env"].items():
+        if value is not None:
+            env_rows.append((name, value))
+        elif name in pending:
+            env_rows.append((name, f"unset -> {pending[name]} will be applied on NPU"))
+        else:
+            env_rows.append((name, "unset"))
+    width = max(len(name) for name, _ in (*software, *device_rows, *env_rows)) + 2
+
+    def section(title: str, rows: list[tuple[str, str]]) -> list[str]:
+        return [title, *(f"  {name.ljust(width)}{value}" for name, value in rows)]
+
+    lines = [
+        *section("Software", software),
+        "",
+        *section("Device", device_rows),
+        "",
+        *section("Environment (Ascend / HCCL / launcher)", env_rows),
+    ]
+    if report["torch_npu"] is not None and report["torch_npu_status"] != "ok":
+        lines += ["", "warning: torch_npu is installed but unusable; NPUs will not be used until it imports."]
+    return "\n".join(lines)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    report = doctor_report(args.device)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True, default=str))
+    else:
+        print(format_doctor_report(report))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# registry and entry point
+# --------------------------------------------------------------------------------------------
+
+#: name -> Command. Add one line per subcommand, e.g.
+#: "train": Command("train from a YAML recipe", lazy("grpo_ascend.train:add_arguments"), lazy("grpo_ascend.train:run")),
+COMMANDS: dict[str, Command] = {
+    "doctor": Command("check torch / torch_npu / CANN, the device, bf16 and memory", _add_doctor_arguments, _doctor),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; only ``command``'s arguments are added (importing just its module)."""
+    parser = argparse.ArgumentParser(prog=PROG, description="GRPO / PPO fine-tuning for causal LMs on Ascend NPUs, GPUs and CPUs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version('grpo-ascend') or 'source'}")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="verbosity of grpo_ascend logs (default: info)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, spec in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=spec.help, description=spec.help)
+        if name == command:
+            spec.add_arguments(sub)
+    return parser
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``grpo-ascend``; returns the exit code (2 for user errors, with a one-line message)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    command = next((token for token in args_list if token in COMMANDS), None)
+    try:
+        parser = build_parser(command)
+        try:
+            args = parser.parse_args(args_list)
+        except SystemExit as exc:  # --help, --version, or an argparse usage error
+            return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return 2
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+        logging.getLogger("grpo_ascend").setLevel(args.log_level.upper())
+        return int(COMMANDS[args.command].run(args) or 0)
+    except GrpoAscendError as exc:
+        _error(str(exc))
+        return 2
+    except FileNotFoundError as exc:
+        _error(f"file not found: {exc.filename}" if exc.filename else str(exc))
+        return 2
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

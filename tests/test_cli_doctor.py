@@ -1,0 +1,119 @@
+"""CLI dispatcher and ``grpo-ascend doctor``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_ascend import cli
+from grpo_ascend import device as dev
+from grpo_ascend.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+ROW = re.compile(r"^  (\S.*?)\s{2,}(\S.*)$")
+
+
+@pytest.fixture()
+def cpu_only(monkeypatch):
+    dev.load_torch_npu.cache_clear()
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    yield
+    dev.load_torch_npu.cache_clear()
+
+
+def test_doctor_prints_versions_device_and_env(cpu_only, capsys, monkeypatch):
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "900")
+    monkeypatch.delenv("HCCL_EXEC_TIMEOUT", raising=False)
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    matches = [ROW.match(line) for line in out.splitlines() if line.startswith("  ")]
+    assert all(matches)
+    rows = {m.group(1): m.group(2) for m in matches}
+    for label in ("python", "torch", "torch_npu", "CANN", "transformers", "peft", "accelerate", "datasets",
+                  "device", "device count", "bf16 supported", "dist backend", "free memory"):
+        assert label in rows, label
+    assert rows["torch"].startswith(torch.__version__)
+    assert rows["torch_npu"] == "not installed" and rows["CANN"] == "n/a"
+    assert rows["device"] == "cpu" and rows["dist backend"] == "gloo" and rows["bf16 supported"] == "yes"
+    assert rows["HCCL_CONNECT_TIMEOUT"] == "900"
+    assert rows["HCCL_EXEC_TIMEOUT"] == "unset -> 3600 will be applied on NPU"
+    assert "GiB free of" in rows["free memory"] and "host RAM" in rows["free memory"]
+    assert len({m.start(2) for m in matches}) == 1  # values line up in one column
+
+
+def test_doctor_json(cpu_only, capsys):
+    assert cli.main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device_type"] == "cpu" and report["dist_backend"] == "gloo"
+    assert set(report["packages"]) == {"transformers", "peft", "accelerate", "datasets"}
+
+
+def test_doctor_unusable_device_exits_2_with_one_line(cpu_only, capsys):
+    assert cli.main(["doctor", "--device", "cuda"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("grpo-ascend: error: device 'cuda' requested")
+    assert cli.main(["doctor", "--device", "npu:0"]) == 2
+    assert "torch_npu is not installed" in capsys.readouterr().err
+    assert cli.main(["doctor", "--device", "gpu"]) == 2
+    assert "unknown device 'gpu'" in capsys.readouterr().err
+    assert cli.main(["doctor", "--device", "cpu"]) == 0
+
+
+def test_registry_dispatch_and_error_handling(monkeypatch, capsys):
+    seen = {}
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("config")
+
+    def run(args: argparse.Namespace) -> int:
+        seen["config"] = args.config
+        if args.config == "bad":
+            raise ConfigError("learning_rate must be > 0, got -1;\nfix the recipe")
+        if args.config == "missing.yaml":
+            Path(args.config).read_text()  # raises FileNotFoundError
+        return 0
+
+    monkeypatch.setitem(cli.COMMANDS, "fake", cli.Command("a test command", add_arguments, run))
+    assert cli.main(["--log-level", "warning", "fake", "ok.yaml"]) == 0
+    assert seen["config"] == "ok.yaml"
+    assert cli.main(["fake", "bad"]) == 2
+    err = capsys.readouterr().err
+    assert err == "grpo-ascend: error: learning_rate must be > 0, got -1; fix the recipe\n"
+    monkeypatch.chdir(REPO / "tests")
+    assert cli.main(["fake", "missing.yaml"]) == 2
+    assert capsys.readouterr().err == "grpo-ascend: error: file not found: missing.yaml\n"
+    assert cli.main([]) == 2 and "COMMAND" in capsys.readouterr().err
+    assert cli.main(["nonsense"]) == 2
+    assert cli.main(["--help"]) == 0 and "doctor" in capsys.readouterr().out
+
+
+def test_lazy_imports_only_when_called(monkeypatch):
+    monkeypatch.delitem(sys.modules, "json.tool", raising=False)
+    target = cli.lazy("json.tool:main")
+    assert "json.tool" not in sys.modules
+    assert callable(target)
+    assert cli.lazy("os.path:basename")("/a/b.txt") == "b.txt"
+    with pytest.raises(ValueError, match="package.module:function"):
+        cli.lazy("os.path.basename")
+
+
+def test_python_dash_m_doctor_subprocess():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("LOCAL_RANK", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "grpo_ascend.cli", "doctor"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "transformers" in result.stdout and "dist backend" in result.stdout

@@ -63,7 +63,8 @@ def _chunked(
         s = source[start : start + chunk_size]
         t = targets[start : start + chunk_size]
         if use_checkpoint:
-            lp, ent = checkpoint(fn, s, t, use_reentrant=False)
+            # No randomness inside, so skip stashing/restoring the RNG state for the recompute.
+            lp, ent = checkpoint(fn, s, t, use_reentrant=False, preserve_rng_state=False)
         else:
             lp, ent = fn(s, t)
         logps.append(lp)

@@ -262,12 +262,12 @@ class BaseRLConfig(_Validated):
     def batch_plan(self, world_size: int = 1) -> BatchPlan:
         """The batch arithmetic, validated: what one generation round and one optimizer step contain."""
         spg = self.resolved_steps_per_generation(world_size)
-        gen_completions = self.per_device_train_batch_size * spg * world_size
-        if gen_completions % self.num_generations:
+        per_device = self.per_device_train_batch_size * spg
+        if per_device % self.num_generations:
             raise ConfigError(
-                f"completions per generation round ({gen_completions} = per_device_train_batch_size "
-                f"{self.per_device_train_batch_size} × steps_per_generation {spg} × processes {world_size}) must be "
-                f"divisible by num_generations ({self.num_generations}); change one of them"
+                f"completions per generation round on each device ({per_device} = per_device_train_batch_size "
+                f"{self.per_device_train_batch_size} × steps_per_generation {spg}) must be divisible by "
+                f"num_generations ({self.num_generations}) so every group stays on one device; change one of them"
             )
         if spg % self.gradient_accumulation_steps:
             raise ConfigError(

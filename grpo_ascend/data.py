@@ -1,0 +1,154 @@
+"""Prompt datasets: loading (hub, local files, the synthetic task), checks, and resumable sampling."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo_ascend.errors import DataError
+
+_LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_prompt_dataset(
+    spec: str,
+    *,
+    split: str = "train",
+    config_name: str | None = None,
+    synthetic_kwargs: dict[str, Any] | None = None,
+    prompt_column: str = "prompt",
+    system_prompt: str | None = None,
+    max_samples: int | None = None,
+):
+    """Load a prompt dataset from ``synthetic:arithmetic``, a local file, or a hub id, then check it."""
+    from datasets import load_dataset
+
+    if spec.startswith("synthetic:"):
+        from grpo_ascend.synthetic import arithmetic_dataset
+
+        task = spec.split(":", 1)[1]
+        if task != "arithmetic":
+            raise DataError(f"unknown synthetic task {task!r}; the built-in one is 'synthetic:arithmetic'")
+        kwargs = dict(synthetic_kwargs or {})
+        if system_prompt is not None:
+            kwargs["system_prompt"] = system_prompt
+        try:
+            ds = arithmetic_dataset(**kwargs)
+        except TypeError as exc:
+            raise DataError(f"dataset_kwargs for synthetic:arithmetic: {exc}; valid: n, seed, max_operand, ops") from exc
+        system_prompt = None
+    else:
+        suffix = Path(spec).suffix.lower()
+        if suffix in _LOCAL_FORMATS or os.path.exists(spec):
+            if not os.path.exists(spec):
+                raise DataError(f"dataset file not found: {spec!r}")
+            if suffix not in _LOCAL_FORMATS:
+                raise DataError(f"dataset file {spec!r}: expected one of {sorted(_LOCAL_FORMATS)}")
+            try:
+                ds = load_dataset(_LOCAL_FORMATS[suffix], data_files=spec, split="train")
+            except Exception as exc:  # datasets raises many types for unreadable files
+                raise DataError(f"could not read dataset file {spec!r}: {exc}".splitlines()[0]) from exc
+        else:
+            try:
+                ds = load_dataset(spec, config_name, split=split)
+            except Exception as exc:
+                raise DataError(
+                    f"could not load dataset {spec!r} (split {split!r}): {exc}".splitlines()[0]
+                    + " — offline? use a local file or synthetic:arithmetic"
+                ) from exc
+    if max_samples is not None:
+        ds = ds.select(range(min(max_samples, len(ds))))
+    check_prompt_dataset(ds, prompt_column)
+    if prompt_column != "prompt":
+        if "prompt" in ds.column_names:
+            ds = ds.remove_columns("prompt")
+        ds = ds.rename_column(prompt_column, "prompt")
+    if system_prompt is not None:
+        ds = ds.map(lambda row: {"prompt": with_system_prompt(row["prompt"], system_prompt)})
+    return ds
+
+
+def check_prompt_dataset(ds: Any, prompt_column: str = "prompt") -> None:
+    """Refuse empty datasets and datasets without the prompt column (listing the columns it has)."""
+    if len(ds) == 0:
+        raise DataError("the prompt dataset is empty; check the file, split or max_train_samples")
+    columns = list(ds.column_names)
+    if prompt_column not in columns:
+        raise DataError(
+            f"the dataset has no prompt column {prompt_column!r}; its columns are {columns} — "
+            "set prompt_column to the one holding the prompts"
+        )
+
+
+def with_system_prompt(prompt: str | list[dict[str, str]], system_prompt: str) -> list[dict[str, str]]:
+    """Turn a text prompt into a chat with a system message; chats get one if they have none."""
+    if isinstance(prompt, str):
+        return [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
+    if prompt and prompt[0].get("role") == "system":
+        return list(prompt)
+    return [{"role": "system", "content": system_prompt}, *prompt]
+
+
+def is_conversational(prompt: Any) -> bool:
+    """True for TRL's conversational format: a list of {'role', 'content'} messages."""
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+class PromptSampler:
+    """Endless, seeded sampling of dataset rows, epoch by epoch, with an exact-resume state.
+
+    Each epoch uses a permutation drawn from ``seed + epoch`` (or the identity when not shuffling),
+    so the order depends only on (seed, epoch, position) — the state is two integers.
+    """
+
+    def __init__(self, dataset: Any, seed: int = 0, shuffle: bool = True):
+        check_prompt_dataset(dataset)
+        self.dataset = dataset
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        n = len(self.dataset)
+        if not self.shuffle:
+            return list(range(n))
+        gen = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(n, generator=gen).tolist()
+
+    @property
+    def epochs_done(self) -> float:
+        return self.epoch + self.position / len(self.dataset)
+
+    def next_rows(self, n: int) -> list[dict[str, Any]]:
+        """The next ``n`` rows, crossing into the next epoch (new permutation) when needed."""
+        rows = []
+        while len(rows) < n:
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+            take = min(n - len(rows), len(self._order) - self.position)
+            idx = self._order[self.position : self.position + take]
+            batch = self.dataset[idx] if take else {}
+            rows.extend({k: batch[k][i] for k in batch} for i in range(take))
+            self.position += take
+        return rows
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self.dataset)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("size") not in (None, len(self.dataset)):
+            raise DataError(
+                f"the checkpoint was taken on a dataset of {state['size']} prompts, this one has "
+                f"{len(self.dataset)}; resume with the same dataset"
+            )
+        self.seed = int(state.get("seed", self.seed))
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order = self._permutation(self.epoch)

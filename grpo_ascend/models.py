@@ -1,0 +1,165 @@
+"""Policy loading, LoRA, the adapter-disabled reference, and log-prob forwards over completions."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from grpo_ascend.errors import ConfigError
+from grpo_ascend.logprobs import token_logprobs_from_hidden
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(name: str) -> str:
+    """Map ``builtin:*`` names to the offline tiny-model directory; pass other names through."""
+    from grpo_ascend.tiny_model import resolve_builtin
+
+    built = resolve_builtin(name)
+    return str(built) if built is not None else name
+
+
+def load_causal_lm(model: str | nn.Module, dtype: str = "float32") -> nn.Module:
+    """A causal LM from a path / hub id / ``builtin:*`` name, or the given module unchanged."""
+    if isinstance(model, nn.Module):
+        return model
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in _DTYPES:
+        raise ConfigError(f"model_dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    path = resolve_model_path(model)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
+    except OSError as exc:
+        raise ConfigError(f"could not load model {model!r}: {exc}".splitlines()[0]) from exc
+
+
+def load_tokenizer(model: str | nn.Module, processing_class: Any = None) -> Any:
+    """The tokenizer for ``model`` (or ``processing_class``), left-padded, with a pad token."""
+    tok = processing_class
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
+        if not source:
+            raise ConfigError("pass processing_class=<tokenizer>: the model was given as an object without a path")
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(source))
+    if tok.pad_token is None:
+        logger.warning("the tokenizer has no pad token; using its EOS token %r for padding", tok.eos_token)
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def default_lora_config(
+    r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules: str | list[str] = "all-linear"
+) -> Any:
+    """A causal-LM LoRA config; ``all-linear`` targets every linear layer except the output head."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM")
+
+
+def apply_peft(model: nn.Module, peft_config: Any | None) -> nn.Module:
+    """Wrap ``model`` with LoRA (``peft_config``); None keeps full fine-tuning."""
+    if peft_config is None:
+        return model
+    from peft import get_peft_model
+
+    return get_peft_model(model, peft_config)
+
+
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+def hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PeftModel (LoRA layers stay injected), or the model itself."""
+    return model.get_base_model() if is_peft(model) else model
+
+
+def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(decoder stack returning hidden states, output projection) of a causal LM."""
+    hf = hf_model(model)
+    head = hf.get_output_embeddings()
+    backbone = getattr(hf, getattr(hf, "base_model_prefix", "model"), None)
+    if head is None or backbone is None or backbone is hf:
+        raise ConfigError(f"{type(hf).__name__} does not expose a decoder and an output head; use a causal LM")
+    return backbone, head
+
+
+def position_ids_from_mask(mask: Tensor) -> Tensor:
+    """Positions that skip left padding, as ``generate`` computes them."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class CompletionLogprobs(nn.Module):
+    """Wraps a causal LM so one forward returns per-token log-probs (and entropies) of completions.
+
+    Being an ``nn.Module`` lets accelerate wrap it (DDP, autocast) while the vocabulary projection
+    runs in chunks and never materialises a [B, T, V] float32 tensor.
+    """
+
+    def __init__(self, model: nn.Module, chunk_size: int = 128):
+        super().__init__()
+        self.model = model
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        completion_ids: Tensor,
+        completion_mask: Tensor,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        backbone, head = backbone_and_head(self.model)
+        hidden = backbone(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
+        ).last_hidden_state
+        start = prompt_ids.shape[1] - 1
+        hidden = hidden[:, start : start + completion_ids.shape[1]]
+        return token_logprobs_from_hidden(
+            hidden, head, completion_ids, temperature=temperature or 1.0,  # greedy (0) reads T=1 log-probs
+            chunk_size=self.chunk_size, with_entropy=with_entropy,
+        )
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run the base model of a PeftModel (the reference policy) without a second copy in memory."""
+    if not is_peft(model):
+        raise ConfigError("adapters_disabled needs a PEFT model")
+    with model.disable_adapter():
+        yield
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A frozen deep copy (the reference for full fine-tuning)."""
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    ref.eval()
+    return ref
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts, shared tensors counted once."""
+    seen: dict[int, tuple[int, bool]] = {}
+    for p in model.parameters():
+        seen[id(p)] = (p.numel(), p.requires_grad)
+    return sum(n for n, t in seen.values() if t), sum(n for n, _ in seen.values())

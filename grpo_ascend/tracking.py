@@ -1,0 +1,110 @@
+"""Run tracking: metrics.jsonl, samples.jsonl, a live progress bar, optional TensorBoard, a summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+SUMMARY_FILE = "summary.json"
+
+# Progress-bar fields: (metric key, short label).
+_BAR_FIELDS = (("reward", "reward"), ("kl", "kl"), ("completion_length/mean", "len"), ("time/step", "s/step"))
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a JSONL file (missing file → empty list); a torn last line is skipped."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    records = []
+    for line in p.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def truncate_metrics(output_dir: str | Path, last_step: int) -> None:
+    """Drop metric records after ``last_step`` (a resumed run rewrites them)."""
+    for name in (METRICS_FILE, SAMPLES_FILE):
+        p = Path(output_dir) / name
+        if p.exists():
+            kept = [r for r in read_jsonl(p) if r.get("step", 0) <= last_step]
+            p.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+class RunTracker:
+    """Writes one JSON object per logged step and shows a progress bar; only the main process writes."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        total_steps: int,
+        *,
+        enabled: bool = True,
+        start_step: int = 0,
+        disable_tqdm: bool = False,
+        accelerator: Any = None,
+    ):
+        self.output_dir = Path(output_dir)
+        self.enabled = enabled
+        self.accelerator = accelerator
+        self.started = time.time()
+        self.history: list[dict[str, Any]] = []
+        self._bar = None
+        if enabled:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            if not disable_tqdm:
+                from tqdm.auto import tqdm
+
+                self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self.history.append(record)
+        if not self.enabled:
+            return
+        with open(self.output_dir / METRICS_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.accelerator is not None and self.accelerator.trackers:
+            self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+        if self._bar is not None:
+            self._bar.set_postfix(
+                {label: f"{metrics[key]:.3g}" for key, label in _BAR_FIELDS if metrics.get(key) is not None},
+                refresh=False,
+            )
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        if not self.enabled or not samples:
+            return
+        with open(self.output_dir / SAMPLES_FILE, "a") as f:
+            for s in samples:
+                f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in s.items()}}) + "\n")
+
+    def close(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Close the bar, write summary.json and print a short run summary."""
+        if self._bar is not None:
+            self._bar.close()
+        summary = dict(summary or {})
+        summary.setdefault("wall_time_s", round(time.time() - self.started, 2))
+        if self.enabled:
+            (self.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+            lines = [f"  {k}: {v}" for k, v in summary.items()]
+            print("run summary (" + str(self.output_dir / SUMMARY_FILE) + ")\n" + "\n".join(lines), flush=True)
+        return summary

@@ -55,10 +55,13 @@ _PACKAGES = ("transformers", "peft", "accelerate", "datasets")
 
 
 def _add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
+    from grpo_ascend.device import DEVICE_TYPES
+
     parser.add_argument(
         "--device",
         default=None,
-        help="check that this device is usable (auto, cpu, cuda, npu, npu:0, ...); exit 2 if it is not",
+        help=f"check that this device is usable ({', '.join(DEVICE_TYPES)}, optionally with an index "
+        "such as TYPE:0); exit 2 if it is not",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -72,78 +75,38 @@ def _version(dist_name: str) -> str | None:
         return None
 
 
-def _gib(num_bytes: int | None) -> str:
-    return "unknown" if num_bytes is None else f"{num_bytes / 2**30:.1f} GiB"
-
-
 def doctor_report(device: str | None = None) -> dict[str, Any]:
-    """Versions, device facts and Ascend environment; raises DeviceError if ``device`` is unusable."""
+    """Versions, device facts and runtime environment; raises DeviceError if ``device`` is unusable."""
     from grpo_ascend import device as dev
 
     resolved = dev.resolve_device(device) if device is not None else None
-    summary = dev.device_summary(resolved)
-    summary["python"] = platform.python_version()
-    summary["grpo-ascend"] = _version("grpo-ascend")
-    summary["packages"] = {name: _version(name) for name in _PACKAGES}
-    summary["requested_device"] = device
-    return summary
+    report = dev.device_summary(resolved)
+    report["python"] = platform.python_version()
+    report["grpo-ascend"] = _version("grpo-ascend")
+    report["packages"] = {name: _version(name) for name in _PACKAGES}
+    report["requested_device"] = device
+    return report
 
 
 def format_doctor_report(report: dict[str, Any]) -> str:
     """Aligned, human-readable text for :func:`doctor_report`."""
-    not_installed = "not installed"
-    torch_line = report["torch"] + (f" (CUDA {report['torch_cuda_build']})" if report["torch_cuda_build"] else "")
-    if report["torch_npu"] is None:
-        npu_line = not_installed
-    elif report["torch_npu_status"] == "ok":
-        npu_line = report["torch_npu"]
-    else:
-        npu_line = f"{report['torch_npu']} - {report['torch_npu_status']}"
-    software = [
+    from grpo_ascend import device as dev
+
+    sections = dev.summary_sections(report)
+    sections["Software"] = [
         ("python", report["python"]),
         ("grpo-ascend", report["grpo-ascend"] or "not installed (running from source)"),
-        ("torch", torch_line),
-        ("torch_npu", npu_line),
-        ("CANN", report["cann"] or "n/a"),
-        *((name, version or not_installed) for name, version in report["packages"].items()),
+        *sections["Software"],
+        *((name, version or "not installed") for name, version in report["packages"].items()),
     ]
-    on_cpu = report["device_type"] == "cpu"
-    if report["free_memory"] is None:
-        memory = f"unknown ({report['memory_error']})" if report["memory_error"] else "unknown"
-    else:
-        where = " (host RAM)" if on_cpu else ""
-        memory = f"{_gib(report['free_memory'])} free of {_gib(report['total_memory'])}{where}"
-    device_rows = [
-        ("device", report["device"] + ("" if report["requested_device"] is None else f"  (--device {report['requested_device']}: usable)")),
-        ("device count", str(report["device_count"])),
-        ("device name", report["device_name"] or ("host CPU" if on_cpu else "unknown")),
-        ("bf16 supported", "yes" if report["bf16_supported"] else "no"),
-        ("dist backend", report["dist_backend"]),
-        ("free memory", memory),
-    ]
-    pending = report["npu_defaults_pending"]
-    env_rows = []
-    for name, value in report["env"].items():
-        if value is not None:
-            env_rows.append((name, value))
-        elif name in pending:
-            env_rows.append((name, f"unset -> {pending[name]} will be applied on NPU"))
-        else:
-            env_rows.append((name, "unset"))
-    width = max(len(name) for name, _ in (*software, *device_rows, *env_rows)) + 2
-
-    def section(title: str, rows: list[tuple[str, str]]) -> list[str]:
-        return [title, *(f"  {name.ljust(width)}{value}" for name, value in rows)]
-
-    lines = [
-        *section("Software", software),
-        "",
-        *section("Device", device_rows),
-        "",
-        *section("Environment (Ascend / HCCL / launcher)", env_rows),
-    ]
-    if report["torch_npu"] is not None and report["torch_npu_status"] != "ok":
-        lines += ["", "warning: torch_npu is installed but unusable; NPUs will not be used until it imports."]
+    if report["requested_device"] is not None:
+        sections["Device"].insert(0, ("requested", f"{report['requested_device']} (usable)"))
+    width = max(len(name) for rows in sections.values() for name, _ in rows) + 2
+    lines: list[str] = []
+    for title, rows in sections.items():
+        lines += ["", title] if lines else [title]
+        lines += [f"  {name.ljust(width)}{value}" for name, value in rows]
+    lines += [f"\nwarning: {warning}" for warning in dev.summary_warnings(report)]
     return "\n".join(lines)
 
 
@@ -163,7 +126,7 @@ def _doctor(args: argparse.Namespace) -> int:
 #: name -> Command. Add one line per subcommand, e.g.
 #: "train": Command("train from a YAML recipe", lazy("grpo_ascend.train:add_arguments"), lazy("grpo_ascend.train:run")),
 COMMANDS: dict[str, Command] = {
-    "doctor": Command("check torch / torch_npu / CANN, the device, bf16 and memory", _add_doctor_arguments, _doctor),
+    "doctor": Command("report versions, the accelerator, bf16 support, runtime env vars and free memory", _add_doctor_arguments, _doctor),
 }
 
 

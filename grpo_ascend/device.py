@@ -668,3 +668,59 @@ def device_summary(device: torch.device | str | None = None) -> dict[str, Any]:
     except Exception as exc:  # doctor reports rather than crashes
         summary["memory_error"] = f"{type(exc).__name__}: {exc}"
     return summary
+
+
+def _gib(num_bytes: int | None) -> str:
+    return "unknown" if num_bytes is None else f"{num_bytes / 2**30:.1f} GiB"
+
+
+def summary_sections(summary: Mapping[str, Any]) -> dict[str, list[tuple[str, str]]]:
+    """Labelled display rows of a :func:`device_summary`: 'Software', 'Device' and 'Environment'."""
+    cuda_build = summary["torch_cuda_build"]
+    if summary["torch_npu"] is None:
+        npu_line = "not installed"
+    elif summary["torch_npu_status"] == "ok":
+        npu_line = summary["torch_npu"]
+    else:
+        npu_line = f"{summary['torch_npu']} - {summary['torch_npu_status']}"
+    on_cpu = summary["device_type"] == "cpu"
+    if summary["free_memory"] is None:
+        memory = f"unknown ({summary['memory_error']})" if summary["memory_error"] else "unknown"
+    else:
+        where = " (host RAM)" if on_cpu else ""
+        memory = f"{_gib(summary['free_memory'])} free of {_gib(summary['total_memory'])}{where}"
+    pending = summary["npu_defaults_pending"]
+    environment = []
+    for name, value in summary["env"].items():
+        if value is not None:
+            environment.append((name, value))
+        elif name in pending:
+            environment.append((name, f"unset -> {pending[name]} will be applied on NPU"))
+        else:
+            environment.append((name, "unset"))
+    return {
+        "Software": [
+            ("torch", summary["torch"] + (f" (CUDA {cuda_build})" if cuda_build else "")),
+            ("torch_npu", npu_line),
+            ("CANN", summary["cann"] or "n/a"),
+        ],
+        "Device": [
+            ("device", summary["device"]),
+            ("device count", str(summary["device_count"])),
+            ("device name", summary["device_name"] or ("host CPU" if on_cpu else "unknown")),
+            ("bf16 supported", "yes" if summary["bf16_supported"] else "no"),
+            ("dist backend", summary["dist_backend"]),
+            ("free memory", memory),
+        ],
+        "Environment (Ascend / HCCL / launcher)": environment,
+    }
+
+
+def summary_warnings(summary: Mapping[str, Any]) -> list[str]:
+    """Problems worth a line under the :func:`device_summary` report (e.g. a broken torch_npu)."""
+    if summary["torch_npu"] is not None and summary["torch_npu_status"] != "ok":
+        return [
+            "torch_npu is installed but unusable, so NPUs will not be used; "
+            f"run `{_CANN_SET_ENV}` or set TORCH_DEVICE_BACKEND_AUTOLOAD=0 if this machine has no NPU"
+        ]
+    return []

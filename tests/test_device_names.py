@@ -1,0 +1,98 @@
+"""Only grpo_ascend/device.py and npu_patches.py may name a device type or collective backend.
+
+Code is checked, prose is not: identifiers, attribute names, imports and string literals
+(f-strings included) are matched; comments and docstrings may mention Ascend NPUs or CUDA.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("grpo_ascend", "reward_models")
+ALLOWED = {Path("grpo_ascend/device.py"), Path("grpo_ascend/npu_patches.py")}
+DEVICE_NAME = re.compile(r"(?i)\b(torch_npu|npu|cuda|hccl|nccl)\b")
+
+
+def _docstring_nodes(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                if isinstance(body[0].value.value, str):
+                    found.add(id(body[0].value))
+    return found
+
+
+def _names(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, text) for every identifier, attribute, import and non-docstring string in ``tree``."""
+    docstrings = _docstring_nodes(tree)
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Name):
+            yield line, node.id
+        elif isinstance(node, ast.Attribute):
+            yield line, node.attr
+        elif isinstance(node, ast.alias):
+            yield line, node.name
+            if node.asname:
+                yield line, node.asname
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield line, node.module
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            yield line, node.name
+        elif isinstance(node, ast.arg):
+            yield line, node.arg
+        elif isinstance(node, ast.keyword) and node.arg:
+            yield line, node.arg
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield line, node.value
+
+
+def offending_lines(source: str, filename: str = "<string>") -> list[tuple[int, str]]:
+    """Sorted (line, matched word) pairs where ``source`` names a device type or backend."""
+    tree = ast.parse(source, filename=filename)
+    hits = {(line, match.group(0)) for line, text in _names(tree) for match in DEVICE_NAME.finditer(text)}
+    return sorted(hits)
+
+
+def test_checker_flags_code_and_skips_prose():
+    source = '''"""Runs fast on NPU and CUDA."""
+import torch_npu  # comment: npu
+x = torch.cuda.is_available()
+backend = "hccl"
+def f(device):
+    """Moves to the NPU."""
+    return f"{device}:nccl"
+npu_patches = apply_npu_patches(model)
+'''
+    assert offending_lines(source) == [(2, "torch_npu"), (3, "cuda"), (4, "hccl"), (7, "nccl")]
+
+
+def test_only_device_module_names_devices():
+    problems = []
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            relative = path.relative_to(REPO)
+            if relative in ALLOWED:
+                continue
+            source = path.read_text(encoding="utf-8")
+            problems += [f"{relative}:{line}: {word}" for line, word in offending_lines(source, str(relative))]
+    assert not problems, (
+        "only grpo_ascend/device.py and npu_patches.py may name a device type or backend; "
+        "call grpo_ascend.device instead:\n" + "\n".join(problems)
+    )
+
+
+def test_package_import_does_not_import_torch_npu():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    code = "import grpo_ascend, reward_models; import sys; assert 'torch_npu' not in sys.modules, 'torch_npu imported'"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import importlib.machinery
 import json
 import os
 import re
@@ -117,3 +119,32 @@ def test_python_dash_m_doctor_subprocess():
     )
     assert result.returncode == 0, result.stderr
     assert "transformers" in result.stdout and "dist backend" in result.stdout
+
+
+class _BrokenTorchNpu(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`import torch_npu` fails like it does when the CANN libraries are not loadable."""
+
+    def find_spec(self, fullname, path, target=None):
+        return importlib.machinery.ModuleSpec(fullname, self) if fullname == "torch_npu" else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise OSError("libhccl.so: cannot open shared object file")
+
+
+def test_doctor_reports_broken_torch_npu(monkeypatch, capsys):
+    dev.load_torch_npu.cache_clear()
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenTorchNpu(), *sys.meta_path])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    try:
+        assert cli.main(["doctor"]) == 0
+        out = capsys.readouterr().out
+        assert "import failed: OSError: libhccl.so" in out and "\nwarning: torch_npu is installed but unusable" in out
+        assert cli.main(["doctor", "--device", "npu"]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and "set_env.sh" in err[0] and "libhccl.so" in err[0]
+    finally:
+        dev.load_torch_npu.cache_clear()

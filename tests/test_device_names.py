@@ -91,8 +91,15 @@ def test_only_device_module_names_devices():
     )
 
 
-def test_package_import_does_not_import_torch_npu():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    code = "import grpo_ascend, reward_models; import sys; assert 'torch_npu' not in sys.modules, 'torch_npu imported'"
+def test_package_import_does_not_import_torch_npu(tmp_path):
+    # A torch_npu that explodes on import sits on the path, as on a machine without CANN libraries.
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text("raise OSError('torch_npu imported at package import')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+    code = (
+        "import grpo_ascend, reward_models; import sys; assert 'torch_npu' not in sys.modules; "
+        "import grpo_ascend.device, grpo_ascend.npu_patches, grpo_ascend.cli; "
+        "assert 'torch_npu' not in sys.modules, 'torch_npu imported'"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

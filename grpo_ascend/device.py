@@ -224,7 +224,8 @@ def _local_rank(local_rank: int | None) -> int:
 def resolve_device(requested: str = "auto", local_rank: int | None = None) -> torch.device:
     """Turn 'auto' / 'cpu' / 'cuda' / 'npu' / 'cuda:1' / 'npu:0' into a usable torch.device.
 
-    Without an explicit index the local index is ``local_rank`` or the LOCAL_RANK env var (0).
+    Without an explicit index the local index is ``local_rank`` or the LOCAL_RANK env var (0);
+    when exactly one device is visible (the launcher binds one per rank) that device is used.
     Accelerators are made current (set_device); on NPU the runtime defaults are applied first.
     Raises DeviceError naming the problem and the fix when the device is not usable.
     """
@@ -263,6 +264,8 @@ def resolve_device(requested: str = "auto", local_rank: int | None = None) -> to
     module = _backend_module(kind)
     count = int(module.device_count())
     position = index if index is not None else _local_rank(local_rank)
+    if index is None and count == 1:
+        position = 0  # the launcher bound one device to this process (per-rank visible devices)
     if position >= count:
         raise DeviceError(
             f"device index {position} for {kind!r} is out of range: {count} {kind} device(s) visible to "

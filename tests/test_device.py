@@ -430,6 +430,9 @@ def test_cuda_branch(fake_cuda, monkeypatch):
         dev.autocast(device, "bf16")
     with pytest.raises(DeviceError, match="out of range"):
         dev.resolve_device("cuda:2")
+    fake_cuda.count = 1  # one device bound per rank by the launcher
+    assert dev.resolve_device() == torch.device("cuda:0")
+    fake_cuda.count = 2
     monkeypatch.setenv("LOCAL_RANK", "abc")
     with pytest.raises(DeviceError, match="LOCAL_RANK='abc' is not an integer"):
         dev.resolve_device("cuda")

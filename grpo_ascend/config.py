@@ -144,7 +144,7 @@ class BaseRLConfig(_Validated):
     # --- run ---
     output_dir: str = _f("outputs/run", "Folder for metrics.jsonl, samples.jsonl, checkpoints and exports.")
     seed: int = _f(42, "Seed for every RNG (python, numpy, torch, device); sampling is reproducible with it.")
-    device: str = _f("auto", "'auto' (Ascend NPU, else GPU, else CPU) or an explicit device type with an optional index, e.g. 'cpu'.")
+    device: str = _f("auto", "'auto' (the best accelerator present, else the CPU) or an explicit device type with an optional index.")
     max_steps: int = _f(-1, "Optimizer steps to run; -1 = derive from num_train_epochs and the dataset size.")
     num_train_epochs: float = _f(1.0, "Passes over the prompt dataset when max_steps is -1.")
     shuffle_dataset: bool = _f(True, "Shuffle prompts each epoch (seeded).")

@@ -126,6 +126,8 @@ def _doctor(args: argparse.Namespace) -> int:
 #: name -> Command. Add one line per subcommand, e.g.
 #: "train": Command("train from a YAML recipe", lazy("grpo_ascend.train:add_arguments"), lazy("grpo_ascend.train:run")),
 COMMANDS: dict[str, Command] = {
+    "train": Command("train with GRPO or PPO from a YAML recipe, e.g. train recipes/default.yaml --max_steps 20",
+                     lazy("grpo_ascend.run:add_train_arguments"), lazy("grpo_ascend.run:run_train")),
     "doctor": Command("report versions, the accelerator, bf16 support, runtime env vars and free memory", _add_doctor_arguments, _doctor),
 }
 

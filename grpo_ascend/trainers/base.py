@@ -1,0 +1,573 @@
+"""What the GRPO and PPO trainers share: setup on accelerate, rollouts + rewards, optimizer and
+schedule, the step loop with checkpoints and tracking.
+
+A subclass implements :meth:`RLTrainerBase._prepare_round` (turn a scored rollout into training
+tensors) and :meth:`RLTrainerBase._optimizer_step` (one optimizer step over some rows).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from grpo_ascend import device as dev
+from grpo_ascend.config import BaseRLConfig, BatchPlan
+from grpo_ascend.data import PromptSampler, is_conversational
+from grpo_ascend.errors import ConfigError
+from grpo_ascend.models import (
+    CompletionLogprobs,
+    apply_peft,
+    count_parameters,
+    is_peft,
+    load_causal_lm,
+    load_tokenizer,
+    trainable_parameters,
+)
+from grpo_ascend.tracking import RunTracker, truncate_metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Round:
+    """One generation round on this rank: rollout tensors plus everything derived for training."""
+
+    tensors: dict[str, Tensor]
+    prompts: list[Any]
+    completions: list[Any]
+    metrics: dict[str, float] = field(default_factory=dict)
+    rewards_per_function: Tensor | None = None
+    reward_names: list[str] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return self.tensors["completion_ids"].shape[0]
+
+
+class RLTrainerBase:
+    """Shared machinery; see the module docstring."""
+
+    config_class: type[BaseRLConfig] = BaseRLConfig
+
+    def __init__(
+        self,
+        model: str | nn.Module,
+        reward_funcs: Any,
+        args: BaseRLConfig | None = None,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
+    ):
+        self.args = args if args is not None else self.config_class()
+        if not isinstance(self.args, self.config_class):
+            raise ConfigError(f"args must be a {self.config_class.__name__}, got {type(self.args).__name__}")
+        if train_dataset is None:
+            raise ConfigError("train_dataset is required: a datasets.Dataset with a 'prompt' column")
+        args = self.args
+        dev.seed_everything(args.seed)
+        self.accelerator = self._make_accelerator()
+        self.device = self.accelerator.device
+        self.plan: BatchPlan = args.batch_plan(self.accelerator.num_processes)
+
+        self.model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
+        policy = load_causal_lm(model)
+        self.tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class)
+        policy = apply_peft(policy, peft_config)
+        self._patch_for_device(policy)
+        if args.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            policy.config.use_cache = False
+        self.policy = policy.to(self.device)
+        self.is_peft = is_peft(self.policy)
+        trainable, total = count_parameters(self.policy)
+        if trainable == 0:
+            raise ConfigError("the model has no trainable parameters; pass a peft_config or a trainable model")
+        logger.info("parameters: %d trainable of %d (%.2f%%)", trainable, total, 100 * trainable / total)
+
+        self.optimizer = torch.optim.AdamW(
+            trainable_parameters(self.policy) + self._extra_trainable_parameters(),
+            lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            weight_decay=args.weight_decay,
+        )
+        self.train_dataset = train_dataset
+        self.sampler = PromptSampler(train_dataset, seed=args.seed, shuffle=args.shuffle_dataset)
+        self.max_steps = self._total_steps()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda())
+        self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size)
+        self.logprob_model, self.optimizer = self.accelerator.prepare(self.logprob_model, self.optimizer)
+
+        from grpo_ascend.rollout.engine import RolloutEngine
+        from grpo_ascend.rollout.sampling import SamplingParams
+        from reward_models import RewardSet
+
+        self.sampling = SamplingParams(
+            num_generations=args.num_generations,
+            max_completion_length=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            stop_strings=list(args.stop_strings),
+            max_prompt_length=args.max_prompt_length,
+            prompt_truncation=args.prompt_truncation,
+            length_bucket=args.length_bucket,
+        )
+        self.engine = RolloutEngine(self.policy, self.tokenizer, self.sampling)
+        self.rewards = RewardSet(
+            reward_funcs,
+            reward_weights=args.reward_weights,
+            reward_errors=args.reward_errors,
+            reward_timeout=args.reward_timeout,
+            device=self.device,
+            processing_class=self.tokenizer,
+        )
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(args.seed + 1000 * self.accelerator.process_index)
+        self.step = 0
+        self.round_index = 0
+        self.skipped_steps = 0
+        self._last_saved_step = -1
+        self.tracker: RunTracker | None = None
+
+    # ------------------------------------------------------------------------------ setup
+    def _make_accelerator(self):
+        from accelerate import Accelerator
+
+        args = self.args
+        requested = dev.resolve_device(args.device)  # fails clearly if the device is unusable
+        bf16 = args.bf16 if args.bf16 is not None else (dev.is_accelerator(requested) and dev.bf16_supported(requested))
+        self.precision = "bf16" if bf16 else "fp16" if args.fp16 else "fp32"
+        kwargs: dict[str, Any] = {
+            "mixed_precision": dev.mixed_precision_for_accelerate(bool(bf16), args.fp16),
+            "cpu": dev.device_type(requested) == "cpu",
+        }
+        if args.report_to:
+            kwargs.update(log_with=list(args.report_to), project_dir=args.output_dir)
+        accelerator = Accelerator(**kwargs)
+        if dev.device_type(accelerator.device) != dev.device_type(requested):
+            raise ConfigError(
+                f"accelerate chose device {accelerator.device} but {args.device!r} was requested; "
+                "check the accelerate config (accelerate env) or the device setting"
+            )
+        if args.report_to:
+            accelerator.init_trackers(Path(args.output_dir).name or "run")
+        return accelerator
+
+    def _patch_for_device(self, model: nn.Module) -> None:
+        from grpo_ascend.npu_patches import apply_npu_patches
+
+        patched = apply_npu_patches(model)
+        if patched:
+            logger.info("fused device kernels: %s", ", ".join(patched))
+
+    def _extra_trainable_parameters(self) -> list[nn.Parameter]:
+        """Parameters beyond the policy's (PPO's value head)."""
+        return []
+
+    def _total_steps(self) -> int:
+        if self.args.max_steps > 0:
+            return self.args.max_steps
+        rounds = math.ceil(self.args.num_train_epochs * len(self.train_dataset) / self.plan.prompts_per_generation)
+        return max(1, rounds * self.plan.optimizer_steps_per_generation)
+
+    def _lr_lambda(self) -> Callable[[int], float]:
+        args, total = self.args, self.max_steps
+        warmup = args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total)
+        kind = args.lr_scheduler_type
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            if kind == "constant":
+                return 1.0
+            progress = (step - warmup) / max(1, total - warmup)
+            if kind == "linear":
+                return max(0.0, 1.0 - progress)
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+        return factor
+
+    # ------------------------------------------------------------------------------ rollouts
+    @property
+    def is_main_process(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def _autocast(self):
+        return dev.autocast(self.device, self.precision)
+
+    def _timed(self, timings: dict[str, float], key: str, start: float) -> float:
+        dev.synchronize(self.device)
+        now = time.perf_counter()
+        timings[key] = timings.get(key, 0.0) + now - start
+        return now
+
+    def _sample_and_score(self, rows: list[dict[str, Any]], timings: dict[str, float]) -> Round:
+        """Generate G completions for each row's prompt and score them with every reward function."""
+        G = self.args.num_generations
+        prompts = [r["prompt"] for r in rows]
+        start = time.perf_counter()
+        self.policy.eval()
+        with torch.no_grad(), self._autocast():
+            batch = self.engine.generate(prompts, generator=self.generator)
+        start = self._timed(timings, "generation", start)
+
+        repeated = [p for p in prompts for _ in range(G)]
+        texts = batch.completion_texts
+        completions: list[Any] = (
+            [[{"role": "assistant", "content": t}] for t in texts] if is_conversational(prompts[0]) else list(texts)
+        )
+        lengths = batch.completion_mask.sum(1)
+        ids_host = batch.completion_ids.tolist()
+        completion_ids = [ids[:n] for ids, n in zip(ids_host, lengths.tolist())]
+        columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+        state = {"step": self.step, "epoch": self.sampler.epochs_done}
+        scored = self.rewards(repeated, completions, completion_ids, columns, trainer_state=state)
+        self._timed(timings, "reward", start)
+        tensors = {
+            "prompt_ids": batch.prompt_ids,
+            "prompt_mask": batch.prompt_mask.long(),
+            "completion_ids": batch.completion_ids,
+            "completion_mask": batch.completion_mask.long(),
+            "sampling_logprobs": batch.sampling_logprobs,
+            "truncated": batch.truncated,
+            "rewards": scored.total.to(self.device, torch.float32),
+        }
+        rnd = Round(tensors, repeated, completions, rewards_per_function=scored.per_function, reward_names=scored.names)
+        rnd.metrics.update({f"reward_errors/{k}": float(v) for k, v in scored.error_counts.items() if v})
+        return rnd
+
+    @staticmethod
+    def _pad_cat(parts: Sequence[Tensor], pad_value: int | float, left: bool) -> Tensor:
+        """Concatenate [n_i, L_i] tensors along dim 0, padding to the widest (left or right)."""
+        width = max(p.shape[1] for p in parts)
+        padded = []
+        for p in parts:
+            extra = width - p.shape[1]
+            if extra:
+                pad = p.new_full((p.shape[0], extra), pad_value)
+                p = torch.cat([pad, p] if left else [p, pad], dim=1)
+            padded.append(p)
+        return torch.cat(padded, dim=0)
+
+    def _merge_rounds(self, rounds: list[Round]) -> Round:
+        """Join several sampled rounds (DAPO refills) into one."""
+        if len(rounds) == 1:
+            return rounds[0]
+        pad = self.tokenizer.pad_token_id
+        merged: dict[str, Tensor] = {}
+        for key in rounds[0].tensors:
+            parts = [r.tensors[key] for r in rounds]
+            if parts[0].dim() == 2:
+                fill = pad if key.endswith("_ids") else 0
+                merged[key] = self._pad_cat(parts, fill, left=key.startswith("prompt"))
+            else:
+                merged[key] = torch.cat(parts)
+        per_fn = torch.cat([r.rewards_per_function for r in rounds]) if rounds[0].rewards_per_function is not None else None
+        out = Round(merged, sum((r.prompts for r in rounds), []), sum((r.completions for r in rounds), []),
+                    rewards_per_function=per_fn, reward_names=rounds[0].reward_names)
+        for r in rounds:
+            for k, v in r.metrics.items():
+                out.metrics[k] = out.metrics.get(k, 0.0) + v
+        return out
+
+    @staticmethod
+    def _select(rnd: Round, index: Tensor) -> Round:
+        """Rows ``index`` of a round (tensors on device, python lists by host index)."""
+        host = index.tolist()
+        tensors = {k: v[index] for k, v in rnd.tensors.items()}
+        per_fn = rnd.rewards_per_function[index.to(rnd.rewards_per_function.device)] if rnd.rewards_per_function is not None else None
+        return Round(tensors, [rnd.prompts[i] for i in host], [rnd.completions[i] for i in host], dict(rnd.metrics),
+                     per_fn, rnd.reward_names)
+
+    @torch.no_grad()
+    def _forward_logprobs(self, rnd: Round, reference: bool = False) -> Tensor:
+        """Per-token log-probs of every completion of the round, in micro-batches, without grad."""
+        out = []
+        B = self.args.per_device_train_batch_size
+        t = rnd.tensors
+        for start in range(0, rnd.size, B):
+            sl = slice(start, start + B)
+            out.append(self._reference_logprobs(t, sl) if reference else self.logprob_model(
+                t["prompt_ids"][sl], t["prompt_mask"][sl], t["completion_ids"][sl], t["completion_mask"][sl],
+                temperature=self.args.temperature)[0])
+        return torch.cat(out)
+
+    def _setup_reference(self) -> None:
+        """The reference policy: the base with adapters disabled (LoRA), else a frozen copy."""
+        if self.is_peft:
+            self.ref_logprob_model = None
+        else:
+            from grpo_ascend.models import frozen_copy
+
+            ref = frozen_copy(self.accelerator.unwrap_model(self.logprob_model).model)
+            self.ref_logprob_model = CompletionLogprobs(ref, self.args.logprob_chunk_size).to(self.device)
+
+    def _reference_logprobs(self, t: dict[str, Tensor], sl: slice) -> Tensor:
+        from grpo_ascend.models import adapters_disabled
+
+        inputs = (t["prompt_ids"][sl], t["prompt_mask"][sl], t["completion_ids"][sl], t["completion_mask"][sl])
+        if self.ref_logprob_model is not None:
+            with self._autocast():
+                return self.ref_logprob_model(*inputs, temperature=self.args.temperature)[0]
+        with adapters_disabled(self.policy):
+            return self.logprob_model(*inputs, temperature=self.args.temperature)[0]
+
+    # ------------------------------------------------------------------------------ metrics
+    def _reduce(self, values: dict[str, Tensor], op: str = "sum") -> dict[str, float]:
+        """Reduce scalar tensors across processes with one collective, then one host copy."""
+        if not values:
+            return {}
+        keys = list(values)
+        stacked = torch.stack([values[k].detach().float().reshape(()) for k in keys])
+        if self.accelerator.num_processes > 1:
+            stacked = self.accelerator.reduce(stacked, reduction=op)
+        return dict(zip(keys, stacked.tolist()))
+
+    def _completion_metrics(self, rnd: Round) -> dict[str, float]:
+        """Reward (total and per function), length and truncation statistics of a round, all ranks."""
+        t = rnd.tensors
+        rewards = self.accelerator.gather(t["rewards"])
+        lengths = self.accelerator.gather(t["completion_mask"].sum(1).float())
+        truncated = self.accelerator.gather(t["truncated"].float())
+        stats = torch.stack([rewards.mean(), rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
+                             lengths.mean(), lengths.min(), lengths.max(), truncated.mean()]).tolist()
+        metrics = dict(zip(["reward", "reward_std", "completion_length/mean", "completion_length/min",
+                            "completion_length/max", "truncated_fraction"], stats))
+        if rnd.rewards_per_function is not None:
+            per_fn = self.accelerator.gather(rnd.rewards_per_function.to(self.device))
+            means = torch.nanmean(per_fn, dim=0).tolist()
+            stds = [float(per_fn[:, i][~per_fn[:, i].isnan()].std()) if per_fn.shape[0] > 1 else 0.0
+                    for i in range(per_fn.shape[1])]
+            for name, m, s in zip(rnd.reward_names, means, stds):
+                metrics[f"rewards/{name}/mean"] = m
+                metrics[f"rewards/{name}/std"] = s
+        metrics["tokens_generated"] = float(lengths.sum())
+        return metrics
+
+    def _sample_records(self, rnd: Round, advantages: Tensor | None) -> list[dict[str, Any]]:
+        n = min(self.args.num_completions_to_print, rnd.size)
+        rewards = rnd.tensors["rewards"][:n].tolist()
+        adv = advantages[:n].tolist() if advantages is not None and advantages.dim() == 1 else [None] * n
+        per_fn = rnd.rewards_per_function[:n].tolist() if rnd.rewards_per_function is not None else [[]] * n
+        return [
+            {
+                "prompt": rnd.prompts[i],
+                "completion": rnd.completions[i],
+                "reward": rewards[i],
+                "advantage": adv[i],
+                **{f"rewards/{name}": v for name, v in zip(rnd.reward_names, per_fn[i])},
+            }
+            for i in range(n)
+        ]
+
+    # ------------------------------------------------------------------------------ loop
+    def _prepare_round(self, timings: dict[str, float]) -> tuple[Round, dict[str, float]]:
+        """Sample, score and turn one generation round into training tensors (subclass)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _prepare_round")
+
+    def _optimizer_step(self, rnd: Round, rows: Tensor, round_ctx: dict[str, Any]) -> dict[str, float]:
+        """One optimizer step over ``rows`` of the round (subclass)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _optimizer_step")
+
+    def _round_context(self, rnd: Round) -> dict[str, Any]:
+        """Values shared by the optimizer steps of one round (e.g. global token counts)."""
+        return {}
+
+    def _clip_and_step(self, params: list[nn.Parameter], loss_finite: Tensor) -> tuple[float, bool]:
+        """Clip, check for NaN/inf, and step — or skip the step leaving the weights untouched."""
+        max_norm = self.args.max_grad_norm
+        if max_norm and max_norm > 0:
+            grad_norm = self.accelerator.clip_grad_norm_(params, max_norm)
+        else:
+            grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+            grad_norm = torch.stack(grads).norm() if grads else torch.zeros((), device=self.device)
+        grad_norm = torch.as_tensor(grad_norm, device=self.device).float()
+        finite = bool(torch.isfinite(grad_norm) & loss_finite)
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            self.skipped_steps += 1
+            logger.warning("step %d: loss or gradient is NaN/inf; step skipped, weights untouched", self.step + 1)
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm), finite
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, Any]:
+        """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True."""
+        from grpo_ascend import checkpoint as ckpt
+
+        args = self.args
+        resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+        path = ckpt.resolve_checkpoint(resume, args.output_dir) if resume not in (None, False) else None
+        if path is not None:
+            self._load(path)
+        if self.is_main_process:
+            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+            truncate_metrics(args.output_dir, self.step)
+            print(self.plan.describe() + f"; {self.max_steps} optimizer steps", flush=True)
+        self.tracker = RunTracker(args.output_dir, self.max_steps, enabled=self.is_main_process,
+                                  start_step=self.step, disable_tqdm=args.disable_tqdm, accelerator=self.accelerator)
+        dev.reset_peak_memory(self.device)
+        first_reward: float | None = None
+        last: dict[str, float] = {}
+        while self.step < self.max_steps:
+            round_start = time.perf_counter()
+            timings: dict[str, float] = {}
+            rnd, round_metrics = self._prepare_round(timings)
+            ctx = self._round_context(rnd)
+            round_prep = time.perf_counter() - round_start
+            steps_this_round = 0
+            for iteration in range(self.plan.num_iterations):
+                order = self._shuffled_rows(rnd.size, iteration)
+                per_step = self.plan.micro_batch * self.plan.grad_accum
+                for k in range(rnd.size // per_step):
+                    if self.step >= self.max_steps:
+                        break
+                    step_start = time.perf_counter()
+                    metrics = self._optimizer_step(rnd, order[k * per_step : (k + 1) * per_step], ctx)
+                    self.step += 1
+                    steps_this_round += 1
+                    train_time = time.perf_counter() - step_start
+                    if self.step % args.logging_steps == 0 or self.step == self.max_steps:
+                        last = self._log_step(metrics, round_metrics, timings, train_time, round_prep, steps_this_round)
+                        if first_reward is None:
+                            first_reward = last.get("reward")
+                    self.tracker.advance()
+                    if args.log_completions_steps and self.step % args.log_completions_steps == 0:
+                        self.tracker.log_samples(self.step, self._sample_records(rnd, rnd.tensors.get("advantages")))
+            self.round_index += 1
+            if self._should_save():
+                self._save()
+        if self._last_saved_step != self.step:
+            self._save()
+        summary = self._finish(first_reward, last)
+        return summary
+
+    def _shuffled_rows(self, n: int, iteration: int) -> Tensor:
+        """Row order for one pass over a round: seeded by (seed, round, iteration), so resume is exact."""
+        gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.round_index * 101 + iteration)
+        return torch.randperm(n, generator=gen).to(self.device)
+
+    def _should_save(self) -> bool:
+        every = self.args.save_steps
+        if not every:
+            return False
+        # Saves happen at round boundaries (no half-used generation batch to persist); a save that
+        # falls inside a round is taken at its end.
+        return self.step // every > max(self._last_saved_step, 0) // every
+
+    def _log_step(self, metrics: dict[str, float], round_metrics: dict[str, float], timings: dict[str, float],
+                  train_time: float, round_prep: float, steps_this_round: int) -> dict[str, float]:
+        mem = dev.memory_stats(self.device)
+        first_of_round = steps_this_round == 1
+        prep = round_prep if first_of_round else 0.0
+        step_time = train_time + prep
+        record = {
+            **metrics,
+            **round_metrics,
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "epoch": self.sampler.epochs_done,
+            "skipped_steps": float(self.skipped_steps),
+            **{f"time/{k}": (v if first_of_round else 0.0) for k, v in timings.items()},
+            "time/training": train_time,
+            "time/step": step_time,
+            "tokens_per_second": round_metrics.get("tokens_generated", 0.0) / max(prep, 1e-9) if first_of_round else 0.0,
+            "memory/peak_gb": mem["peak"] / 2**30,
+            "memory/allocated_gb": mem["allocated"] / 2**30,
+        }
+        assert self.tracker is not None
+        self.tracker.log(self.step, record)
+        return record
+
+    def _finish(self, first_reward: float | None, last: dict[str, float]) -> dict[str, Any]:
+        args = self.args
+        export_dir = None
+        if args.export_adapter_at_end and self.is_main_process:
+            from grpo_ascend.export import export_checkpoint
+
+            export_dir = str(export_checkpoint(self.policy, Path(args.output_dir) / "adapter", tokenizer=self.tokenizer,
+                                               base_model=self.model_name))
+        self.accelerator.wait_for_everyone()
+        assert self.tracker is not None
+        summary = {
+            "steps": self.step,
+            "reward_first": first_reward,
+            "reward_last": last.get("reward"),
+            "skipped_steps": self.skipped_steps,
+            "peak_memory_gb": round(dev.memory_stats(self.device)["peak"] / 2**30, 3),
+            "output_dir": args.output_dir,
+        }
+        if export_dir:
+            summary["adapter"] = export_dir
+        out = self.tracker.close(summary)
+        if self.accelerator.trackers:
+            self.accelerator.end_training()
+        return out
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def _trainable_module(self) -> nn.Module:
+        return self.policy
+
+    def _save(self) -> None:
+        from grpo_ascend import checkpoint as ckpt
+
+        self.accelerator.wait_for_everyone()
+        if self.is_main_process:
+            ckpt.save_checkpoint(
+                self.args.output_dir,
+                self.step,
+                model=self._trainable_module(),
+                optimizer=self.optimizer.optimizer,
+                scheduler=self.scheduler,
+                scaler=self.accelerator.scaler,
+                trainer_state=self._trainer_state(),
+                config=self.args.to_dict(),
+                tokenizer=self.tokenizer,
+                extra_tensors={"sampling_generator": self.generator.get_state()},
+                rng_device=self.device,
+                save_total_limit=self.args.save_total_limit,
+            )
+        self._last_saved_step = self.step
+        self.accelerator.wait_for_everyone()
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "round_index": self.round_index,
+            "skipped_steps": self.skipped_steps,
+            "sampler": self.sampler.state_dict(),
+            "model_name": self.model_name,
+        }
+
+    def _load(self, path: Path) -> None:
+        from grpo_ascend import checkpoint as ckpt
+
+        loaded = ckpt.load_checkpoint(
+            path,
+            model=self._trainable_module(),
+            optimizer=self.optimizer.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.accelerator.scaler,
+            rng_device=self.device,
+        )
+        state = loaded.trainer_state
+        self.step = int(state["step"])
+        self.round_index = int(state["round_index"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.sampler.load_state_dict(state["sampler"])
+        gen_state = loaded.extra_tensors.get("sampling_generator")
+        if gen_state is not None:
+            self.generator.set_state(gen_state)
+        self._last_saved_step = self.step
+        logger.info("resumed from %s at step %d", path, self.step)

@@ -1,0 +1,615 @@
+"""RewardSet: call every reward function exactly as TRL's GRPOTrainer does, check what comes back,
+and combine the results into one weighted reward per completion.
+
+Calling convention (TRL's)::
+
+    f(prompts=prompts, completions=completions, completion_ids=completion_ids,
+      **columns, trainer_state=trainer_state) -> list[float | None]
+
+with one entry per completion in every list. ``None`` means "not applicable": it becomes NaN in
+``per_function`` and is left out of that completion's weighted sum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import math
+import numbers
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from grpo_ascend.errors import ConfigError, DataError, GrpoAscendError, RewardError, closest
+from reward_models.loading import load_reward_function, reward_name
+from reward_models.text import completion_text
+
+logger = logging.getLogger(__name__)
+
+REWARD_ERROR_MODES = ("raise", "zero")
+# Dataset columns TRL does not forward to reward functions, and names the call itself uses.
+_DROPPED_COLUMNS = ("prompt", "completion", "completion_ids")
+_RESERVED_COLUMNS = ("prompts", "completions", "trainer_state")
+
+
+@dataclass
+class RewardOutput:
+    """Rewards for one batch of N completions from F functions.
+
+    ``per_function`` [N, F] float32 raw rewards (NaN where a function returned None), ``total`` [N]
+    the weighted sum ignoring NaN (0 for a completion no function applied to; ``all_none`` counts
+    them), ``error_counts`` per function the completions scored 0 under ``reward_errors="zero"``,
+    ``seconds`` the wall time spent per function.
+    """
+
+    per_function: torch.Tensor
+    total: torch.Tensor
+    names: list[str]
+    error_counts: dict[str, int]
+    seconds: dict[str, float]
+    all_none: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """Scalar logging metrics in TRL's naming: ``rewards/<name>/mean`` and ``/std`` (ignoring
+        NaN), ``reward`` and ``reward_std`` of the total, plus per-function errors and seconds.
+        One device-to-host copy."""
+        values = torch.cat([self.per_function.float(), self.total.float()[:, None]], dim=1)
+        valid = ~torch.isnan(values)
+        count = valid.sum(dim=0)
+        filled = torch.where(valid, values, torch.zeros_like(values))
+        mean = filled.sum(dim=0) / count.clamp(min=1)
+        squared = torch.where(valid, (values - mean) ** 2, torch.zeros_like(values)).sum(dim=0)
+        std = (squared / (count - 1).clamp(min=1)).sqrt()
+        mean = torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
+        stats = torch.stack([mean, std]).tolist()
+        out: dict[str, float] = {}
+        for j, name in enumerate(self.names):
+            out[f"rewards/{name}/mean"] = stats[0][j]
+            out[f"rewards/{name}/std"] = stats[1][j]
+            out[f"rewards/{name}/errors"] = float(self.error_counts.get(name, 0))
+            out[f"rewards/{name}/seconds"] = self.seconds.get(name, 0.0)
+        out["reward"] = stats[0][-1]
+        out["reward_std"] = stats[1][-1]
+        return out
+
+
+class TrainerStateView(dict):
+    """The ``trainer_state`` passed to reward functions: a dict (``step``, ``epoch``, ...) whose keys
+    also read as attributes, with ``global_step`` mirroring ``step``, so functions written for TRL
+    (which passes a ``transformers.TrainerState``) can use ``trainer_state.global_step`` unchanged."""
+
+    def __init__(self, state: Mapping[str, Any] | None = None) -> None:
+        super().__init__({"step": 0, "epoch": 0.0} if state is None else state)
+        if "step" in self and "global_step" not in self:
+            self["global_step"] = self["step"]
+        elif "global_step" in self and "step" not in self:
+            self["step"] = self["global_step"]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"trainer_state has no {name!r}; it has {sorted(self)}") from None
+
+
+class _Timeout(Exception):
+    """A reward call ran past ``reward_timeout``."""
+
+
+# One background event loop per process for async reward functions: it works even when the caller
+# is itself inside a running loop (Jupyter), and clients an async function caches (HTTP sessions)
+# stay bound to the same loop across calls.
+_loop_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_pid: int | None = None
+
+
+def _background_loop() -> asyncio.AbstractEventLoop:
+    global _loop, _loop_pid
+    with _loop_lock:
+        if _loop is None or _loop.is_closed() or _loop_pid != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="reward-models-async", daemon=True).start()
+            _loop, _loop_pid = loop, os.getpid()
+        return _loop
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _is_async(fn: Any) -> bool:
+    """True for ``async def`` functions, partials of them, and objects with an ``async def __call__``."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = None if inspect.isfunction(fn) else inspect.getattr_static(type(fn), "__call__", None)
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+@dataclass
+class _Batch:
+    """The arguments of one reward call, with per-function copies so one function cannot mutate
+    the lists another one sees."""
+
+    prompts: list
+    completions: list
+    completion_ids: list
+    columns: dict[str, list]
+    state: Any
+
+    @property
+    def n(self) -> int:
+        return len(self.completions)
+
+    def kwargs(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompts": list(self.prompts),
+            "completions": list(self.completions),
+            "completion_ids": [list(ids) for ids in self.completion_ids],
+        }
+        out.update({k: list(v) for k, v in self.columns.items()})
+        out["trainer_state"] = self.state
+        return out
+
+    def kwargs_for(self, i: int) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompts": [self.prompts[i]],
+            "completions": [self.completions[i]],
+            "completion_ids": [list(self.completion_ids[i])],
+        }
+        out.update({k: [v[i]] for k, v in self.columns.items()})
+        out["trainer_state"] = self.state
+        return out
+
+    def describe(self, i: int) -> str:
+        try:
+            text = completion_text(self.completions[i])
+        except RewardError:
+            text = repr(self.completions[i])
+        return repr(text if len(text) <= 80 else text[:77] + "...")
+
+
+@dataclass
+class _Result:
+    """What one function produced for a batch: values (None = not applicable), the completions it
+    raised on, a failure not attributable to one completion, or an error that always stops."""
+
+    values: list[float | None]
+    failures: dict[int, BaseException] = field(default_factory=dict)
+    batch_error: BaseException | None = None
+    fatal: GrpoAscendError | None = None
+    seconds: float = 0.0
+
+
+def _check_output(name: str, out: Any, n: int, offset: int = 0) -> list[float | None]:
+    """Validate a reward function's return value: n finite numbers or None."""
+    if isinstance(out, torch.Tensor):
+        if out.dim() != 1:
+            raise RewardError(
+                f"reward function {name!r} returned a tensor of shape {tuple(out.shape)}; expected a list "
+                f"(or 1-D tensor) of {n} values, one per completion"
+            )
+        out = out.detach().float().tolist()
+    elif hasattr(out, "tolist") and getattr(out, "ndim", None) is not None:
+        if out.ndim != 1:
+            raise RewardError(
+                f"reward function {name!r} returned an array of shape {tuple(out.shape)}; expected a list "
+                f"(or 1-D array) of {n} values, one per completion"
+            )
+        out = out.tolist()
+    if out is None or isinstance(out, (str, bytes, Mapping, set, frozenset)) or not hasattr(out, "__iter__"):
+        raise RewardError(
+            f"reward function {name!r} returned {type(out).__name__}; expected a list of {n} values "
+            "(float, or None for 'not applicable'), one per completion"
+        )
+    values = list(out)
+    if len(values) != n:
+        raise RewardError(
+            f"reward function {name!r} returned {len(values)} values for {n} completions; expected exactly one "
+            "value (float, or None for 'not applicable') per completion, in order"
+        )
+    checked: list[float | None] = []
+    for j, value in enumerate(values):
+        if value is None:
+            checked.append(None)
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        elif not isinstance(value, numbers.Real) and hasattr(value, "item") and getattr(value, "size", None) == 1:
+            value = value.item()
+        if not isinstance(value, numbers.Real):
+            raise RewardError(
+                f"reward function {name!r} returned a non-numeric value {value!r} ({type(value).__name__}) for "
+                f"completion {offset + j}; expected a float, or None for 'not applicable'"
+            )
+        number = float(value)
+        if not math.isfinite(number):
+            raise RewardError(
+                f"reward function {name!r} returned {number} for completion {offset + j}; rewards must be finite "
+                "(return None to mark a completion as not applicable)"
+            )
+        checked.append(number)
+    return checked
+
+
+def _describe_exception(exc: BaseException) -> str:
+    message = str(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+class RewardSet:
+    """Several reward functions, their weights, and how to treat failures.
+
+    ``reward_funcs`` is one spec or a list (see :func:`load_reward_function`); ``reward_weights``
+    one number per function (default all 1.0). ``reward_errors="raise"`` stops at the first
+    function that raises, naming it, the exception and the completion index; ``"zero"`` scores the
+    failing completions 0, logs a warning once per function and counts them. Invalid return values
+    (wrong length, non-numeric, NaN/inf) and configuration errors always raise.
+    ``reward_timeout`` (seconds) bounds each call; a timed-out sync function cannot be stopped
+    (Python threads cannot be killed) and keeps running in its daemon worker thread, its result
+    discarded. Output tensors go to ``device`` (None: CPU) in one host-to-device copy; reward models
+    given as strings load on ``device`` (None: the automatic device choice). ``processing_class``
+    is the tokenizer a loaded reward model falls back on when it came without its own.
+    """
+
+    def __init__(
+        self,
+        reward_funcs: Any,
+        reward_weights: Sequence[float] | None = None,
+        reward_errors: str = "raise",
+        reward_timeout: float | None = None,
+        device: str | torch.device | None = None,
+        processing_class: Any = None,
+    ) -> None:
+        specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not specs:
+            raise ConfigError("reward_funcs is empty; give at least one reward function")
+        if reward_errors not in REWARD_ERROR_MODES:
+            raise ConfigError(
+                f"reward_errors must be one of {list(REWARD_ERROR_MODES)}, got {reward_errors!r}"
+                f"{closest(str(reward_errors), REWARD_ERROR_MODES)}"
+            )
+        if reward_timeout is not None and (
+            isinstance(reward_timeout, bool)
+            or not isinstance(reward_timeout, (int, float))
+            or not math.isfinite(reward_timeout)
+            or reward_timeout <= 0
+        ):
+            raise ConfigError(f"reward_timeout must be a positive number of seconds or null, got {reward_timeout!r}")
+        self.device = torch.device(device) if device is not None else None
+        self.funcs: list[Callable[..., Any]] = [
+            load_reward_function(spec, device=self.device, processing_class=processing_class) for spec in specs
+        ]
+        self.names: list[str] = _unique_names([reward_name(f) for f in self.funcs])
+        self.weights: list[float] = self._weights(reward_weights)
+        self.reward_errors = reward_errors
+        self.reward_timeout = float(reward_timeout) if reward_timeout is not None else None
+        self.total_error_counts: dict[str, int] = dict.fromkeys(self.names, 0)
+        self._async = [_is_async(f) for f in self.funcs]
+        self._signatures_ok: set[tuple[int, frozenset[str]]] = set()
+        self._warned: set[str] = set()
+
+    def _weights(self, weights: Sequence[float] | None) -> list[float]:
+        if weights is None:
+            return [1.0] * len(self.funcs)
+        values = weights.tolist() if isinstance(weights, torch.Tensor) else list(weights)
+        if len(values) != len(self.funcs):
+            raise ConfigError(
+                f"reward_weights has {len(values)} values for {len(self.funcs)} reward functions ({', '.join(self.names)}); "
+                "give one weight per function, in the same order"
+            )
+        for name, w in zip(self.names, values):
+            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(float(w)):
+                raise ConfigError(f"reward_weights: the weight of {name!r} must be a finite number, got {w!r}")
+        return [float(w) for w in values]
+
+    def __len__(self) -> int:
+        return len(self.funcs)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}×{w:g}" for n, w in zip(self.names, self.weights))
+        return f"RewardSet({parts}, reward_errors={self.reward_errors!r}, reward_timeout={self.reward_timeout})"
+
+    # -- calling ----------------------------------------------------------------------------------
+
+    def _check_signature(self, j: int, keys: Sequence[str]) -> None:
+        """RewardError when function j cannot take the TRL-style keyword call (checked once per
+        set of column names)."""
+        cache_key = (j, frozenset(keys))
+        if cache_key in self._signatures_ok:
+            return
+        try:
+            signature = inspect.signature(self.funcs[j])
+        except (TypeError, ValueError):
+            self._signatures_ok.add(cache_key)
+            return
+        try:
+            signature.bind(**dict.fromkeys(keys))
+        except TypeError as exc:
+            raise RewardError(
+                f"reward function {self.names[j]!r} cannot be called with this batch's keyword arguments "
+                f"({', '.join(keys)}): {exc}. Reward functions are called as f(prompts=..., completions=..., "
+                "completion_ids=..., <each dataset column>=..., trainer_state=...); name the columns you need "
+                "as parameters and accept the rest with **kwargs"
+            ) from None
+        self._signatures_ok.add(cache_key)
+
+    def _call_sync(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+        timeout = self.reward_timeout
+        if timeout is None:
+            out = fn(**kwargs)
+        else:
+            box: dict[str, Any] = {}
+
+            def target() -> None:
+                try:
+                    box["value"] = fn(**kwargs)
+                except BaseException as exc:  # re-raised in the calling thread
+                    box["error"] = exc
+
+            worker = threading.Thread(target=target, name=f"reward-{reward_name(fn)}", daemon=True)
+            worker.start()
+            worker.join(timeout)
+            if worker.is_alive():
+                raise _Timeout()
+            if "error" in box:
+                raise box["error"]
+            out = box["value"]
+        if inspect.isawaitable(out):  # a sync-looking callable that returned a coroutine
+            future = asyncio.run_coroutine_threadsafe(_await(out), _background_loop())
+            try:
+                out = future.result(timeout)
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                raise _Timeout() from None
+        return out
+
+    async def _call_async(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+        out = fn(**kwargs)
+        if not inspect.isawaitable(out):
+            return out
+        task = asyncio.ensure_future(out)
+        done, _ = await asyncio.wait({task}, timeout=self.reward_timeout)
+        if not done:
+            task.cancel()
+            raise _Timeout()
+        return task.result()
+
+    def _finish(self, j: int, batch: _Batch, out: Any, result: _Result) -> None:
+        try:
+            result.values = _check_output(self.names[j], out, batch.n)
+        except GrpoAscendError as exc:
+            result.fatal = exc
+
+    def _after_failure(self, j: int, batch: _Batch, exc: BaseException) -> _Result | None:
+        """Result for a failure that needs no per-completion retry (timeout, config error), else None."""
+        if isinstance(exc, GrpoAscendError):
+            return _Result([None] * batch.n, fatal=RewardError(f"reward function {self.names[j]!r}: {exc}"))
+        if isinstance(exc, _Timeout):
+            return _Result([None] * batch.n, batch_error=exc)
+        return None
+
+    def _single(self, j: int, i: int, out: Any, result: _Result) -> None:
+        try:
+            result.values[i] = _check_output(self.names[j], out, 1, offset=i)[0]
+        except GrpoAscendError as exc:
+            result.fatal = result.fatal or exc
+
+    def _evaluate_sync(self, j: int, batch: _Batch) -> _Result:
+        start = time.perf_counter()
+        fn = self.funcs[j]
+        result = _Result([None] * batch.n)
+        try:
+            out = self._call_sync(fn, batch.kwargs())
+        except Exception as exc:
+            result = self._after_failure(j, batch, exc) or self._locate_sync(j, batch, exc)
+        else:
+            self._finish(j, batch, out, result)
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def _locate_sync(self, j: int, batch: _Batch, batch_exc: BaseException) -> _Result:
+        """Call function j one completion at a time to find which completions make it raise."""
+        result = _Result([None] * batch.n)
+        for i in range(batch.n):
+            try:
+                out = self._call_sync(self.funcs[j], batch.kwargs_for(i))
+            except Exception as exc:
+                result.failures[i] = exc
+                if self.reward_errors == "raise" or isinstance(exc, _Timeout):
+                    break
+                continue
+            self._single(j, i, out, result)
+        if not result.failures:
+            result.batch_error = batch_exc
+        return result
+
+    async def _evaluate_async(self, j: int, batch: _Batch) -> _Result:
+        start = time.perf_counter()
+        fn = self.funcs[j]
+        result = _Result([None] * batch.n)
+        try:
+            out = await self._call_async(fn, batch.kwargs())
+        except Exception as exc:
+            result = self._after_failure(j, batch, exc)
+            if result is None:
+                result = _Result([None] * batch.n)
+                outs = await asyncio.gather(
+                    *(self._call_async(fn, batch.kwargs_for(i)) for i in range(batch.n)), return_exceptions=True
+                )
+                for i, single in enumerate(outs):
+                    if isinstance(single, BaseException):
+                        result.failures[i] = single
+                    else:
+                        self._single(j, i, single, result)
+                if not result.failures:
+                    result.batch_error = exc
+        else:
+            self._finish(j, batch, out, result)
+        result.seconds = time.perf_counter() - start
+        return result
+
+    async def _evaluate_async_group(self, indices: list[int], batch: _Batch) -> list[_Result]:
+        return list(await asyncio.gather(*(self._evaluate_async(j, batch) for j in indices)))
+
+    def _error_message(self, j: int, batch: _Batch, result: _Result) -> str:
+        name = self.names[j]
+        fix = "fix the function, or set reward_errors: zero to score failing completions 0 and continue"
+        if result.failures:
+            i = min(result.failures)
+            return (
+                f"reward function {name!r} raised {_describe_exception(result.failures[i])} on completion {i} "
+                f"(of {batch.n}; completion text {batch.describe(i)}); {fix}"
+            )
+        exc = result.batch_error
+        if isinstance(exc, _Timeout):
+            return (
+                f"reward function {name!r} did not return within reward_timeout={self.reward_timeout:g}s for a "
+                f"batch of {batch.n} completions; raise reward_timeout or make the function faster (a timed-out "
+                "sync function keeps running in its worker thread: Python threads cannot be killed)"
+            )
+        return (
+            f"reward function {name!r} raised {_describe_exception(exc)} on the batch of {batch.n} completions, "
+            f"but on none of them alone (it may depend on the whole batch); {fix}"
+        )
+
+    def __call__(
+        self,
+        prompts: list,
+        completions: list,
+        completion_ids: list[list[int]],
+        columns: dict[str, list] | None = None,
+        trainer_state: dict | None = None,
+    ) -> RewardOutput:
+        """Score N completions with every function and combine them (see :class:`RewardOutput`).
+
+        ``columns`` holds the extra dataset columns, one entry per completion (``prompt``,
+        ``completion`` and ``completion_ids`` columns are dropped, as TRL does). ``trainer_state``
+        (``step``, ``epoch``) reaches the functions as a :class:`TrainerStateView`; None gives step 0.
+        """
+        batch = self._batch(prompts, completions, completion_ids, columns, trainer_state)
+        keys = list(batch.kwargs())
+        for j in range(len(self.funcs)):
+            self._check_signature(j, keys)
+        results: list[_Result | None] = [None] * len(self.funcs)
+        if batch.n:
+            async_idx = [j for j, a in enumerate(self._async) if a]
+            pending = None
+            if async_idx:
+                pending = asyncio.run_coroutine_threadsafe(
+                    self._evaluate_async_group(async_idx, batch), _background_loop()
+                )
+            try:
+                for j, is_async in enumerate(self._async):
+                    if not is_async:
+                        results[j] = self._evaluate_sync(j, batch)
+            finally:
+                if pending is not None:
+                    for j, result in zip(async_idx, pending.result()):
+                        results[j] = result
+        return self._combine(batch, results)
+
+    def _batch(self, prompts: list, completions: list, completion_ids: list, columns: Any, trainer_state: Any) -> _Batch:
+        n = len(completions)
+        for label, seq in (("prompts", prompts), ("completion_ids", completion_ids)):
+            if len(seq) != n:
+                raise DataError(f"rewards: got {len(seq)} {label} for {n} completions; pass one per completion")
+        cleaned: dict[str, list] = {}
+        for key, value in (columns or {}).items():
+            if key in _DROPPED_COLUMNS:
+                continue
+            if key in _RESERVED_COLUMNS:
+                raise DataError(
+                    f"dataset column {key!r} clashes with the reward call's own argument of that name; rename the column"
+                )
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != n:
+                got = len(value) if hasattr(value, "__len__") and not isinstance(value, (str, bytes)) else type(value).__name__
+                raise DataError(
+                    f"rewards: column {key!r} has {got} entries for {n} completions; each column needs one entry per "
+                    "completion (repeat a prompt's value for each of its generations)"
+                )
+            cleaned[key] = list(value)
+        state = trainer_state if trainer_state is not None and not isinstance(trainer_state, Mapping) else TrainerStateView(trainer_state)
+        return _Batch(list(prompts), list(completions), list(completion_ids), cleaned, state)
+
+    def _combine(self, batch: _Batch, results: list[_Result | None]) -> RewardOutput:
+        n, f = batch.n, len(self.funcs)
+        for result in results:
+            if result is not None and result.fatal is not None:
+                raise result.fatal
+        error_counts = dict.fromkeys(self.names, 0)
+        columns: list[list[float]] = []
+        for j, result in enumerate(results):
+            if result is None:
+                columns.append([])
+                continue
+            failed = set(range(n)) if result.batch_error is not None else set(result.failures)
+            if failed:
+                if self.reward_errors == "raise":
+                    raise RewardError(self._error_message(j, batch, result))
+                self._warn_zero(j, batch, result, len(failed))
+                error_counts[self.names[j]] = len(failed)
+                self.total_error_counts[self.names[j]] += len(failed)
+            columns.append([0.0 if i in failed else (math.nan if v is None else v) for i, v in enumerate(result.values)])
+        per = torch.tensor(columns, dtype=torch.float32).reshape(f, n).T if n else torch.empty(0, f)
+        weights = torch.tensor(self.weights, dtype=torch.float32)
+        total = torch.nansum(per * weights, dim=1)
+        all_none = int(torch.isnan(per).all(dim=1).sum()) if f else n
+        if all_none and "__all_none__" not in self._warned:
+            self._warned.add("__all_none__")
+            logger.warning(
+                "%d of %d completions got None from every reward function (%s); their total reward is 0",
+                all_none,
+                n,
+                ", ".join(self.names),
+            )
+        flat = torch.cat([per.reshape(-1), total])
+        if self.device is not None and flat.device != self.device:
+            flat = flat.to(self.device)
+        seconds = {name: (r.seconds if r is not None else 0.0) for name, r in zip(self.names, results)}
+        return RewardOutput(
+            per_function=flat[: n * f].view(n, f),
+            total=flat[n * f :],
+            names=list(self.names),
+            error_counts=error_counts,
+            seconds=seconds,
+            all_none=all_none,
+        )
+
+    def _warn_zero(self, j: int, batch: _Batch, result: _Result, count: int) -> None:
+        name = self.names[j]
+        if name in self._warned:
+            return
+        self._warned.add(name)
+        exc = result.failures[min(result.failures)] if result.failures else result.batch_error
+        logger.warning(
+            "%s. Scoring %d of %d completions 0 (reward_errors=zero); further errors from %r are only counted "
+            "(rewards/%s/errors)",
+            self._error_message(j, batch, result),
+            count,
+            batch.n,
+            name,
+            name,
+            exc_info=exc if not isinstance(exc, _Timeout) else None,
+        )
+
+
+def _unique_names(names: list[str]) -> list[str]:
+    """Suffix repeated names: ``accuracy, accuracy`` -> ``accuracy, accuracy_2``."""
+    seen: set[str] = set()
+    out = []
+    for name in names:
+        candidate, k = name, 1
+        while candidate in seen:
+            k += 1
+            candidate = f"{name}_{k}"
+        seen.add(candidate)
+        out.append(candidate)
+    return out

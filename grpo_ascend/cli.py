@@ -128,6 +128,7 @@ def _doctor(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Command] = {
     "train": Command("train with GRPO or PPO from a YAML recipe, e.g. train recipes/default.yaml --max_steps 20",
                      lazy("grpo_ascend.run:add_train_arguments"), lazy("grpo_ascend.run:run_train")),
+    "export": Command("export a checkpoint's LoRA adapter (PEFT format), or with --merge a full model", lazy("grpo_ascend.export:add_export_arguments"), lazy("grpo_ascend.export:run_export")),
     "doctor": Command("report versions, the accelerator, bf16 support, runtime env vars and free memory", _add_doctor_arguments, _doctor),
 }
 

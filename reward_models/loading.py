@@ -157,6 +157,8 @@ def _import_module(name: str, spec: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
+        if exc.name is None or not (name == exc.name or name.startswith(exc.name + ".")):
+            raise ConfigError(f"reward {spec!r}: importing module {name!r} failed: {type(exc).__name__}: {exc}") from exc
         raise ConfigError(
             f"reward {spec!r}: cannot import module {name!r} ({exc}); install it or put it on PYTHONPATH, "
             "or name a file instead: path/to/file.py:function"

@@ -104,14 +104,8 @@ def _decimal(text: str) -> Fraction | None:
         return None
 
 
-def parse_number(text: str) -> float | None:
-    """Parse a written number into a float, or None when ``text`` is not one number.
-
-    Accepts ``42``, ``-3``, ``+3``, ``1000.0``, ``.5``, ``1e3``, ``1,000`` (groups of three),
-    ``$1,000``, ``3/4``, ``\\frac{3}{4}``, ``-\\frac34``, ``\\dfrac{3}{4}``, ``50%`` (read as 50: the
-    percent sign is dropped, not divided by 100), surrounding ``$...$`` and ``\\text{}``. Rejects
-    anything else, including expressions (``2+3``), words, ``1,5`` and non-finite values.
-    """
+def _parse_exact(text: str) -> Fraction | None:
+    """The exact value of a written number (see :func:`parse_number`), or None."""
     s = _normalize(text)
     if not s or len(s) > _MAX_NUMBER_CHARS:
         return None
@@ -130,18 +124,35 @@ def parse_number(text: str) -> float | None:
             return None
         value = -n / d if sign == "-" else n / d
     try:
-        result = float(value)
+        return value if math.isfinite(float(value)) else None
     except OverflowError:
         return None
-    return result if math.isfinite(result) else None
+
+
+def parse_number(text: str) -> float | None:
+    """Parse a written number into a float, or None when ``text`` is not one number.
+
+    Accepts ``42``, ``-3``, ``+3``, ``1000.0``, ``.5``, ``1e3``, ``1,000`` (groups of three),
+    ``$1,000``, ``3/4``, ``\\frac{3}{4}``, ``-\\frac34``, ``\\dfrac{3}{4}``, ``50%`` (read as 50: the
+    percent sign is dropped, not divided by 100), surrounding ``$...$`` and ``\\text{}``. Rejects
+    anything else, including expressions (``2+3``), words, ``1,5`` and non-finite values.
+    """
+    value = _parse_exact(text)
+    return None if value is None else float(value)
 
 
 def answers_match(predicted: str, reference: str, rel_tol: float = 1e-6) -> bool:
-    """True when two answers agree: numerically within ``rel_tol`` when both parse as numbers,
-    otherwise as strings after normalisation (whitespace removed). A number never equals a non-number."""
-    p, r = parse_number(predicted), parse_number(reference)
+    """True when two answers agree.
+
+    Two integers (``1000``, ``1,000.0``) must be equal exactly; other numbers must agree within
+    ``rel_tol`` (so ``0.333333333`` matches ``1/3``); two non-numbers must be equal as strings after
+    normalisation (whitespace removed). A number never equals a non-number.
+    """
+    p, r = _parse_exact(predicted), _parse_exact(reference)
     if p is not None and r is not None:
-        return math.isclose(p, r, rel_tol=rel_tol, abs_tol=0.0)
+        if p.denominator == 1 and r.denominator == 1:
+            return p == r
+        return math.isclose(float(p), float(r), rel_tol=rel_tol, abs_tol=0.0)
     if p is not None or r is not None:
         return False
     norm_p = re.sub(r"\s+", "", _normalize(predicted))

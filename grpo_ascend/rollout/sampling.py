@@ -1,0 +1,198 @@
+"""Sampling settings and per-step logits processing for the rollout engine.
+
+Two distributions are involved at every decode step and they are deliberately different:
+
+* the **sampling distribution** the token is drawn from: raw logits → repetition penalty →
+  ÷ temperature → top-k → top-p → min-p (the order Hugging Face ``generate`` applies them);
+* the **reported log-probability** of the drawn token: ``log_softmax(raw_logits / T)`` with no
+  penalty and no filtering. This is exactly what the trainer's teacher-forced forward computes
+  for the old policy, so the importance ratio is exactly 1 at the first iteration. The price is
+  that with top-k/top-p/min-p/repetition penalty the reported value is not the log-probability
+  of the (filtered) proposal the token was actually drawn from; that is the convention TRL and
+  verl use and the one the GRPO loss expects.
+
+Temperature 0 means greedy decoding (argmax of the penalised logits); its log-probs are then
+reported at T = 1. ``top_k == 1`` is greedy as well, with log-probs at the given temperature.
+
+Drawing uses the exponential race (argmax of p / E with E ~ Exp(1)), which equals categorical
+sampling, needs no host synchronisation, and is reproducible from a ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from grpo_ascend.errors import ConfigError
+
+PROMPT_TRUNCATION_MODES = ("error", "left")
+
+
+@dataclass
+class SamplingParams:
+    """What to sample: group size, lengths, the sampling distribution, stopping and seeding.
+
+    Field names and meanings follow TRL's GRPOConfig / vLLM's SamplingParams. ``stop_strings``
+    end a completion at the token that completes the string (that token counts, the string is cut
+    from the decoded text); ``stop_token_ids`` end it at (and including) the token; the tokenizer's
+    and the model's EOS always stop unless ``ignore_eos`` (benchmarks, fixed-length rollouts).
+    ``length_bucket`` pads prompt and completion lengths to its multiples so an accelerator that
+    compiles per shape sees few shapes (0 or 1 = exact lengths).
+    """
+
+    num_generations: int = 8
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    stop_strings: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    max_prompt_length: int | None = 512
+    prompt_truncation: str = "error"
+    length_bucket: int = 64
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is deterministic: temperature 0 or top_k 1."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature of the distribution whose log-probs are reported (1.0 for greedy T = 0)."""
+        return 1.0 if self.temperature == 0 else float(self.temperature)
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range field, what is expected and how to fix it."""
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not is_int(self.num_generations) or self.num_generations < 1:
+            raise ConfigError(f"num_generations must be an int >= 1, got {self.num_generations!r}")
+        if not is_int(self.max_completion_length) or self.max_completion_length <= 0:
+            raise ConfigError(
+                f"max_completion_length must be an int >= 1, got {self.max_completion_length!r}; "
+                "set it to the number of new tokens each completion may have"
+            )
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise ConfigError(
+                f"top_p must be in (0, 1], got {self.top_p!r}; use 1.0 to disable nucleus filtering"
+            )
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if self.min_p is not None and (not is_num(self.min_p) or not 0 <= self.min_p <= 1):
+            raise ConfigError(f"min_p must be None or in [0, 1], got {self.min_p!r}")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty!r}")
+        if isinstance(self.stop_strings, str):
+            raise ConfigError(
+                f"stop_strings must be a list of strings, got the string {self.stop_strings!r}; wrap it in a list"
+            )
+        for i, s in enumerate(self.stop_strings):
+            if not isinstance(s, str) or not s:
+                raise ConfigError(f"stop_strings[{i}] must be a non-empty string, got {s!r}")
+        for i, t in enumerate(self.stop_token_ids):
+            if not is_int(t) or t < 0:
+                raise ConfigError(f"stop_token_ids[{i}] must be a non-negative int token id, got {t!r}")
+        if self.max_prompt_length is not None and (
+            not is_int(self.max_prompt_length) or self.max_prompt_length < 1
+        ):
+            raise ConfigError(
+                f"max_prompt_length must be None or an int >= 1, got {self.max_prompt_length!r}"
+            )
+        if self.prompt_truncation not in PROMPT_TRUNCATION_MODES:
+            raise ConfigError(
+                f"prompt_truncation must be one of {PROMPT_TRUNCATION_MODES}, got {self.prompt_truncation!r}"
+            )
+        if not is_int(self.length_bucket) or self.length_bucket < 0:
+            raise ConfigError(
+                f"length_bucket must be an int >= 0 (0 or 1 = no bucketing), got {self.length_bucket!r}"
+            )
+        if self.seed is not None and not is_int(self.seed):
+            raise ConfigError(f"seed must be None or an int, got {self.seed!r}")
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """CTRL-style penalty (as in HF): seen tokens' positive logits ÷ penalty, negative ones × penalty.
+
+    ``seen`` is a [B, V] bool mask of tokens present in the prompt or the completion so far.
+    """
+    if penalty == 1.0:
+        return logits
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float | None = None) -> Tensor:
+    """Set to -inf the logits outside top-k, then outside the nucleus top-p, then below min_p × p_max.
+
+    ``logits`` are already temperature-scaled, [B, V]. At least one token always survives.
+    """
+    vocab = logits.shape[-1]
+    if top_k and top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        probs = torch.softmax(logits, dim=-1)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p is not None and min_p > 0:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample_categorical(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One draw per row from softmax(logits) by the exponential race; -inf logits are never drawn."""
+    probs = torch.softmax(logits, dim=-1)
+    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return (probs / race).argmax(dim=-1)
+
+
+def next_tokens(
+    logits: Tensor,
+    params: SamplingParams,
+    seen: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Pick the next token per row and return (tokens [B] long, log-probs [B] float32).
+
+    ``logits`` are the model's raw last-position logits [B, V] (any float dtype). The log-prob is
+    ``log_softmax(logits / T)`` at the chosen token, unfiltered (see the module docstring).
+    """
+    raw = logits.float()
+    t_lp = params.logprob_temperature
+    scaled = raw / t_lp if t_lp != 1.0 else raw
+    log_probs = torch.log_softmax(scaled, dim=-1)
+    work = raw
+    if seen is not None and params.repetition_penalty != 1.0:
+        work = apply_repetition_penalty(raw, seen, params.repetition_penalty)
+    if params.greedy:
+        tokens = work.argmax(dim=-1)
+    else:
+        work = work / params.temperature if params.temperature != 1.0 else work
+        work = filter_logits(work, params.top_k, params.top_p, params.min_p)
+        tokens = sample_categorical(work, generator)
+    chosen = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens, chosen

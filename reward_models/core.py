@@ -222,7 +222,11 @@ def _check_output(name: str, out: Any, n: int, offset: int = 0) -> list[float | 
             continue
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
-        elif not isinstance(value, numbers.Real) and hasattr(value, "item") and getattr(value, "size", None) == 1:
+        elif (
+            not isinstance(value, numbers.Real)
+            and hasattr(value, "item")
+            and getattr(value, "size", None) == 1
+        ):
             value = value.item()
         if not isinstance(value, numbers.Real):
             raise RewardError(
@@ -282,10 +286,13 @@ class RewardSet:
             or not math.isfinite(reward_timeout)
             or reward_timeout <= 0
         ):
-            raise ConfigError(f"reward_timeout must be a positive number of seconds or null, got {reward_timeout!r}")
+            raise ConfigError(
+                f"reward_timeout must be a positive number of seconds or null, got {reward_timeout!r}"
+            )
         self.device = torch.device(device) if device is not None else None
         self.funcs: list[Callable[..., Any]] = [
-            load_reward_function(spec, device=self.device, processing_class=processing_class) for spec in specs
+            load_reward_function(spec, device=self.device, processing_class=processing_class)
+            for spec in specs
         ]
         self.names: list[str] = _unique_names([reward_name(f) for f in self.funcs])
         self.weights: list[float] = self._weights(reward_weights)
@@ -307,7 +314,9 @@ class RewardSet:
             )
         for name, w in zip(self.names, values):
             if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(float(w)):
-                raise ConfigError(f"reward_weights: the weight of {name!r} must be a finite number, got {w!r}")
+                raise ConfigError(
+                    f"reward_weights: the weight of {name!r} must be a finite number, got {w!r}"
+                )
         return [float(w) for w in values]
 
     def __len__(self) -> int:
@@ -315,7 +324,9 @@ class RewardSet:
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}×{w:g}" for n, w in zip(self.names, self.weights))
-        return f"RewardSet({parts}, reward_errors={self.reward_errors!r}, reward_timeout={self.reward_timeout})"
+        return (
+            f"RewardSet({parts}, reward_errors={self.reward_errors!r}, reward_timeout={self.reward_timeout})"
+        )
 
     # -- calling ----------------------------------------------------------------------------------
 
@@ -442,7 +453,8 @@ class RewardSet:
             if result is None:
                 result = _Result([None] * batch.n)
                 outs = await asyncio.gather(
-                    *(self._call_async(fn, batch.kwargs_for(i)) for i in range(batch.n)), return_exceptions=True
+                    *(self._call_async(fn, batch.kwargs_for(i)) for i in range(batch.n)),
+                    return_exceptions=True,
                 )
                 for i, single in enumerate(outs):
                     if isinstance(single, BaseException):
@@ -516,11 +528,15 @@ class RewardSet:
                         results[j] = result
         return self._combine(batch, results)
 
-    def _batch(self, prompts: list, completions: list, completion_ids: list, columns: Any, trainer_state: Any) -> _Batch:
+    def _batch(
+        self, prompts: list, completions: list, completion_ids: list, columns: Any, trainer_state: Any
+    ) -> _Batch:
         n = len(completions)
         for label, seq in (("prompts", prompts), ("completion_ids", completion_ids)):
             if len(seq) != n:
-                raise DataError(f"rewards: got {len(seq)} {label} for {n} completions; pass one per completion")
+                raise DataError(
+                    f"rewards: got {len(seq)} {label} for {n} completions; pass one per completion"
+                )
         cleaned: dict[str, list] = {}
         for key, value in (columns or {}).items():
             if key in _DROPPED_COLUMNS:
@@ -530,13 +546,21 @@ class RewardSet:
                     f"dataset column {key!r} clashes with the reward call's own argument of that name; rename the column"
                 )
             if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != n:
-                got = len(value) if hasattr(value, "__len__") and not isinstance(value, (str, bytes)) else type(value).__name__
+                got = (
+                    len(value)
+                    if hasattr(value, "__len__") and not isinstance(value, (str, bytes))
+                    else type(value).__name__
+                )
                 raise DataError(
                     f"rewards: column {key!r} has {got} entries for {n} completions; each column needs one entry per "
                     "completion (repeat a prompt's value for each of its generations)"
                 )
             cleaned[key] = list(value)
-        state = trainer_state if trainer_state is not None and not isinstance(trainer_state, Mapping) else TrainerStateView(trainer_state)
+        state = (
+            trainer_state
+            if trainer_state is not None and not isinstance(trainer_state, Mapping)
+            else TrainerStateView(trainer_state)
+        )
         return _Batch(list(prompts), list(completions), list(completion_ids), cleaned, state)
 
     def _combine(self, batch: _Batch, results: list[_Result | None]) -> RewardOutput:
@@ -557,7 +581,9 @@ class RewardSet:
                 self._warn_zero(j, batch, result, len(failed))
                 error_counts[self.names[j]] = len(failed)
                 self.total_error_counts[self.names[j]] += len(failed)
-            columns.append([0.0 if i in failed else (math.nan if v is None else v) for i, v in enumerate(result.values)])
+            columns.append(
+                [0.0 if i in failed else (math.nan if v is None else v) for i, v in enumerate(result.values)]
+            )
         per = torch.tensor(columns, dtype=torch.float32).reshape(f, n).T if n else torch.empty(0, f)
         weights = torch.tensor(self.weights, dtype=torch.float32)
         total = torch.nansum(per * weights, dim=1)

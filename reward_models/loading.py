@@ -158,13 +158,17 @@ def _import_module(name: str, spec: str) -> ModuleType:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
         if exc.name is None or not (name == exc.name or name.startswith(exc.name + ".")):
-            raise ConfigError(f"reward {spec!r}: importing module {name!r} failed: {type(exc).__name__}: {exc}") from exc
+            raise ConfigError(
+                f"reward {spec!r}: importing module {name!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         raise ConfigError(
             f"reward {spec!r}: cannot import module {name!r} ({exc}); install it or put it on PYTHONPATH, "
             "or name a file instead: path/to/file.py:function"
         ) from exc
     except Exception as exc:
-        raise ConfigError(f"reward {spec!r}: importing module {name!r} failed: {type(exc).__name__}: {exc}") from exc
+        raise ConfigError(
+            f"reward {spec!r}: importing module {name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _resolve_attribute(module: ModuleType, attr: str, spec: str) -> RewardFunc:
@@ -219,7 +223,9 @@ def load_reward_function(
     if isinstance(spec, Mapping):
         merged = {k: v for k, v in spec.items() if k != "name"}
         if "name" not in spec:
-            raise ConfigError(f"a reward given as a mapping needs a 'name' key ({_forms()}); got keys {sorted(spec)}")
+            raise ConfigError(
+                f"a reward given as a mapping needs a 'name' key ({_forms()}); got keys {sorted(spec)}"
+            )
         merged.update(options)
         return load_reward_function(spec["name"], device=device, processing_class=processing_class, **merged)
     if isinstance(spec, torch.nn.Module):
@@ -235,7 +241,9 @@ def load_reward_function(
         factory = BUILTIN_REWARDS[text]
         if factory is RewardModelScorer:
             if "model" not in options:
-                raise ConfigError("reward 'reward_model' needs the option model: {name: reward_model, model: path/to/rm}")
+                raise ConfigError(
+                    "reward 'reward_model' needs the option model: {name: reward_model, model: path/to/rm}"
+                )
             return _reward_model(options.pop("model"), device, processing_class, options)
         _check_options(text, factory, options)
         if inspect.isclass(factory):

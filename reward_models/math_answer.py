@@ -86,7 +86,22 @@ def _normalize(text: str) -> str:
     """Strip formatting that does not change a value: ``$``, ``\\text{}``, spacing commands, ``%``, units of degrees."""
     s = text.strip()
     s = _TEXT_WRAPPER_RE.sub(r"\1", s)
-    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "\\$", "$", "\\%", "%", "^\\circ", "^{\\circ}", "°"):
+    for token in (
+        "\\left",
+        "\\right",
+        "\\!",
+        "\\,",
+        "\\;",
+        "\\:",
+        "\\ ",
+        "\\$",
+        "$",
+        "\\%",
+        "%",
+        "^\\circ",
+        "^{\\circ}",
+        "°",
+    ):
         s = s.replace(token, "")
     s = s.replace("{,}", ",")
     s = s.strip().rstrip(".").strip()
@@ -166,7 +181,9 @@ def reference_answer(value: Any) -> str | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise RewardError(f"the reference answer must be a string or a number, got {type(value).__name__}: {value!r}")
+        raise RewardError(
+            f"the reference answer must be a string or a number, got {type(value).__name__}: {value!r}"
+        )
     text = str(value).strip()
     if not text:
         return None
@@ -205,7 +222,11 @@ class AccuracyReward:
         )
 
     def __call__(
-        self, prompts: list | None = None, completions: list | None = None, completion_ids: list | None = None, **kwargs: Any
+        self,
+        prompts: list | None = None,
+        completions: list | None = None,
+        completion_ids: list | None = None,
+        **kwargs: Any,
     ) -> list[float | None]:
         """Score each completion against the reference in the same position."""
         completions = completions or []

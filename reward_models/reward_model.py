@@ -27,7 +27,9 @@ def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         return dtype
     value = getattr(torch, str(dtype).replace("torch.", ""), None)
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ConfigError(f"reward model: dtype must be a floating dtype name such as 'bfloat16' or 'float32', got {dtype!r}")
+        raise ConfigError(
+            f"reward model: dtype must be a floating dtype name such as 'bfloat16' or 'float32', got {dtype!r}"
+        )
     return value
 
 
@@ -81,7 +83,9 @@ class RewardModelScorer:
             )
         if tokenizer.pad_token_id is None:
             if tokenizer.eos_token is None:
-                raise ConfigError(f"reward model {source!r}: its tokenizer has neither a pad token nor an EOS token; set one")
+                raise ConfigError(
+                    f"reward model {source!r}: its tokenizer has neither a pad token nor an EOS token; set one"
+                )
             tokenizer.pad_token = tokenizer.eos_token
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = tokenizer.pad_token_id
@@ -89,7 +93,9 @@ class RewardModelScorer:
         model.eval()
         model.requires_grad_(False)
         target_dtype = _as_dtype(dtype)
-        self.model = model.to(device=self.device, dtype=target_dtype) if target_dtype else model.to(self.device)
+        self.model = (
+            model.to(device=self.device, dtype=target_dtype) if target_dtype else model.to(self.device)
+        )
         self._warned_template = False
         self._warned_truncation = False
 
@@ -118,7 +124,9 @@ class RewardModelScorer:
     def text(self, prompt: Any, completion: Any) -> tuple[str, bool]:
         """The text scored for one sample and whether it was rendered with the chat template."""
         if is_conversational(prompt) or is_conversational(completion):
-            prompt_messages = list(prompt) if is_conversational(prompt) else [{"role": "user", "content": str(prompt)}]
+            prompt_messages = (
+                list(prompt) if is_conversational(prompt) else [{"role": "user", "content": str(prompt)}]
+            )
             if is_conversational(completion):
                 reply = list(completion)
             else:
@@ -141,7 +149,9 @@ class RewardModelScorer:
         for index, (text, is_chat) in enumerate(zip(texts, chat)):
             ids = self.tokenizer(text, add_special_tokens=not is_chat)["input_ids"]
             if not ids:
-                raise RewardError(f"reward model {self.__name__}: sample {index} is empty after tokenization; nothing to score")
+                raise RewardError(
+                    f"reward model {self.__name__}: sample {index} is empty after tokenization; nothing to score"
+                )
             if len(ids) > self.max_length:
                 if not self._warned_truncation:
                     logger.warning(
@@ -181,13 +191,19 @@ class RewardModelScorer:
         return scores
 
     def __call__(
-        self, prompts: list | None = None, completions: list | None = None, completion_ids: list | None = None, **kwargs: Any
+        self,
+        prompts: list | None = None,
+        completions: list | None = None,
+        completion_ids: list | None = None,
+        **kwargs: Any,
     ) -> list[float]:
         """Score each (prompt, completion) pair; one device-to-host copy for the whole batch."""
         completions = list(completions or [])
         prompts = list(prompts) if prompts is not None else [""] * len(completions)
         if len(prompts) != len(completions):
-            raise RewardError(f"reward model {self.__name__}: got {len(prompts)} prompts for {len(completions)} completions")
+            raise RewardError(
+                f"reward model {self.__name__}: got {len(prompts)} prompts for {len(completions)} completions"
+            )
         if not completions:
             return []
         rendered = [self.text(p, c) for p, c in zip(prompts, completions)]

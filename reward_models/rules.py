@@ -35,16 +35,26 @@ class FormatReward:
     ``</tag>``; with ``partial=True`` the reward is the fraction of tags that do.
     """
 
-    def __init__(self, pattern: str | None = None, tags: Sequence[str] | None = None, partial: bool = False) -> None:
+    def __init__(
+        self, pattern: str | None = None, tags: Sequence[str] | None = None, partial: bool = False
+    ) -> None:
         if pattern is not None and tags is not None:
             raise ConfigError("format: give either pattern or tags, not both")
         if partial and tags is None:
-            raise ConfigError("format: partial=True only applies to tags mode; set tags: [think, answer] or drop partial")
+            raise ConfigError(
+                "format: partial=True only applies to tags mode; set tags: [think, answer] or drop partial"
+            )
         self.tags: list[str] | None = None
         self.pattern: re.Pattern[str] | None = None
         if tags is not None:
-            if isinstance(tags, str) or not tags or not all(isinstance(t, str) and re.fullmatch(r"[\w:.-]+", t) for t in tags):
-                raise ConfigError(f"format: tags must be a non-empty list of tag names like [think, answer], got {tags!r}")
+            if (
+                isinstance(tags, str)
+                or not tags
+                or not all(isinstance(t, str) and re.fullmatch(r"[\w:.-]+", t) for t in tags)
+            ):
+                raise ConfigError(
+                    f"format: tags must be a non-empty list of tag names like [think, answer], got {tags!r}"
+                )
             self.tags = list(tags)
         else:
             source = DEFAULT_FORMAT_PATTERN if pattern is None else pattern
@@ -53,7 +63,9 @@ class FormatReward:
             try:
                 self.pattern = re.compile(source, re.DOTALL)
             except re.error as exc:
-                raise ConfigError(f"format: pattern {source!r} is not a valid regular expression: {exc}") from None
+                raise ConfigError(
+                    f"format: pattern {source!r} is not a valid regular expression: {exc}"
+                ) from None
         self.partial = bool(partial)
         self.__name__ = "format"
 
@@ -74,13 +86,21 @@ class FormatReward:
         return 1.0 if hits == len(self.tags) else 0.0
 
     def __call__(
-        self, prompts: list | None = None, completions: list | None = None, completion_ids: list | None = None, **kwargs: Any
+        self,
+        prompts: list | None = None,
+        completions: list | None = None,
+        completion_ids: list | None = None,
+        **kwargs: Any,
     ) -> list[float]:
         """Score each completion's format."""
         return [self.score(completion_text(c)) for c in completions or []]
 
     def __repr__(self) -> str:
-        mode = f"tags={self.tags!r}, partial={self.partial}" if self.tags else f"pattern={self.pattern.pattern!r}"
+        mode = (
+            f"tags={self.tags!r}, partial={self.partial}"
+            if self.tags
+            else f"pattern={self.pattern.pattern!r}"
+        )
         return f"FormatReward({mode})"
 
 
@@ -98,11 +118,18 @@ class LengthPenalty:
         self.__name__ = "length_penalty"
 
     def __call__(
-        self, prompts: list | None = None, completions: list | None = None, completion_ids: list | None = None, **kwargs: Any
+        self,
+        prompts: list | None = None,
+        completions: list | None = None,
+        completion_ids: list | None = None,
+        **kwargs: Any,
     ) -> list[float]:
         """Penalise each completion by its token-length distance to the target."""
         n = len(completions) if completions is not None else len(completion_ids or [])
-        return [-self.scale * abs(length - self.target) / self.target for length in _lengths("length_penalty", completion_ids, n)]
+        return [
+            -self.scale * abs(length - self.target) / self.target
+            for length in _lengths("length_penalty", completion_ids, n)
+        ]
 
     def __repr__(self) -> str:
         return f"LengthPenalty(target={self.target}, scale={self.scale})"
@@ -139,7 +166,11 @@ class OverlongPenalty:
         return -1.0
 
     def __call__(
-        self, prompts: list | None = None, completions: list | None = None, completion_ids: list | None = None, **kwargs: Any
+        self,
+        prompts: list | None = None,
+        completions: list | None = None,
+        completion_ids: list | None = None,
+        **kwargs: Any,
     ) -> list[float]:
         """Penalise each completion that runs into the last ``buffer`` tokens before the limit."""
         n = len(completions) if completions is not None else len(completion_ids or [])

@@ -22,7 +22,9 @@ def _content_text(content: Any) -> str:
             elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
                 parts.append(part["text"])
         return "".join(parts)
-    raise RewardError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
+    raise RewardError(
+        f"message content must be a string or a list of text parts, got {type(content).__name__}"
+    )
 
 
 def completion_text(completion: Any) -> str:

@@ -93,7 +93,14 @@ def test_kwargs_are_exactly_trl_s():
 
     columns = {"prompt": PROMPTS, **COLUMNS}  # TRL drops the "prompt" column
     score(spy, columns=columns, state={"step": 3, "epoch": 1.0})
-    assert sorted(seen) == ["answer", "completion_ids", "completions", "difficulty", "prompts", "trainer_state"]
+    assert sorted(seen) == [
+        "answer",
+        "completion_ids",
+        "completions",
+        "difficulty",
+        "prompts",
+        "trainer_state",
+    ]
     assert seen["prompts"] == PROMPTS and seen["completions"] == COMPLETIONS and seen["completion_ids"] == IDS
     assert seen["answer"] == COLUMNS["answer"] and seen["difficulty"] == [1, 1, 2, 2]
     state = seen["trainer_state"]
@@ -282,7 +289,14 @@ def test_raising_function_names_function_exception_and_index():
     with pytest.raises(RewardError) as info:
         score([reward_len, fails_on_nine])
     message = str(info.value)
-    for part in ("'fails_on_nine'", "ZeroDivisionError", "completion 2", "(of 4", "'<answer>9</answer>'", "reward_errors: zero"):
+    for part in (
+        "'fails_on_nine'",
+        "ZeroDivisionError",
+        "completion 2",
+        "(of 4",
+        "'<answer>9</answer>'",
+        "reward_errors: zero",
+    ):
         assert part in message
 
 
@@ -305,7 +319,10 @@ def test_failure_that_depends_on_the_whole_batch():
             raise RuntimeError("batch too big")
         return [1.0]
 
-    with pytest.raises(RewardError, match=r"'needs_single' raised RuntimeError: batch too big on the batch of 4 completions, but on none"):
+    with pytest.raises(
+        RewardError,
+        match=r"'needs_single' raised RuntimeError: batch too big on the batch of 4 completions, but on none",
+    ):
         score(needs_single)
     out = score(needs_single, reward_errors="zero")
     assert out.per_function[:, 0].tolist() == [0.0] * 4 and out.error_counts["needs_single"] == 4
@@ -403,7 +420,9 @@ def test_sync_timeout():
 
     try:
         start = time.perf_counter()
-        with pytest.raises(RewardError, match=r"'slow' did not return within reward_timeout=0.05s .*cannot be killed"):
+        with pytest.raises(
+            RewardError, match=r"'slow' did not return within reward_timeout=0.05s .*cannot be killed"
+        ):
             score([reward_len, slow], reward_timeout=0.05)
         out = score([reward_len, slow], reward_timeout=0.05, reward_errors="zero")
         assert time.perf_counter() - start < 2.0
@@ -452,8 +471,14 @@ def test_malformed_batches(prompts, ids, columns, message):
     "kwargs, message",
     [
         ({"reward_funcs": []}, "reward_funcs is empty"),
-        ({"reward_funcs": [reward_len], "reward_weights": [1.0, 2.0]}, "reward_weights has 2 values for 1 reward functions"),
-        ({"reward_funcs": [reward_len], "reward_weights": [float("nan")]}, "weight of 'reward_len' must be a finite number"),
+        (
+            {"reward_funcs": [reward_len], "reward_weights": [1.0, 2.0]},
+            "reward_weights has 2 values for 1 reward functions",
+        ),
+        (
+            {"reward_funcs": [reward_len], "reward_weights": [float("nan")]},
+            "weight of 'reward_len' must be a finite number",
+        ),
         ({"reward_funcs": [reward_len], "reward_errors": "zeros"}, "did you mean 'zero'"),
         ({"reward_funcs": [reward_len], "reward_timeout": 0}, "reward_timeout must be a positive number"),
         ({"reward_funcs": [reward_len], "reward_timeout": True}, "reward_timeout must be a positive number"),
@@ -529,7 +554,10 @@ def test_load_builtin_options_as_keywords():
     "spec, message",
     [
         ("acuracy", "unknown reward 'acuracy' \\(did you mean 'accuracy'\\?\\)"),
-        ({"name": "overlong", "max_completion_length": 8, "bufer": 2}, "unknown option 'bufer' for reward 'overlong' \\(did you mean 'buffer'\\?\\)"),
+        (
+            {"name": "overlong", "max_completion_length": 8, "bufer": 2},
+            "unknown option 'bufer' for reward 'overlong' \\(did you mean 'buffer'\\?\\)",
+        ),
         ("overlong", "reward 'overlong' needs the option\\(s\\) max_completion_length, buffer"),
         ({"name": "format", "pattern": "(unclosed"}, "not a valid regular expression"),
         ({"answer_column": "x"}, "needs a 'name' key"),
@@ -575,10 +603,18 @@ def test_register_reward():
 def test_recipe_reward_file():
     path = REPO / "recipes" / "rewards" / "my_reward.py"
     rewards = RewardSet(
-        [f"{path}:answer_only", {"name": f"{path}:close_answer", "decay_steps": 10}, {"name": f"{path}:brevity", "max_tokens": 2}],
+        [
+            f"{path}:answer_only",
+            {"name": f"{path}:close_answer", "decay_steps": 10},
+            {"name": f"{path}:brevity", "max_tokens": 2},
+        ],
     )
-    chat = [[{"role": "assistant", "content": c}] for c in ["<answer>4</answer>", "<answer>7</answer> hi", "no"]]
-    out = rewards(["q"] * 3, chat, [[1, 2], [1, 2, 3], [1] * 12], {"answer": ["4", "4", None]}, {"step": 5, "epoch": 0})
+    chat = [
+        [{"role": "assistant", "content": c}] for c in ["<answer>4</answer>", "<answer>7</answer> hi", "no"]
+    ]
+    out = rewards(
+        ["q"] * 3, chat, [[1, 2], [1, 2, 3], [1] * 12], {"answer": ["4", "4", None]}, {"step": 5, "epoch": 0}
+    )
     assert out.names == ["answer_only", "close_answer", "brevity"]
     per = out.per_function
     assert per[:, 0].tolist() == [1.0, 0.0, 0.0]

@@ -153,18 +153,43 @@ def test_accuracy(completion, reference, expected):
     ],
 )
 def test_accuracy_columns_and_tolerance(options, columns, expected):
-    assert AccuracyReward(**options)(prompts=["q"], completions=["<answer>4</answer>"], completion_ids=[[1]], **columns) == expected
+    assert (
+        AccuracyReward(**options)(
+            prompts=["q"], completions=["<answer>4</answer>"], completion_ids=[[1]], **columns
+        )
+        == expected
+    )
 
 
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: AccuracyReward()(completions=["x"], other=["1"]), RewardError, "'answer' or 'solution' dataset column.*\\['other'\\]"),
-        (lambda: AccuracyReward(answer_column="gold")(completions=["x"], answer=["1"]), RewardError, "'gold' dataset column"),
-        (lambda: AccuracyReward()(completions=["x", "y"], answer=["1"]), RewardError, "1 reference answers for 2 completions"),
-        (lambda: AccuracyReward()(completions=["x"], answer=[["1"]]), RewardError, "reference answer must be a string or a number"),
+        (
+            lambda: AccuracyReward()(completions=["x"], other=["1"]),
+            RewardError,
+            "'answer' or 'solution' dataset column.*\\['other'\\]",
+        ),
+        (
+            lambda: AccuracyReward(answer_column="gold")(completions=["x"], answer=["1"]),
+            RewardError,
+            "'gold' dataset column",
+        ),
+        (
+            lambda: AccuracyReward()(completions=["x", "y"], answer=["1"]),
+            RewardError,
+            "1 reference answers for 2 completions",
+        ),
+        (
+            lambda: AccuracyReward()(completions=["x"], answer=[["1"]]),
+            RewardError,
+            "reference answer must be a string or a number",
+        ),
         (lambda: AccuracyReward(rel_tol=2), ConfigError, "rel_tol must be a number in \\[0, 1\\)"),
-        (lambda: AccuracyReward()(completions=[5], answer=["1"]), RewardError, "completion must be a string or a list of chat messages, got int"),
+        (
+            lambda: AccuracyReward()(completions=[5], answer=["1"]),
+            RewardError,
+            "completion must be a string or a list of chat messages, got int",
+        ),
     ],
 )
 def test_accuracy_errors(call, error, message):
@@ -247,7 +272,17 @@ def test_length_penalty(target, scale, length, expected):
 # DAPO: L_max = 20, buffer = 4 -> 0 up to 16 tokens, linear to -1 at 20, -1 beyond.
 @pytest.mark.parametrize(
     "length, expected",
-    [(0, 0.0), (10, 0.0), (16, 0.0), (17, -0.25), (18, -0.5), (19, -0.75), (20, -1.0), (21, -1.0), (500, -1.0)],
+    [
+        (0, 0.0),
+        (10, 0.0),
+        (16, 0.0),
+        (17, -0.25),
+        (18, -0.5),
+        (19, -0.75),
+        (20, -1.0),
+        (21, -1.0),
+        (500, -1.0),
+    ],
 )
 def test_overlong_dapo_shaping(length, expected):
     fn = OverlongPenalty(max_completion_length=20, buffer=4)
@@ -262,10 +297,16 @@ def test_overlong_buffer_equal_to_limit():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: OverlongPenalty(max_completion_length=0, buffer=1), "max_completion_length must be a positive"),
+        (
+            lambda: OverlongPenalty(max_completion_length=0, buffer=1),
+            "max_completion_length must be a positive",
+        ),
         (lambda: OverlongPenalty(max_completion_length=8, buffer=0), "buffer must be a positive"),
         (lambda: OverlongPenalty(max_completion_length=8, buffer=9), "buffer \\(9\\) must not exceed"),
-        (lambda: OverlongPenalty(max_completion_length=8.5, buffer=2), "max_completion_length must be a positive"),
+        (
+            lambda: OverlongPenalty(max_completion_length=8.5, buffer=2),
+            "max_completion_length must be a positive",
+        ),
         (lambda: LengthPenalty(target=0), "target must be a positive"),
         (lambda: LengthPenalty(target=5, scale=-1), "scale must be a non-negative"),
     ],
@@ -288,8 +329,27 @@ def test_length_rewards_need_completion_ids(fn):
     [
         ("plain", "plain"),
         ([{"role": "assistant", "content": "hi"}], "hi"),
-        ([{"role": "assistant", "content": "a"}, {"role": "tool", "content": "T"}, {"role": "assistant", "content": "b"}], "ab"),
-        ([{"role": "assistant", "content": [{"type": "text", "text": "x"}, {"type": "image"}, {"type": "text", "text": "y"}]}], "xy"),
+        (
+            [
+                {"role": "assistant", "content": "a"},
+                {"role": "tool", "content": "T"},
+                {"role": "assistant", "content": "b"},
+            ],
+            "ab",
+        ),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "x"},
+                        {"type": "image"},
+                        {"type": "text", "text": "y"},
+                    ],
+                }
+            ],
+            "xy",
+        ),
         ([{"content": "no role"}], "no role"),
         ({"role": "assistant", "content": "dict"}, "dict"),
         ([{"role": "assistant", "content": None}], ""),

@@ -604,6 +604,7 @@ def test_recipe_reward_file():
     path = REPO / "recipes" / "rewards" / "my_reward.py"
     rewards = RewardSet(
         [
+            f"{path}:my_reward",
             f"{path}:answer_only",
             {"name": f"{path}:close_answer", "decay_steps": 10},
             {"name": f"{path}:brevity", "max_tokens": 2},
@@ -615,8 +616,47 @@ def test_recipe_reward_file():
     out = rewards(
         ["q"] * 3, chat, [[1, 2], [1, 2, 3], [1] * 12], {"answer": ["4", "4", None]}, {"step": 5, "epoch": 0}
     )
-    assert out.names == ["answer_only", "close_answer", "brevity"]
+    assert out.names == ["my_reward", "answer_only", "close_answer", "brevity"]
     per = out.per_function
-    assert per[:, 0].tolist() == [1.0, 0.0, 0.0]
-    assert per[:2, 1].tolist() == pytest.approx([0.5, 0.5 / 4]) and math.isnan(per[2, 1])
-    assert per[:, 2].tolist() == pytest.approx([0.0, -0.01, -0.1])
+    assert per[:2, 0].tolist() == [1.0, 0.25] and math.isnan(per[2, 0])
+    assert per[:, 1].tolist() == [1.0, 0.0, 0.0]
+    assert per[:2, 2].tolist() == pytest.approx([0.5, 0.125]) and math.isnan(per[2, 2])
+    assert per[:, 3].tolist() == pytest.approx([0.0, -0.01, -0.1])
+
+
+def test_recipe_custom_reward_yaml_names_a_function_that_exists():
+    import yaml
+
+    recipe = yaml.safe_load((REPO / "recipes" / "custom_reward.yaml").read_text())
+    specs = [
+        s.replace("recipes/", f"{REPO}/recipes/", 1) if isinstance(s, str) and ".py:" in s else s
+        for s in recipe["reward_funcs"]
+    ]
+    rewards = RewardSet(specs, reward_weights=recipe["reward_weights"])
+    out = rewards(["q"], ["<answer>5</answer>"], [[1]], {"answer": ["4"]})
+    assert out.total.tolist() == [0.5 * 0.5]
+
+
+def test_sync_callable_returning_a_coroutine_is_awaited():
+    async def judge(completions):
+        await asyncio.sleep(0)
+        return [2.0] * len(completions)
+
+    def wrapper(completions, **kwargs):  # e.g. a decorator that hides the async def
+        return judge(completions)
+
+    assert score(wrapper).total.tolist() == [2.0] * 4
+    assert score(wrapper, reward_timeout=5).total.tolist() == [2.0] * 4
+
+
+def test_nothing_evaluates_text_as_code():
+    import ast
+
+    for path in sorted((REPO / "reward_models").glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        calls = {
+            node.func.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        }
+        assert not calls & {"eval", "exec", "compile", "__import__"}, path

@@ -3,13 +3,16 @@
 Use them from a recipe, next to the built-ins::
 
     reward_funcs:
+      - recipes/rewards/my_reward.py:my_reward
       - accuracy
-      - recipes/rewards/my_reward.py:answer_only
+    reward_weights: [0.5, 1.0]
+
+(see recipes/custom_reward.yaml), with options written next to the name::
+
       - {name: recipes/rewards/my_reward.py:close_answer, decay_steps: 200}
       - {name: recipes/rewards/my_reward.py:brevity, max_tokens: 16}
-    reward_weights: [1.0, 0.2, 0.5, 0.1]
 
-or from Python: ``GRPOTrainer(..., reward_funcs=[answer_only, close_answer])``.
+or from Python: ``GRPOTrainer(..., reward_funcs=[my_reward, "accuracy"])``.
 
 A reward function is called with keyword arguments: ``prompts``, ``completions`` (strings, or
 lists of chat messages when the prompts are chat messages), ``completion_ids`` (token ids), every
@@ -37,13 +40,10 @@ def answer_only(completions, **kwargs) -> list[float]:
     return [1.0 if _ANSWER_ONLY.match(_text(c)) else 0.0 for c in completions]
 
 
-def close_answer(completions, answer, trainer_state, decay_steps: int = 100, **kwargs) -> list[float | None]:
-    """Partial credit ``1 / (1 + |predicted - answer|)`` for near misses, fading linearly to 0 over
-    the first ``decay_steps`` training steps (a curriculum: early on, being close is worth something).
-
-    Rows without a numeric reference answer get None, so this reward is left out for them.
-    """
-    fade = max(0.0, 1.0 - trainer_state.global_step / decay_steps)
+def my_reward(completions, answer, **kwargs) -> list[float | None]:
+    """Partial credit for near misses: ``1 / (1 + |predicted - answer|)``, so 1.0 when exact, 0.5
+    when off by one, ... and 0.0 without an ``<answer>integer</answer>``. Rows whose reference is not
+    an integer get None, so this reward is left out for them."""
     rewards: list[float | None] = []
     for completion, reference in zip(completions, answer):
         if reference is None or not re.fullmatch(r"-?\d+", str(reference).strip()):
@@ -53,9 +53,15 @@ def close_answer(completions, answer, trainer_state, decay_steps: int = 100, **k
         if match is None:
             rewards.append(0.0)
             continue
-        distance = abs(int(match.group(1)) - int(str(reference).strip()))
-        rewards.append(fade / (1.0 + distance))
+        rewards.append(1.0 / (1.0 + abs(int(match.group(1)) - int(str(reference).strip()))))
     return rewards
+
+
+def close_answer(completions, answer, trainer_state, decay_steps: int = 100, **kwargs) -> list[float | None]:
+    """:func:`my_reward` fading linearly to 0 over the first ``decay_steps`` training steps (a
+    curriculum: early on, being close is worth something; later only ``accuracy`` counts)."""
+    fade = max(0.0, 1.0 - trainer_state.global_step / decay_steps)
+    return [None if r is None else fade * r for r in my_reward(completions, answer)]
 
 
 def brevity(completion_ids, max_tokens: int = 32, **kwargs) -> list[float]:

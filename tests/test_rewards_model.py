@@ -18,6 +18,15 @@ COMPLETIONS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny forwards are fastest on one thread, and stay fast when other tests load the CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def rm_dir(tiny_model_dir, tmp_path_factory):
     """A reward model directory: the tiny Qwen2 with a fresh one-logit score head, and its tokenizer."""

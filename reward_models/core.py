@@ -432,13 +432,16 @@ class RewardSet:
         for i in range(batch.n):
             try:
                 out = self._call_sync(self.funcs[j], batch.kwargs_for(i))
+            except _Timeout as exc:  # too slow even alone: give up on the whole batch
+                result.batch_error = exc
+                break
             except Exception as exc:
                 result.failures[i] = exc
-                if self.reward_errors == "raise" or isinstance(exc, _Timeout):
+                if self.reward_errors == "raise":
                     break
                 continue
             self._single(j, i, out, result)
-        if not result.failures:
+        if not result.failures and result.batch_error is None:
             result.batch_error = batch_exc
         return result
 
@@ -457,11 +460,13 @@ class RewardSet:
                     return_exceptions=True,
                 )
                 for i, single in enumerate(outs):
-                    if isinstance(single, BaseException):
+                    if isinstance(single, _Timeout):
+                        result.batch_error = single
+                    elif isinstance(single, BaseException):
                         result.failures[i] = single
                     else:
                         self._single(j, i, single, result)
-                if not result.failures:
+                if not result.failures and result.batch_error is None:
                     result.batch_error = exc
         else:
             self._finish(j, batch, out, result)

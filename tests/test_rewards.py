@@ -431,6 +431,25 @@ def test_sync_timeout():
         release.set()
 
 
+def test_timeout_while_locating_a_failure_zeroes_the_batch():
+    release = threading.Event()
+
+    def picky(completions, **kwargs):
+        if len(completions) > 1:
+            raise RuntimeError("batch")
+        if completions[0] == "nine":
+            release.wait(10)
+        return [1.0]
+
+    try:
+        with pytest.raises(RewardError, match="'picky' did not return within reward_timeout"):
+            score(picky, reward_timeout=0.05)
+        out = score(picky, reward_timeout=0.05, reward_errors="zero")
+        assert out.per_function[:, 0].tolist() == [0.0] * 4 and out.error_counts == {"picky": 4}
+    finally:
+        release.set()
+
+
 def test_async_timeout_cancels():
     cancelled = threading.Event()
 

@@ -220,12 +220,16 @@ def checkpoint_step(path: str | os.PathLike) -> int | None:
 
 
 def _peft_adapter_names(model: torch.nn.Module) -> list[str]:
-    """Adapter names with the active one first: it is saved at the checkpoint's top level."""
+    """Adapter names, the top-level one first: 'default' as in PEFT's own layout, else the active one.
+
+    The top-level adapter is what PeftModel.from_pretrained(base, CHECKPOINT) and export use.
+    """
     names = list(model.peft_config)
     active = getattr(model, "active_adapter", None)
-    if isinstance(active, str) and active in names:
-        names.remove(active)
-        names.insert(0, active)
+    first = "default" if "default" in names else active
+    if isinstance(first, str) and first in names:
+        names.remove(first)
+        names.insert(0, first)
     return names
 
 
@@ -467,12 +471,17 @@ def read_manifest(path: str | os.PathLike, verify_hashes: bool = True) -> dict[s
     return manifest
 
 
-def _is_complete(folder: Path) -> bool:
+def _incomplete_reason(folder: Path) -> str | None:
+    """None for a complete checkpoint (manifest valid, sizes match), else why it is not."""
     try:
         read_manifest(folder, verify_hashes=False)
-    except CheckpointError:
-        return False
-    return True
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _is_complete(folder: Path) -> bool:
+    return _incomplete_reason(folder) is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -500,9 +509,10 @@ def find_latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
         reverse=True,
     )
     for _, path in candidates:
-        if _is_complete(path):
+        reason = _incomplete_reason(path)
+        if reason is None:
             return path
-        logger.warning("skipping incomplete checkpoint %s (no valid %s)", path, MANIFEST_NAME)
+        logger.warning("skipping checkpoint %s: %s", path, reason)
     return None
 
 

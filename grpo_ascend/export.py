@@ -182,7 +182,7 @@ def _load_base(base: str) -> torch.nn.Module:
 
     try:
         return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         raise CheckpointError(
             f"could not load the base model {base!r} to merge into ({str(exc).splitlines()[0]}); pass the "
             f"base model's path with --base-model (base_model=...)"
@@ -212,7 +212,9 @@ def _merge(out: Path, base: str, config: dict[str, Any], tensors: Mapping[str, t
 
     model = _load_base(base)
     target_dtype = dtype or _stored_dtype(model)
-    peft_config = PeftConfig.from_peft_type(**{k: v for k, v in config.items() if k != "auto_mapping"})
+    values = {k: v for k, v in config.items() if k != "auto_mapping"}
+    values["base_model_name_or_path"] = base
+    peft_config = PeftConfig.from_peft_type(**values)
     peft_config.inference_mode = False
     try:
         peft_model = get_peft_model(model, peft_config)

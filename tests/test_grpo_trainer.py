@@ -22,7 +22,7 @@ from grpo_ascend.trainers.base import Round
 def _config(tmp_path, **kw):
     base = dict(
         output_dir=str(tmp_path / "run"), num_generations=4, per_device_train_batch_size=8, max_completion_length=10,
-        max_prompt_length=64, learning_rate=5e-3, max_steps=2, save_steps=0, logging_steps=1, disable_tqdm=True,
+        max_prompt_length=96, learning_rate=5e-3, max_steps=2, save_steps=0, logging_steps=1, disable_tqdm=True,
         log_completions_steps=0, seed=0, lr_scheduler_type="constant", length_bucket=16,
     )
     base.update(kw)

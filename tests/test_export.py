@@ -14,6 +14,15 @@ from grpo_ascend.errors import CheckpointError, ConfigError
 from grpo_ascend.export import export_checkpoint, parse_dtype
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls run faster on one thread, and much faster when other jobs share the CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _base(model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -184,3 +193,17 @@ def test_parse_dtype():
     assert parse_dtype(None) is None
     with pytest.raises(ConfigError, match="did you mean 'bf16'"):
         parse_dtype("bf61")
+
+
+def test_live_full_model_export_casts_without_touching_the_model(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = _base(tiny_model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.1)
+    out = export_checkpoint(model, tmp_path / "full16", dtype="bf16")
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert exported.dtype == torch.bfloat16 and model.dtype == torch.float32
+    assert torch.equal(exported.model.norm.weight, model.model.norm.weight.to(torch.bfloat16))
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
+    assert (out / "tokenizer.json").is_file()  # taken from the base model's folder

@@ -386,7 +386,11 @@ class PPOConfig(BaseRLConfig):
     vf_coef: float = _f(0.1, "Value loss coefficient.")
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
     ppo_epochs: int = _f(2, "Optimisation passes over each rollout batch.")
-    num_mini_batches: int = _f(1, "Mini-batches (optimizer steps) per pass over a rollout batch.")
+    num_mini_batches: int = _f(
+        1, "Mini-batches (optimizer steps) per pass over a rollout batch; the rollout batch on each device is "
+        "per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches completions."
+    )
+    loss_type: str = _f("bnpo", "Policy-loss aggregation from the loss registry (bnpo = token mean per step, as PPO).")
     critic_init: Literal["policy", "reward_model"] = _f(
         "policy", "Critic backbone: the policy's frozen base with its own LoRA, or a reward model path."
     )
@@ -404,6 +408,28 @@ class PPOConfig(BaseRLConfig):
             raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.critic_init == "reward_model" and not self.critic_model:
             raise ConfigError("critic_init='reward_model' needs critic_model: the reward model's path")
+        if self.rollout_buffer_size is not None and self.rollout_buffer_size < 1:
+            raise ConfigError(f"rollout_buffer_size must be >= 1 or null, got {self.rollout_buffer_size}")
+
+    @property
+    def num_iterations(self) -> int:
+        """Passes over each rollout batch, under the name the batch plan uses (= ppo_epochs)."""
+        return self.ppo_epochs
+
+    def resolved_steps_per_generation(self, world_size: int = 1) -> int:
+        """Micro-batches per rollout batch on each device: num_mini_batches × gradient_accumulation_steps,
+        unless steps_per_generation / generation_batch_size set it (then num_mini_batches must agree)."""
+        if self.steps_per_generation is None and self.generation_batch_size is None:
+            return self.num_mini_batches * self.gradient_accumulation_steps
+        spg = super().resolved_steps_per_generation(world_size)
+        if spg != self.num_mini_batches * self.gradient_accumulation_steps:
+            raise ConfigError(
+                f"num_mini_batches ({self.num_mini_batches}) disagrees with the rollout batch: {spg} micro-batches "
+                f"per device / gradient_accumulation_steps {self.gradient_accumulation_steps} give "
+                f"{spg / self.gradient_accumulation_steps:g} optimizer steps per pass; set num_mini_batches to that, "
+                "or leave steps_per_generation and generation_batch_size unset"
+            )
+        return spg
 
 
 @dataclass

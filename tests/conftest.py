@@ -9,6 +9,9 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The test models are tiny: one thread is as fast as two for them, and it avoids OpenMP spin-wait
+# thrashing (tens of times slower) when the 2-core CI machine runs anything else at the same time.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -212,6 +212,16 @@ class RLTrainerBase:
         timings[key] = timings.get(key, 0.0) + now - start
         return now
 
+    def _next_rows(self, per_rank: int) -> list[dict[str, Any]]:
+        """This rank's share of the next ``per_rank × processes`` prompts.
+
+        Every rank draws the same global batch (the samplers stay in lockstep, so resume needs one
+        state) and keeps its own slice, so each prompt's G completions live on one rank.
+        """
+        rows = self.sampler.next_rows(per_rank * self.accelerator.num_processes)
+        rank = self.accelerator.process_index
+        return rows[rank * per_rank : (rank + 1) * per_rank]
+
     def _sample_and_score(self, rows: list[dict[str, Any]], timings: dict[str, float]) -> Round:
         """Generate G completions for each row's prompt and score them with every reward function."""
         G = self.args.num_generations

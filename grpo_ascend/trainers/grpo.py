@@ -67,7 +67,7 @@ class GRPOTrainer(RLTrainerBase):
     def _prepare_round(self, timings: dict[str, float]) -> tuple[Round, dict[str, float]]:
         args, G = self.args, self.args.num_generations
         prompts_per_rank = self.plan.completions_per_generation // self.accelerator.num_processes // G
-        rnd = self._sample_and_score(self.sampler.next_rows(prompts_per_rank), timings)
+        rnd = self._sample_and_score(self._next_rows(prompts_per_rank), timings)
         metrics = self._completion_metrics(rnd)
         if args.dynamic_sampling:
             rnd, ds_metrics = self._dynamic_sampling(rnd, prompts_per_rank, timings)
@@ -124,10 +124,15 @@ class GRPOTrainer(RLTrainerBase):
                 have += take.numel()
             if bad.numel():
                 spare.append(self._select(rnd, self._group_rows(bad, G)))
-            if have >= want or rounds >= self.args.max_dynamic_sampling_rounds:
+            # Ranks refill in lockstep (same draws, same number of rounds) so samplers stay aligned.
+            shortfall = torch.tensor(float(want - have), device=self.device)
+            if self.accelerator.num_processes > 1:
+                shortfall = self.accelerator.reduce(shortfall, reduction="max")
+            need = int(shortfall)
+            if need == 0 or rounds >= self.args.max_dynamic_sampling_rounds:
                 break
             rounds += 1
-            rnd = self._sample_and_score(self.sampler.next_rows(want - have), timings)
+            rnd = self._sample_and_score(self._next_rows(need), timings)
         filled = 0
         for s in spare:
             if have >= want:

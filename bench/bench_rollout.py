@@ -1,0 +1,236 @@
+"""Rollout throughput: grpo_ascend's RolloutEngine vs Hugging Face ``model.generate``, side by side.
+
+Both sample G completions for each of P prompts (~128 tokens) with the same model, the same
+sampling distribution (T = 1, no top-k/top-p) and the same stopping rule, interleaved
+(ours, generate, ours, generate, ...) after one warm-up each; the table reports medians.
+Throughput counts generated tokens up to and including the first stop token of each completion.
+
+Two modes:
+
+* ``eos-off``: every completion runs to ``--new-tokens`` (ours: ``ignore_eos=True``; generate:
+  no EOS id);
+* ``natural``: completions stop at EOS or at any of ``--stop-set`` extra token ids (the same set
+  for both engines; generate gets it as its list of EOS ids). The built-in models are random-init,
+  so they would almost never emit EOS by themselves; a small stop set gives a realistic spread of
+  completion lengths (geometric-like, a few reaching the limit).
+
+Peak memory: on an accelerator, the allocator's peak minus what was allocated before the call;
+on the CPU, the peak resident set size (VmHWM, reset before each call) minus RSS before the call.
+
+Examples::
+
+    python bench/bench_rollout.py                                   # CPU, fp32, `small` model
+    python bench/bench_rollout.py --device cuda --dtype bf16 --model-config qwen2-0.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from grpo_ascend import device as devmod  # noqa: E402
+from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
+from grpo_ascend.rollout.sampling import SamplingParams  # noqa: E402
+from grpo_ascend.tiny_model import _WORDS, build_tiny_model  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_model(name: str, dtype: torch.dtype, dev: torch.device):
+    """The offline model (tiny/small) or a random-init Qwen2-0.5B-shaped model, with the tiny tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok_dir = build_tiny_model("small" if name == "qwen2-0.5b" else name)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    if name == "qwen2-0.5b":
+        config = Qwen2Config(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = Qwen2ForCausalLM(config)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    else:
+        model = AutoModelForCausalLM.from_pretrained(tok_dir)
+    model.to(device=dev, dtype=dtype).eval()
+    return model, tokenizer
+
+
+def make_prompts(tokenizer, n: int, length: int, seed: int = 0) -> list[str]:
+    """n word-soup prompts of between length - length//8 and length tokens (different lengths)."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        target = length - (i * length // 8) // max(1, n - 1) if n > 1 else length
+        words: list[str] = []
+        while len(tokenizer(" ".join(words), add_special_tokens=False)["input_ids"]) < target:
+            words.append(rng.choice(_WORDS))
+        while len(tokenizer(" ".join(words), add_special_tokens=False)["input_ids"]) > target:
+            words.pop()
+        prompts.append(" ".join(words))
+    return prompts
+
+
+def count_tokens(completions: torch.Tensor, stops: list[int]) -> int:
+    """Tokens up to and including the first stop id of each row (all of them when none)."""
+    if not stops:
+        return completions.numel()
+    is_stop = torch.isin(completions, torch.tensor(stops, device=completions.device))
+    first = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, completions.shape[1])
+    return int(first.sum())
+
+
+def memory_before(dev: torch.device) -> int:
+    devmod.synchronize(dev)
+    devmod.reset_peak_memory(dev)
+    return devmod.memory_stats(dev)["allocated"]
+
+
+def run_ours(engine, prompts, params, dev, seed):
+    base = memory_before(dev)
+    t0 = time.perf_counter()
+    batch = engine.generate(prompts, params, generator=torch.Generator(device=dev).manual_seed(seed))
+    devmod.synchronize(dev)
+    elapsed = time.perf_counter() - t0
+    peak = devmod.memory_stats(dev)["peak"] - base
+    return int(batch.completion_lengths.sum()), elapsed, peak
+
+
+def run_generate(model, tokenizer, prompts, args, stops, dev, seed):
+    enc = tokenizer(
+        prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt"
+    ).to(dev)
+    gen_config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
+    gen_config.eos_token_id = stops or None
+    gen_config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    base = memory_before(dev)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            **enc,
+            generation_config=gen_config,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=args.G,
+            max_new_tokens=args.new_tokens,
+        )
+    devmod.synchronize(dev)
+    elapsed = time.perf_counter() - t0
+    peak = devmod.memory_stats(dev)["peak"] - base
+    return count_tokens(out[:, enc["input_ids"].shape[1] :], stops), elapsed, peak
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="auto, cpu, or an accelerator name (default cpu)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument("--model-config", default="small", choices=["tiny", "small", "qwen2-0.5b"])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--G", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per engine and mode (after a warm-up)"
+    )
+    parser.add_argument("--modes", default="eos-off,natural")
+    parser.add_argument("--stop-set", type=int, default=10, help="extra stop token ids in natural mode")
+    parser.add_argument("--length-bucket", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    args = parser.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev = devmod.resolve_device(args.device)
+    model, tokenizer = load_model(args.model_config, DTYPES[args.dtype], dev)
+    prompts = make_prompts(tokenizer, args.prompts, args.prompt_len)
+    lens = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"model {args.model_config} ({n_params / 1e6:.1f}M params, {args.dtype}) on {dev}, "
+        f"torch threads {torch.get_num_threads()}; {args.prompts} prompts of {min(lens)}-{max(lens)} tokens, "
+        f"G={args.G}, {args.new_tokens} new tokens, {args.repeats} interleaved repeats after a warm-up"
+    )
+    engine = RolloutEngine(model, tokenizer)
+    eos = engine.eos_token_ids
+    rng = random.Random(1)
+    special = set(tokenizer.all_special_ids)
+    extra = rng.sample([i for i in range(len(tokenizer)) if i not in special], args.stop_set)
+
+    rows = []
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        if mode not in ("eos-off", "natural"):
+            raise SystemExit(f"unknown mode {mode!r}: expected eos-off and/or natural")
+        natural = mode == "natural"
+        stops = (eos + extra) if natural else []
+        params = SamplingParams(
+            num_generations=args.G,
+            max_completion_length=args.new_tokens,
+            temperature=1.0,
+            stop_token_ids=extra if natural else (),
+            ignore_eos=not natural,
+            max_prompt_length=None,
+            length_bucket=args.length_bucket,
+        )
+        results: dict[str, list[tuple[int, float, int]]] = {"ours": [], "generate": []}
+        for rep in range(args.repeats + 1):
+            ours = run_ours(engine, prompts, params, dev, seed=rep)
+            ref = run_generate(model, tokenizer, prompts, args, stops, dev, seed=rep)
+            if rep:  # the first round is a warm-up
+                results["ours"].append(ours)
+                results["generate"].append(ref)
+            print(
+                f"  [{mode} {'warm-up' if rep == 0 else f'run {rep}'}] ours {ours[0] / ours[1]:8.1f} tok/s "
+                f"({ours[1]:.2f} s)  generate {ref[0] / ref[1]:8.1f} tok/s ({ref[1]:.2f} s)",
+                flush=True,
+            )
+        summary = {}
+        for name, runs in results.items():
+            summary[name] = (
+                statistics.median(r[0] / r[1] for r in runs),
+                statistics.median(r[1] for r in runs),
+                statistics.median(r[0] for r in runs),
+                max(r[2] for r in runs),
+            )
+        ratios = [o[0] / o[1] / (g[0] / g[1]) for o, g in zip(results["ours"], results["generate"])]
+        rows.append((mode, summary, statistics.median(ratios)))
+
+    print()
+    print(
+        "| mode | engine | tokens/s (median) | s/call | tokens/call | peak mem (MiB) | ratio ours/generate |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for mode, summary, ratio in rows:
+        for name in ("ours", "generate"):
+            tps, sec, toks, peak = summary[name]
+            r = f"{ratio:.2f}x" if name == "ours" else ""
+            print(f"| {mode} | {name} | {tps:.1f} | {sec:.2f} | {toks:.0f} | {peak / 2**20:.0f} | {r} |")
+
+
+if __name__ == "__main__":
+    main()

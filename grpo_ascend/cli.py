@@ -129,6 +129,8 @@ COMMANDS: dict[str, Command] = {
     "train": Command("train with GRPO or PPO from a YAML recipe, e.g. train recipes/default.yaml --max_steps 20",
                      lazy("grpo_ascend.run:add_train_arguments"), lazy("grpo_ascend.run:run_train")),
     "export": Command("export a checkpoint's LoRA adapter (PEFT format), or with --merge a full model", lazy("grpo_ascend.export:add_export_arguments"), lazy("grpo_ascend.export:run_export")),
+    "plot": Command("plot reward, KL, completion length and step time of one or more runs to a PNG",
+                    lazy("grpo_ascend.plot:add_plot_arguments"), lazy("grpo_ascend.plot:run_plot")),
     "doctor": Command("report versions, the accelerator, bf16 support, runtime env vars and free memory", _add_doctor_arguments, _doctor),
 }
 

@@ -122,26 +122,40 @@ class Critic:
 
 
 @contextlib.contextmanager
+def preserve_requires_grad(model: nn.Module) -> Iterator[None]:
+    """Restore every parameter's ``requires_grad`` on exit.
+
+    peft flips these flags as a side effect: ``set_adapter`` leaves only the active adapter
+    trainable, and leaving ``disable_adapter()`` (the reference forward) re-applies that, which
+    would silently freeze a second adapter such as the critic's.
+    """
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+@contextlib.contextmanager
 def active_adapter(model: nn.Module, name: str | None) -> Iterator[None]:
     """Make ``name`` the active adapter of a PeftModel inside the block (None: no change).
 
-    peft's ``set_adapter`` also flips ``requires_grad`` (only the active adapter trainable); the
-    flags of every parameter are restored on exit, so both adapters stay trainable and a DDP wrapper
-    built over one of them never sees its parameters change. Run the critic's *backward* inside the
-    block too: gradient checkpointing recomputes the forward then, with whatever adapter is active.
+    Every parameter's ``requires_grad`` is restored on exit (see :func:`preserve_requires_grad`), so
+    both adapters stay trainable and a DDP wrapper built over one of them never sees its parameters
+    change. Run the critic's *backward* inside the block too: gradient checkpointing recomputes the
+    forward then, with whatever adapter is active.
     """
     if name is None:
         yield
         return
     previous = model.active_adapter
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    model.set_adapter(name)
-    try:
-        yield
-    finally:
-        model.set_adapter(previous)
-        for p, flag in flags:
-            p.requires_grad_(flag)
+    with preserve_requires_grad(model):
+        model.set_adapter(name)
+        try:
+            yield
+        finally:
+            model.set_adapter(previous)
 
 
 def _hidden_size(model: nn.Module) -> int:

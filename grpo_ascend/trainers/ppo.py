@@ -48,7 +48,13 @@ from grpo_ascend.algorithms.losses import (
     ppo_value_loss,
 )
 from grpo_ascend.config import PPOConfig
-from grpo_ascend.critic import Critic, active_adapter, build_critic, enable_critic_grads
+from grpo_ascend.critic import (
+    Critic,
+    active_adapter,
+    build_critic,
+    enable_critic_grads,
+    preserve_requires_grad,
+)
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.buffer import FieldSpec, RolloutBuffer
 from grpo_ascend.rollout.kv_cache import round_up
@@ -224,7 +230,8 @@ class PPOTrainer(RLTrainerBase):
         beta = self.kl_ctl.value
         ref_logps = None
         if self.use_reference:
-            ref_logps = self._forward_logprobs(rnd, reference=True)
+            with preserve_requires_grad(self.policy):  # leaving disable_adapter() would freeze the critic adapter
+                ref_logps = self._forward_logprobs(rnd, reference=True)
             start = self._timed(timings, "reference", start)
         values = self._forward_values(rnd) * mask
         start = self._timed(timings, "values", start)

@@ -1,0 +1,326 @@
+"""PPO: KL control and token rewards, the critic (shared-base adapter, value alignment), exact gradient
+accumulation through the rollout buffer, a reward that rises, exact resume with the critic, and the
+full fine-tuning and reward-model critics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from grpo_ascend import PPOConfig, PPOTrainer
+from grpo_ascend.algorithms.kl_control import (
+    AdaptiveKLController,
+    KLController,
+    make_kl_controller,
+    token_rewards,
+)
+from grpo_ascend.critic import CRITIC_ADAPTER, active_adapter, build_critic, enable_critic_grads
+from grpo_ascend.errors import ConfigError
+from grpo_ascend.models import (
+    CompletionLogprobs,
+    apply_peft,
+    backbone_and_head,
+    default_lora_config,
+    load_causal_lm,
+)
+from grpo_ascend.synthetic import arithmetic_dataset
+from grpo_ascend.trainers.base import Round
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread, especially on a shared CI machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _config(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=8, max_completion_length=8,
+        max_prompt_length=96, learning_rate=5e-3, max_steps=2, save_steps=0, logging_steps=1, disable_tqdm=True,
+        log_completions_steps=0, seed=0, lr_scheduler_type="constant", length_bucket=16, ppo_epochs=1,
+        num_mini_batches=1, kl_coef=0.05,
+    )
+    base.update(kw)
+    return PPOConfig(**base)
+
+
+def first_digit_is_one(prompts, completions, **kwargs):
+    """A pattern the warm-started policy learns quickly: answers that start with the digit 1."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [1.0 if t.strip().removeprefix("<answer>").startswith("1") else 0.0 for t in texts]
+
+
+def _metrics(path):
+    return [json.loads(line) for line in open(path)]
+
+
+# ---------------------------------------------------------------------------------- KL and rewards
+
+
+def test_kl_controllers():
+    fixed = make_kl_controller(0.1)
+    assert type(fixed) is KLController and fixed.update(100.0, 64) == 0.1
+    ctl = make_kl_controller(0.1, adaptive=True, target_kl=6.0, kl_horizon=100)
+    assert isinstance(ctl, AdaptiveKLController)
+    ctl.update(9.0, 10)  # error +0.5 clipped to +0.2
+    assert ctl.value == pytest.approx(0.1 * 1.02)
+    ctl.update(6.6, 10)  # error +0.1
+    assert ctl.value == pytest.approx(0.1 * 1.02 * 1.01)
+    ctl.update(0.0, 10)  # error −1 clipped to −0.2
+    assert ctl.value == pytest.approx(0.1 * 1.02 * 1.01 * 0.98)
+    before = ctl.value
+    ctl.update(float("nan"), 10)
+    assert ctl.value == before
+    other = make_kl_controller(0.5, adaptive=True)
+    other.load_state_dict(json.loads(json.dumps(ctl.state_dict())))
+    assert other.value == ctl.value
+    with pytest.raises(ConfigError, match="kl_coef"):
+        make_kl_controller(-1.0)
+    with pytest.raises(ConfigError, match="target_kl"):
+        make_kl_controller(0.1, adaptive=True, target_kl=0.0)
+
+
+def test_token_rewards_match_a_loop():
+    g = torch.Generator().manual_seed(0)
+    B, T, beta = 5, 7, 0.3
+    logps, ref = -torch.rand(B, T, generator=g) * 3, -torch.rand(B, T, generator=g) * 3
+    lengths = [7, 3, 1, 0, 5]
+    mask = torch.zeros(B, T)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1
+    scores = torch.randn(B, generator=g)
+    rewards, kl = token_rewards(scores, logps, ref, mask, beta)
+    for b, n in enumerate(lengths):
+        for t in range(T):
+            expected_kl = float(logps[b, t] - ref[b, t]) if t < n else 0.0
+            expected = -beta * expected_kl + (float(scores[b]) if t == n - 1 else 0.0)
+            assert kl[b, t].item() == pytest.approx(expected_kl, abs=1e-6)
+            assert rewards[b, t].item() == pytest.approx(expected, abs=1e-6)
+    no_ref, zero_kl = token_rewards(scores, logps, None, mask, beta)
+    assert zero_kl.abs().sum() == 0 and no_ref.sum().item() == pytest.approx(float(scores[[0, 1, 2, 4]].sum()), abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------- the critic
+
+
+def _inputs(n=3, lp=6, lc=5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompt, comp = torch.randint(5, 500, (n, lp), generator=g), torch.randint(5, 500, (n, lc), generator=g)
+    pm, cm = torch.ones_like(prompt), torch.ones_like(comp)
+    pm[0, :2] = 0
+    cm[1, 3:] = 0
+    return prompt, pm, comp, cm
+
+
+def test_critic_is_an_adapter_on_the_shared_base(tiny_model_dir):
+    torch.manual_seed(0)
+    policy = apply_peft(load_causal_lm(str(tiny_model_dir)), default_lora_config(r=4))
+    lp = CompletionLogprobs(policy)
+    inputs = _inputs()
+    with torch.no_grad():
+        before = lp(*inputs)[0]
+    critic = build_critic(policy, "policy")
+    enable_critic_grads(critic)
+    assert CRITIC_ADAPTER in policy.peft_config and policy.active_adapter == "default"
+    # The critic module registers exactly the critic's parameters: its DDP wrapper syncs nothing else.
+    assert {id(p) for p in critic.module.parameters()} == {id(p) for p in critic.trainable}
+    assert all(CRITIC_ADAPTER in n or "value_head" in n for n, p in policy.named_parameters()
+               if any(p is q for q in critic.trainable))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.5, generator=torch.Generator().manual_seed(len(name)))
+        critic.module.head.weight.normal_(generator=torch.Generator().manual_seed(3))
+    flags = {n: p.requires_grad for n, p in policy.named_parameters()}
+    with torch.no_grad():
+        adapted = lp(*inputs)[0]
+        with active_adapter(policy, critic.adapter):
+            assert policy.active_adapter == CRITIC_ADAPTER
+            values = critic.module(*inputs)
+            backbone, _ = backbone_and_head(policy)
+            ids, mask = torch.cat(inputs[:3:2], 1), torch.cat(inputs[1::2], 1)
+            hidden = backbone(input_ids=ids, attention_mask=mask,
+                              position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).last_hidden_state
+        again = lp(*inputs)[0]
+    assert policy.active_adapter == "default"
+    assert flags == {n: p.requires_grad for n, p in policy.named_parameters()}
+    # V[b, t] reads the state before completion token t: the same position as its log-prob.
+    P = inputs[0].shape[1]
+    expected = (hidden[:, P - 1 : P - 1 + inputs[2].shape[1]] * critic.module.head.weight).sum(-1)
+    torch.testing.assert_close(values, expected + critic.module.head.bias)
+    assert values.shape == inputs[2].shape and values.dtype == torch.float32
+    # The critic adapter never changes the policy; the policy adapter does.
+    torch.testing.assert_close(adapted, again)
+    assert (adapted - before).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------------------------- training
+
+
+def _fill_round(trainer, n=8, lp=6, lc=5):
+    g = torch.Generator().manual_seed(1)
+    prompt, pm, comp, cm = _inputs(n, lp, lc)
+    tensors = {
+        "prompt_ids": prompt, "prompt_mask": pm, "completion_ids": comp, "completion_mask": cm,
+        "old_logps": (-3 - torch.rand(n, lc, generator=g)) * cm, "values": torch.randn(n, lc, generator=g) * cm,
+        "advantages": torch.randn(n, lc, generator=g) * cm, "returns": torch.randn(n, lc, generator=g) * cm,
+    }
+    trainer._write_buffer(tensors)
+    trainer._round_tokens = cm.sum()
+    return Round({"completion_ids": comp}, ["p"] * n, ["c"] * n)
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
+def test_gradient_accumulation_is_exact(tmp_path, tiny_model_dir, loss_type):
+    grads = []
+    for micro, accum in ((8, 1), (2, 4)):
+        cfg = _config(tmp_path, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+                      loss_type=loss_type, entropy_coef=0.01, cliprange_value=0.1)
+        trainer = PPOTrainer(str(tiny_model_dir), first_digit_is_one, cfg, arithmetic_dataset(8),
+                             peft_config=default_lora_config(r=4))
+        with torch.no_grad():
+            for name, p in trainer.policy.named_parameters():
+                if "lora_B" in name or "value_head" in name:
+                    torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(name)))
+        captured = []
+
+        def capture(params, finite, captured=captured):
+            captured.append([p.grad.clone() for p in params])
+            return 0.0, True
+
+        trainer._clip_and_step = capture
+        rnd = _fill_round(trainer)
+        assert trainer.buffer.size == 8 and trainer.buffer.capacity == 8
+        metrics = trainer._optimizer_step(rnd, torch.arange(8), trainer._round_context(rnd))
+        assert metrics["value_clip_fraction"] > 0 and metrics["value_loss"] > 0
+        grads.append(captured[0])
+    assert len(grads[0]) == len(grads[1]) and any(g.abs().sum() > 0 for g in grads[0][-2:])  # critic gets grads
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_reward_rises_on_a_learnable_pattern(tmp_path, tiny_warm_model_dir):
+    cfg = _config(tmp_path, max_steps=20, per_device_train_batch_size=16, num_mini_batches=2, ppo_epochs=2,
+                  learning_rate=2e-3, vf_coef=0.5)
+    trainer = PPOTrainer(str(tiny_warm_model_dir), first_digit_is_one, cfg, arithmetic_dataset(400, seed=5),
+                         peft_config=default_lora_config(r=8))
+    trainer.train()
+    metrics = _metrics(tmp_path / "run" / "metrics.jsonl")
+    rewards = [m["reward"] for m in metrics]
+    assert len(rewards) == 20
+    early, late = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert late > early + 0.25, (early, late)
+    last = metrics[-1]
+    for key in ("value_loss", "value_clip_fraction", "explained_variance", "kl", "kl_coef", "returns/mean",
+                "entropy", "memory/peak_gb"):
+        assert key in last, key
+    # The update read the round from the preallocated on-device ring buffer.
+    assert trainer.buffer.capacity == 32 and trainer.buffer.full
+    assert trainer.buffer.specs["completion_ids"].shape == (16,) and trainer.buffer.specs["prompt_ids"].shape == (96,)
+
+
+def _weights(trainer):
+    return {k: v.detach().clone() for k, v in trainer.policy.named_parameters() if v.requires_grad}
+
+
+def test_resume_is_exact_with_the_critic_and_adaptive_kl(tmp_path, tiny_model_dir):
+    def make(out):
+        cfg = _config(tmp_path, output_dir=str(out), max_steps=4, per_device_train_batch_size=4, num_mini_batches=2,
+                      save_steps=2, adaptive_kl=True, target_kl=0.01, kl_horizon=100)
+        return PPOTrainer(str(tiny_model_dir), first_digit_is_one, cfg, arithmetic_dataset(12, seed=3),
+                          peft_config=default_lora_config(r=4))
+
+    full = make(tmp_path / "full")
+    full.train()
+    expected = _weights(full)
+    assert any(CRITIC_ADAPTER in k for k in expected) and any("value_head" in k for k in expected)
+
+    killed = make(tmp_path / "resumed")
+    original_save = killed._save
+
+    def save_then_die():
+        original_save()
+        if killed.step == 2:
+            raise KeyboardInterrupt("simulated preemption")
+
+    killed._save = save_then_die
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()
+    ckpt = tmp_path / "resumed" / "checkpoint-2"
+    assert (ckpt / CRITIC_ADAPTER / "adapter_model.safetensors").is_file()
+    assert (ckpt / "extra_trainable.safetensors").is_file()
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["kl_controller"]["value"] != 0.05  # the adaptive controller moved and is saved
+
+    resumed = make(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint="latest")
+    got = _weights(resumed)
+    assert expected.keys() == got.keys()
+    for k in expected:
+        assert torch.equal(expected[k], got[k]), k
+    assert resumed.kl_ctl.value == full.kl_ctl.value
+
+    def stable(path):
+        skip = ("time/", "tokens_per_second", "memory/")
+        return [{k: v for k, v in m.items() if not k.startswith(skip)} for m in _metrics(path)]
+
+    assert stable(tmp_path / "full" / "metrics.jsonl") == stable(tmp_path / "resumed" / "metrics.jsonl")
+
+
+def test_full_finetuning_critic_is_a_separate_copy(tmp_path, tiny_model_dir):
+    cfg = _config(tmp_path, max_steps=1, learning_rate=1e-4)
+    trainer = PPOTrainer(str(tiny_model_dir), first_digit_is_one, cfg, arithmetic_dataset(8))
+    policy_ids = {id(p) for p in trainer.policy.parameters()}
+    assert trainer.critic.owned is not None
+    assert not policy_ids & {id(p) for p in trainer.critic.trainable}
+    before = {k: v.clone() for k, v in trainer.critic.owned.state_dict().items()}
+    trainer.train()
+    after = trainer.critic.owned.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "run" / "checkpoint-1" / "model.safetensors"))
+    assert any(k.startswith("critic.") for k in saved) and any(k.startswith("policy.") for k in saved)
+
+
+def test_reward_model_critic(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    rm = AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=1)
+    with torch.no_grad():
+        rm.score.weight.normal_(generator=torch.Generator().manual_seed(0))
+    rm.save_pretrained(tmp_path / "rm")
+    cfg = _config(tmp_path, max_steps=1, critic_init="reward_model", critic_model=str(tmp_path / "rm"))
+    trainer = PPOTrainer(str(tiny_model_dir), first_digit_is_one, cfg, arithmetic_dataset(8),
+                         peft_config=default_lora_config(r=4))
+    assert CRITIC_ADAPTER not in trainer.policy.peft_config  # its own backbone, not an adapter on the policy
+    torch.testing.assert_close(trainer.critic.module.head.weight.detach(), rm.score.weight.reshape(-1))
+    assert all(CRITIC_ADAPTER in n or n.startswith("head.") for n, p in trainer.critic.module.named_parameters()
+               if p.requires_grad)
+    trainer.train()
+    assert (tmp_path / "run" / "checkpoint-1" / "extra_trainable.safetensors").is_file()
+
+    rm2 = AutoModelForSequenceClassification.from_pretrained(str(tiny_model_dir), num_labels=2)
+    rm2.save_pretrained(tmp_path / "rm2")
+    with pytest.raises(ConfigError, match="num_labels=1"):
+        PPOTrainer(str(tiny_model_dir), first_digit_is_one,
+                   _config(tmp_path, critic_init="reward_model", critic_model=str(tmp_path / "rm2")),
+                   arithmetic_dataset(8), peft_config=default_lora_config(r=4))
+
+
+def test_config_errors(tmp_path, tiny_model_dir):
+    with pytest.raises(ConfigError, match="rollout_buffer_size"):
+        PPOTrainer(str(tiny_model_dir), first_digit_is_one, _config(tmp_path, rollout_buffer_size=4),
+                   arithmetic_dataset(8), peft_config=default_lora_config(r=4))
+    with pytest.raises(ConfigError, match="loss_type"):
+        PPOTrainer(str(tiny_model_dir), first_digit_is_one, _config(tmp_path, loss_type="ppo2"), arithmetic_dataset(8))
+    with pytest.raises(ConfigError, match="critic_model"):
+        _config(tmp_path, critic_init="reward_model")
+    with pytest.raises(ConfigError, match="num_mini_batches"):
+        _config(tmp_path, steps_per_generation=4)

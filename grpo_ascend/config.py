@@ -198,6 +198,11 @@ class BaseRLConfig(_Validated):
     num_completions_to_print: int = _f(4, "Completions written per sampling of samples.jsonl.")
     report_to: list[str] = _f([], "Extra trackers, e.g. ['tensorboard'] (needs the tensorboard package).")
     disable_tqdm: bool = _f(False, "Hide the progress bar.")
+    # --- multi-process ---
+    ddp_timeout: int = _f(
+        1800, "Seconds a rank waits in a collective for the others (process-group timeout under accelerate "
+        "launch); raise it when ranks' rollouts or checkpoint saves take longer."
+    )
 
     def __post_init__(self) -> None:
         _positive(
@@ -212,6 +217,7 @@ class BaseRLConfig(_Validated):
             "steps_per_generation",
             "generation_batch_size",
             "reward_timeout",
+            "ddp_timeout",
         )
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"max_steps must be a positive number of optimizer steps or -1, got {self.max_steps}")

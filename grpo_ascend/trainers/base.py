@@ -7,11 +7,14 @@ tensors) and :meth:`RLTrainerBase._optimizer_step` (one optimizer step over some
 
 from __future__ import annotations
 
+import io
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,14 @@ from grpo_ascend.models import (
 from grpo_ascend.tracking import RunTracker, truncate_metrics
 
 logger = logging.getLogger(__name__)
+
+
+def _launched_distributed(on_cpu: bool) -> bool:
+    """Whether accelerate will start a process group here (mirrors its own test of the launcher env)."""
+    if int(os.environ.get("LOCAL_RANK", "-1")) != -1:
+        return True
+    sizes = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "WORLD_SIZE")
+    return on_cpu and any(int(os.environ.get(name, "1")) > 1 for name in sizes)
 
 
 @dataclass
@@ -143,14 +154,23 @@ class RLTrainerBase:
     # ------------------------------------------------------------------------------ setup
     def _make_accelerator(self):
         from accelerate import Accelerator
+        from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
         args = self.args
         requested = dev.resolve_device(args.device)  # fails clearly if the device is unusable
         bf16 = args.bf16 if args.bf16 is not None else (dev.is_accelerator(requested) and dev.bf16_supported(requested))
         self.precision = "bf16" if bf16 else "fp16" if args.fp16 else "fp32"
+        on_cpu = dev.device_type(requested) == "cpu"
+        # The collective backend comes from the device layer; accelerate would pick the same one on
+        # accelerators, but on the CPU it prefers MPI when torch has it. It may only be named when a
+        # launcher started several processes (accelerate refuses a backend for a single process).
+        group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
+        if _launched_distributed(on_cpu):
+            group.backend = dev.dist_backend(requested)
         kwargs: dict[str, Any] = {
             "mixed_precision": dev.mixed_precision_for_accelerate(bool(bf16), args.fp16),
-            "cpu": dev.device_type(requested) == "cpu",
+            "cpu": on_cpu,
+            "kwargs_handlers": [group],
         }
         if args.report_to:
             kwargs.update(log_with=list(args.report_to), project_dir=args.output_dir)
@@ -159,6 +179,14 @@ class RLTrainerBase:
             raise ConfigError(
                 f"accelerate chose device {accelerator.device} but {args.device!r} was requested; "
                 "check the accelerate config (accelerate env) or the device setting"
+            )
+        if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+            raise ConfigError(
+                f"accelerate is configured for {accelerator.distributed_type.value}, which grpo-ascend does not "
+                "support yet: the rollout engine runs the unwrapped policy and needs every parameter on every "
+                "rank (ZeRO-3 / FSDP shard them), and checkpoints hold one optimizer state (ZeRO-1/2 shard it). "
+                "Launch plain data parallelism instead (distributed_type MULTI_NPU / MULTI_GPU, e.g. "
+                "recipes/accelerate/npu_1node_8cards.yaml, or grpo-ascend train --num_processes N)"
             )
         if args.report_to:
             accelerator.init_trackers(Path(args.output_dir).name or "run")
@@ -403,6 +431,10 @@ class RLTrainerBase:
             grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
             grad_norm = torch.stack(grads).norm() if grads else torch.zeros((), device=self.device)
         grad_norm = torch.as_tensor(grad_norm, device=self.device).float()
+        if self.accelerator.num_processes > 1:
+            # The averaged gradient is the same on every rank but the loss is not: all ranks must
+            # agree to step or to skip, or their weights drift apart.
+            loss_finite = self.accelerator.reduce((~loss_finite).float().reshape(1), reduction="max")[0] == 0
         finite = bool(torch.isfinite(grad_norm) & loss_finite)
         if finite:
             self.optimizer.step()
@@ -525,14 +557,55 @@ class RLTrainerBase:
             self.accelerator.end_training()
         return out
 
+    def _restore_rank_random_state(self, extra: dict[str, Tensor], saved_world_size: int) -> None:
+        """Give this rank its own saved RNG and sampling-generator states (load_checkpoint restored rank 0's)."""
+        rank = self.accelerator.process_index
+        rng_bytes = extra.get(f"rank{rank}/rng_state")
+        gen_state = extra.get(f"rank{rank}/sampling_generator")
+        if gen_state is None and rank == 0:
+            gen_state = extra.get("sampling_generator")
+        if rng_bytes is not None:
+            state = torch.load(io.BytesIO(rng_bytes.numpy().tobytes()), map_location="cpu", weights_only=True)
+            dev.set_rng_state(state, self.device)
+        if gen_state is not None:
+            self.generator.set_state(gen_state)
+        else:  # this rank did not exist in the saved run: a fresh stream, distinct per rank and step
+            self.generator.manual_seed(self.args.seed + 1000 * rank + 7919 * self.step)
+        if saved_world_size != self.accelerator.num_processes and self.is_main_process:
+            logger.warning(
+                "the checkpoint was written by %d process(es) and is resumed by %d: training continues, but "
+                "sampling does not replay the uninterrupted run exactly", saved_world_size, self.accelerator.num_processes
+            )
+
     # ------------------------------------------------------------------------------ checkpoints
     def _trainable_module(self) -> nn.Module:
         return self.policy
+
+    def _per_rank_random_state(self) -> dict[str, Tensor]:
+        """Every rank's RNG and sampling-generator states, gathered to all ranks (several processes only).
+
+        Each rank draws from its own streams (the sampling generator is seeded per rank), so an exact
+        resume restores each rank's own. RNG states are stored as ``torch.save`` bytes and read back
+        with ``weights_only=True``.
+        """
+        if self.accelerator.num_processes == 1:
+            return {}
+        from accelerate.utils import gather_object
+
+        buffer = io.BytesIO()
+        torch.save(dev.rng_state(self.device), buffer)
+        mine = (buffer.getvalue(), self.generator.get_state().cpu())
+        out: dict[str, Tensor] = {}
+        for rank, (rng_bytes, gen_state) in enumerate(gather_object([mine])):
+            out[f"rank{rank}/rng_state"] = torch.frombuffer(bytearray(rng_bytes), dtype=torch.uint8)
+            out[f"rank{rank}/sampling_generator"] = gen_state
+        return out
 
     def _save(self) -> None:
         from grpo_ascend import checkpoint as ckpt
 
         self.accelerator.wait_for_everyone()
+        per_rank = self._per_rank_random_state()
         if self.is_main_process:
             ckpt.save_checkpoint(
                 self.args.output_dir,
@@ -544,7 +617,7 @@ class RLTrainerBase:
                 trainer_state=self._trainer_state(),
                 config=self.args.to_dict(),
                 tokenizer=self.tokenizer,
-                extra_tensors={"sampling_generator": self.generator.get_state()},
+                extra_tensors={"sampling_generator": self.generator.get_state(), **per_rank},
                 rng_device=self.device,
                 save_total_limit=self.args.save_total_limit,
             )
@@ -558,6 +631,7 @@ class RLTrainerBase:
             "skipped_steps": self.skipped_steps,
             "sampler": self.sampler.state_dict(),
             "model_name": self.model_name,
+            "world_size": self.accelerator.num_processes,
         }
 
     def _load(self, path: Path) -> None:
@@ -576,8 +650,6 @@ class RLTrainerBase:
         self.round_index = int(state["round_index"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.sampler.load_state_dict(state["sampler"])
-        gen_state = loaded.extra_tensors.get("sampling_generator")
-        if gen_state is not None:
-            self.generator.set_state(gen_state)
+        self._restore_rank_random_state(loaded.extra_tensors, int(state.get("world_size", 1)))
         self._last_saved_step = self.step
         logger.info("resumed from %s at step %d", path, self.step)

@@ -9,10 +9,11 @@ Two modes:
 
 * ``eos-off``: every completion runs to ``--new-tokens`` (ours: ``ignore_eos=True``; generate:
   no EOS id);
-* ``natural``: completions stop at EOS or at any of ``--stop-set`` extra token ids (the same set
-  for both engines; generate gets it as its list of EOS ids). The built-in models are random-init,
-  so they would almost never emit EOS by themselves; a small stop set gives a realistic spread of
-  completion lengths (geometric-like, a few reaching the limit).
+* ``natural``: completions stop at EOS or at any of a fixed random set of extra token ids, the
+  same set for both engines (generate gets it as its list of EOS ids). The models here are
+  random-init with nearly flat next-token distributions, so they would almost never emit EOS by
+  themselves; a stop set covering ``--stop-prob`` of the vocabulary (default 1.8 %) gives a
+  realistic spread of completion lengths (mean ~50 tokens, about one in ten reaching the limit).
 
 Peak memory: on an accelerator, the allocator's peak minus what was allocated before the call;
 on the CPU, the peak resident set size (VmHWM, reset before each call) minus RSS before the call.
@@ -159,7 +160,12 @@ def main(argv: list[str] | None = None) -> None:
         "--repeats", type=int, default=3, help="timed runs per engine and mode (after a warm-up)"
     )
     parser.add_argument("--modes", default="eos-off,natural")
-    parser.add_argument("--stop-set", type=int, default=10, help="extra stop token ids in natural mode")
+    parser.add_argument(
+        "--stop-prob",
+        type=float,
+        default=0.018,
+        help="fraction of the vocabulary that stops a completion (natural)",
+    )
     parser.add_argument("--length-bucket", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     args = parser.parse_args(argv)
@@ -180,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     eos = engine.eos_token_ids
     rng = random.Random(1)
     special = set(tokenizer.all_special_ids)
-    extra = rng.sample([i for i in range(len(tokenizer)) if i not in special], args.stop_set)
+    vocab = model.config.vocab_size
+    extra = rng.sample([i for i in range(vocab) if i not in special], max(1, round(args.stop_prob * vocab)))
 
     rows = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:

@@ -289,7 +289,7 @@ def test_masks_stop_tokens_truncation_and_compaction(chaotic):
     stop_set = set(stops) | set(engine.eos_token_ids)
     _check_row_invariants(batch, stop_set, 40, tok.pad_token_id)
     assert batch.truncated.any() and not batch.truncated.all()
-    sizes = batch.timing["batch_sizes"]
+    sizes = batch.decode_batch_sizes
     assert sizes[0] == 32 and len(sizes) > 1 and all(b < a for a, b in zip(sizes, sizes[1:]))
     assert all(s & (s - 1) == 0 for s in sizes[1:])  # compacted batches are powers of two
     assert batch.completion_ids.shape[1] == 64
@@ -314,7 +314,7 @@ def test_compaction_and_bucketing_do_not_change_greedy_output(chaotic):
         RolloutEngine(model, tok).generate(PROMPTS, SamplingParams(**base, length_bucket=0)),
         RolloutEngine(model, tok).generate(PROMPTS, SamplingParams(**base, length_bucket=16)),
     ]
-    assert len(outs[1].timing["batch_sizes"]) > 1 and len(outs[0].timing["batch_sizes"]) == 1
+    assert len(outs[1].decode_batch_sizes) > 1 and len(outs[0].decode_batch_sizes) == 1
     width = outs[0].completion_lengths.max().item()
     for out in outs[1:]:
         assert torch.equal(out.completion_ids[:, :width], outs[0].completion_ids[:, :width])

@@ -56,7 +56,9 @@ class RolloutBatch:
     mask is 0. ``sampling_logprobs`` are ``log_softmax(logits / T)`` of the chosen tokens, before
     any top-k/top-p/min-p/repetition-penalty filtering (T = 1 for greedy); see
     :mod:`grpo_ascend.rollout.sampling`. ``prompt_texts`` are the rendered prompts (chat template
-    applied), one per row like ``completion_texts``.
+    applied), one per row like ``completion_texts``. Extras: ``completion_lengths`` [N] (tokens
+    counted by the mask), ``timing`` (seconds per phase, steps, tokens) and ``decode_batch_sizes``
+    (the batch size after each compaction, starting with N).
     """
 
     prompt_ids: Tensor
@@ -70,6 +72,7 @@ class RolloutBatch:
     num_generations: int
     completion_lengths: Tensor | None = None
     timing: dict[str, float] = field(default_factory=dict)
+    decode_batch_sizes: list[int] = field(default_factory=list)
 
     @property
     def num_prompts(self) -> int:
@@ -133,12 +136,8 @@ class RolloutEngine:
             )
         self.num_layers = len(layer_types)
         self.vocab_size = int(text_config.vocab_size)
-        self.device = next(model.parameters()).device
-        if sync_interval is None:
-            sync_interval = 1 if self.device.type == "cpu" else 4
-        self.sync_interval = sync_interval
+        self._sync_interval = sync_interval
         self.pad_token_id = self._resolve_pad()
-        self.eos_token_ids = self._resolve_eos()
         params_of = inspect.signature(type(self._base).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params_of else "past_key_values"
         if "logits_to_keep" in params_of:
@@ -149,6 +148,23 @@ class RolloutEngine:
             self._keep_kwarg = None
 
     # ------------------------------------------------------------------ setup helpers
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device (read at every call, so moving the model is picked up)."""
+        return next(self.model.parameters()).device
+
+    @property
+    def sync_interval(self) -> int:
+        """Decode steps between host checks: as configured, else 1 on the CPU and 4 on accelerators."""
+        if self._sync_interval is not None:
+            return self._sync_interval
+        return 1 if self.device.type == "cpu" else 4
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids that end a completion: the tokenizer's plus the model's generation_config ones."""
+        return self._resolve_eos()
 
     def _resolve_pad(self) -> int:
         pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -399,8 +415,8 @@ class RolloutEngine:
                 "total_s": t_end - t_start,
                 "steps": float(steps),
                 "tokens": float(sum(lengths_host)),
-                "batch_sizes": batch_sizes,
             },
+            decode_batch_sizes=batch_sizes,
         )
 
 

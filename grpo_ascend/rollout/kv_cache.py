@@ -22,7 +22,14 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, CacheLayerMixin
+
+try:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as exc:  # transformers < 5: no per-layer cache API
+    raise ImportError(
+        "grpo_ascend's rollout engine needs transformers >= 5 (the per-layer Cache API); "
+        "upgrade with `pip install -U 'transformers>=5'`"
+    ) from exc
 
 from grpo_ascend.errors import ConfigError
 

@@ -167,7 +167,7 @@ def sample_categorical(logits: Tensor, generator: torch.Generator | None = None)
     """One draw per row from softmax(logits) by the exponential race; -inf logits are never drawn."""
     probs = torch.softmax(logits, dim=-1)
     race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
-    return (probs / race).argmax(dim=-1)
+    return probs.div_(race).argmax(dim=-1)
 
 
 def next_tokens(
@@ -184,7 +184,6 @@ def next_tokens(
     raw = logits.float()
     t_lp = params.logprob_temperature
     scaled = raw / t_lp if t_lp != 1.0 else raw
-    log_probs = torch.log_softmax(scaled, dim=-1)
     work = raw
     if seen is not None and params.repetition_penalty != 1.0:
         work = apply_repetition_penalty(raw, seen, params.repetition_penalty)
@@ -194,5 +193,6 @@ def next_tokens(
         work = work / params.temperature if params.temperature != 1.0 else work
         work = filter_logits(work, params.top_k, params.top_p, params.min_p)
         tokens = sample_categorical(work, generator)
-    chosen = log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    # gather − logsumexp: the log-prob without materialising a [B, V] log-softmax
+    chosen = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
     return tokens, chosen

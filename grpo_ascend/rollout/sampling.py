@@ -41,7 +41,9 @@ class SamplingParams:
     from the decoded text); ``stop_token_ids`` end it at (and including) the token; the tokenizer's
     and the model's EOS always stop unless ``ignore_eos`` (benchmarks, fixed-length rollouts).
     ``length_bucket`` pads prompt and completion lengths to its multiples so an accelerator that
-    compiles per shape sees few shapes (0 or 1 = exact lengths).
+    compiles per shape sees few shapes (0 or 1 = exact lengths). ``seed`` reseeds every call
+    (identical inputs give identical samples); for a reproducible stream that differs from step to
+    step pass a persistent ``torch.Generator`` to ``RolloutEngine.generate`` instead.
     """
 
     num_generations: int = 8

@@ -516,3 +516,26 @@ def test_kv_cache_expand_select_and_bucketed_views():
     assert big.layers[0].keys.shape[0] == 2 and torch.equal(big.layers[0].keys[0, :, :5], k[1])
     with pytest.raises(RuntimeError, match="overflow"):
         big.layers[0].update(torch.ones(2, 3, 7, 4), torch.ones(2, 3, 7, 4))
+
+
+def test_stop_string_before_a_stop_token_between_host_checks(chaotic):
+    model, tok = chaotic
+    engine = RolloutEngine(model, tok, sync_interval=4)
+    full = engine.generate(
+        PROMPTS, SamplingParams(num_generations=1, temperature=0, max_completion_length=24)
+    )
+    row = full.completion_ids[1, :24].tolist()
+    assert row[5] not in row[:5]
+    prefix = tok.decode(row[:2], skip_special_tokens=True)
+    stop = tok.decode(row[:5], skip_special_tokens=True)[len(prefix) :]  # completed by token 4
+    params = SamplingParams(
+        num_generations=1,
+        temperature=0,
+        max_completion_length=24,
+        stop_strings=[stop],
+        stop_token_ids=[row[5]],
+    )
+    out = engine.generate(PROMPTS, params)  # token 5 ends the row at step 5, the next host check is at step 7
+    n = out.completion_lengths[1].item()
+    assert n <= 5 and stop in tok.decode(row[:n], skip_special_tokens=True)
+    assert not out.completion_mask[1, n:].any() and (out.completion_ids[1, n:] == tok.pad_token_id).all()

@@ -295,6 +295,7 @@ class RolloutEngine:
         t_start = time.perf_counter()
         dev, pad, bucket = self.device, self.pad_token_id, params.length_bucket
         group, max_new = params.num_generations, params.max_completion_length
+        interval = self.sync_interval
         ids, rendered = self._tokenize(self._render(prompts), params)
         n_prompts, n_rows = len(ids), len(ids) * group
 
@@ -337,6 +338,7 @@ class RolloutEngine:
         out_mask = torch.zeros((n_rows, lc), dtype=torch.bool, device=dev)
         row_map = torch.arange(n_rows, device=dev)  # decode-batch row -> output row
         done = torch.zeros(n_rows, dtype=torch.bool, device=dev)
+        done_at_check = done  # rows already finished at the previous host check
         buckets = _row_buckets(n_rows)
         batch_sizes = [n_rows]
 
@@ -353,9 +355,9 @@ class RolloutEngine:
                 done = done | (tokens.unsqueeze(1) == stop_ids).any(dim=1)
             steps = t + 1
             last = t == max_new - 1
-            check = last or (t + 1) % self.sync_interval == 0
+            check = last or (t + 1) % interval == 0
             if check and stop_strings is not None:
-                done = stop_strings.check(t, row_map, done, out_ids, out_lp, out_mask)
+                done = stop_strings.check(t, row_map, ~done_at_check, done, out_ids, out_lp, out_mask)
             if last:
                 break
             if check:
@@ -376,6 +378,7 @@ class RolloutEngine:
                     if seen is not None:
                         seen = seen[keep]
                     batch_sizes.append(target)
+                done_at_check = done
             attn[:, lp + t] = True
             view = cache.layers[0].view_length(lp + t + 1)
             logits = self._forward(tokens.unsqueeze(1), attn[:, :view], (row_len + t).unsqueeze(1), cache)
@@ -456,10 +459,22 @@ class _StopStrings:
         return any(s in text for s in self.stops)
 
     def check(
-        self, t: int, row_map: Tensor, done: Tensor, out_ids: Tensor, out_lp: Tensor, out_mask: Tensor
+        self,
+        t: int,
+        row_map: Tensor,
+        candidates: Tensor,
+        done: Tensor,
+        out_ids: Tensor,
+        out_lp: Tensor,
+        out_mask: Tensor,
     ) -> Tensor:
+        """Scan columns up to ``t`` of the ``candidates`` rows (running at the previous check).
+
+        Rows that ended by a stop token since then are scanned too: a stop string completed
+        before that token ends them earlier. Returns the updated ``done``.
+        """
         lo = max(0, self.checked - self.window)
-        active = torch.nonzero(~done).flatten()
+        active = torch.nonzero(candidates).flatten()
         hits: list[tuple[int, int, int]] = []
         if active.numel():
             rows = row_map[active]

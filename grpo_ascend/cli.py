@@ -131,6 +131,8 @@ COMMANDS: dict[str, Command] = {
     "export": Command("export a checkpoint's LoRA adapter (PEFT format), or with --merge a full model", lazy("grpo_ascend.export:add_export_arguments"), lazy("grpo_ascend.export:run_export")),
     "plot": Command("plot reward, KL, completion length and step time of one or more runs to a PNG",
                     lazy("grpo_ascend.plot:add_plot_arguments"), lazy("grpo_ascend.plot:run_plot")),
+    "build-tiny-model": Command("build the offline tiny/small Qwen2 model + tokenizer (cached) and print its folder",
+                                lazy("grpo_ascend.tiny_model:add_build_arguments"), lazy("grpo_ascend.tiny_model:run_build")),
     "doctor": Command("report versions, the accelerator, bf16 support, runtime env vars and free memory", _add_doctor_arguments, _doctor),
 }
 

@@ -249,3 +249,20 @@ class _seeded:
 
     def __exit__(self, *exc):
         return self._fork.__exit__(*exc)
+
+
+def add_build_arguments(parser) -> None:
+    """Arguments of ``grpo-ascend build-tiny-model``."""
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size (default tiny)")
+    parser.add_argument("--warm", action="store_true", help="add the supervised warm start on the synthetic task")
+    parser.add_argument("--out", default=None, help="folder to write (default: the cache, reused if present)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the folder exists")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tokenizer, weights and warm start")
+
+
+def run_build(ns) -> int:
+    """``grpo-ascend build-tiny-model``: build (or find) a built-in model and print its folder."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    path = build_tiny_model(ns.size, warm=ns.warm, out_dir=ns.out, force=ns.force, seed=ns.seed)
+    print(path)
+    return 0

@@ -13,16 +13,20 @@ Aggregation per ``loss_type`` (L_it the per-token loss, m_it the 0/1 mask, T_i =
 
 * ``grpo``    (DeepSeekMath): Σ_i [Σ_t L_it m_it / max(T_i, 1)] / num_sequences
                               — mean over sequences of per-sequence token means.
-* ``bnpo``    : Σ_it L_it m_it / num_tokens — token mean over the optimizer step (this rank).
+* ``bnpo``    : Σ_it L_it m_it / num_tokens — token mean over the optimizer step (all ranks).
 * ``dr_grpo`` : Σ_it L_it m_it / (num_sequences × max_completion_length) — constant denominator.
 * ``dapo``    : Σ_it L_it m_it / num_tokens_per_step_global — token mean over the whole
                 generation batch, so every token weighs the same across steps and ranks.
 
 Normaliser fields (per rank; under data parallelism the gradients are then *averaged* over the
-W ranks, which is why the dapo field divides by W):
+W ranks, which is why the global fields divide by W). With these, W ranks compute exactly the
+gradient one process would over the same global batch, for every loss type (every rank holds the
+same number of sequences per step, so grpo and dr_grpo need no global count):
 
 * ``num_sequences``: sequences this rank processes in this optimizer step (all micro-batches).
-* ``num_tokens``: valid (mask = 1) completion tokens this rank processes in this optimizer step.
+* ``num_tokens``: valid (mask = 1) completion tokens of this optimizer step summed over all ranks,
+  divided by W (one rank: this rank's tokens). After the gradient average over ranks, bnpo is the
+  token mean of the whole step, whichever rank holds the long completions.
 * ``num_tokens_per_step_global``: valid completion tokens of the whole generation batch summed
   over all ranks, divided by (optimizer steps that generation batch feeds × W). After the
   gradient average over ranks, each optimizer step's gradient is
@@ -133,15 +137,20 @@ class LossNormaliser:
         generation_tokens_global: Number | None = None,
         steps_per_generation: int = 1,
         world_size: int = 1,
+        step_tokens_global: Number | None = None,
     ) -> LossNormaliser:
         """Build the normaliser from the completion mask [S, T] of ALL sequences of this optimizer
         step on this rank, and the valid-token count of the whole generation batch over all ranks
-        (None: use this rank's step count, i.e. the step is the whole generation batch, one rank)."""
+        (None: use this rank's step count, i.e. the step is the whole generation batch, one rank).
+        ``step_tokens_global``: this step's valid tokens summed over all ranks (None: this rank's,
+        right for one rank)."""
         if steps_per_generation < 1 or world_size < 1:
             raise ConfigError(
                 f"steps_per_generation ({steps_per_generation}) and world_size ({world_size}) must be >= 1"
             )
         num_tokens = step_mask.sum()
+        if step_tokens_global is not None:
+            num_tokens = step_tokens_global / world_size
         if generation_tokens_global is None:
             per_step_global = num_tokens
         else:

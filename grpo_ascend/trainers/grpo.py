@@ -159,11 +159,16 @@ class GRPOTrainer(RLTrainerBase):
     # ------------------------------------------------------------------------------ training
     def _optimizer_step(self, rnd: Round, rows: Tensor, round_ctx: dict[str, Any]) -> dict[str, float]:
         args, t = self.args, rnd.tensors
+        step_mask = t["loss_mask"][rows]
+        step_tokens = step_mask.sum()
+        if self.accelerator.num_processes > 1:
+            step_tokens = self.accelerator.reduce(step_tokens, reduction="sum")
         normaliser = LossNormaliser.for_step(
-            t["loss_mask"][rows],
+            step_mask,
             generation_tokens_global=round_ctx["generation_tokens_global"],
             steps_per_generation=self.plan.steps_per_generation // self.plan.grad_accum,
             world_size=self.accelerator.num_processes,
+            step_tokens_global=step_tokens,
         )
         self.policy.train()
         micro_batches = rows.split(args.per_device_train_batch_size)

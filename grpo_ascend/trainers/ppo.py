@@ -292,11 +292,15 @@ class PPOTrainer(RLTrainerBase):
         args, critic = self.args, self._critic
         data = self._read_buffer(rows, round_ctx["round_size"])
         loss_mask = data["completion_mask"].float()
+        step_tokens = loss_mask.sum()
+        if self.accelerator.num_processes > 1:
+            step_tokens = self.accelerator.reduce(step_tokens, reduction="sum")
         normaliser = LossNormaliser.for_step(
             loss_mask,
             generation_tokens_global=round_ctx["generation_tokens_global"],
             steps_per_generation=self.plan.steps_per_generation // self.plan.grad_accum,
             world_size=self.accelerator.num_processes,
+            step_tokens_global=step_tokens,
         )
         self.policy.train()
         self.critic_model.train()

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import subprocess
+import sys
 from typing import Any
 
 from grpo_ascend.config import BaseRLConfig, RecipeConfig, load_recipe, parse_overrides
+from grpo_ascend.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +63,93 @@ def _reward_specs(specs: list[Any], args: BaseRLConfig) -> list[Any]:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--num_processes", "--num-processes", type=int, default=None, metavar="N",
+        help="data-parallel processes to start on this machine through `accelerate launch` (one per "
+        "device; gloo processes on the CPU). For several machines or DeepSpeed-style setups use "
+        "`accelerate launch --config_file ... -m grpo_ascend.cli train ...` directly",
+    )
     parser.add_argument("config", help="YAML recipe (see recipes/)")
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value pairs overriding the recipe")
 
 
+def _split_num_processes(tokens: list[str]) -> tuple[int | None, list[str]]:
+    """Take ``--num_processes N`` (or ``=N``, or the hyphenated spelling) out of the override tokens."""
+    rest: list[str] = []
+    found: str | None = None
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        name, eq, value = token.partition("=")
+        if name in ("--num_processes", "--num-processes"):
+            if not eq:
+                if i + 1 >= len(tokens):
+                    raise ConfigError("--num_processes needs a value: the number of processes to start")
+                value = tokens[i + 1]
+                i += 1
+            found = value
+        else:
+            rest.append(token)
+        i += 1
+    if found is None:
+        return None, rest
+    try:
+        return int(found), rest
+    except ValueError:
+        raise ConfigError(f"--num_processes must be an integer, got {found!r}") from None
+
+
+def _launched_world_size() -> int | None:
+    """The process count of the launcher that started this process, or None when none did."""
+    if os.environ.get("LOCAL_RANK") is None:
+        return None
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launch_command(config: str, overrides: list[str], num_processes: int, log_level: str | None = None) -> list[str]:
+    """The ``accelerate launch`` command running ``grpo-ascend train CONFIG OVERRIDES`` in N local processes.
+
+    accelerate's multi-process launcher (torchrun underneath) sets RANK / LOCAL_RANK / WORLD_SIZE;
+    each process then takes its device from LOCAL_RANK and the trainer joins the process group with
+    the device's backend (gloo on the CPU). Port 0 lets accelerate pick a free rendezvous port.
+    """
+    if num_processes < 1:
+        raise ConfigError(f"--num_processes must be >= 1, got {num_processes}")
+    launched = _launched_world_size()
+    if launched is not None:
+        raise ConfigError(
+            f"--num_processes {num_processes} asks grpo-ascend to start the processes, but this process was "
+            f"already started by a launcher with {launched} process(es) (LOCAL_RANK is set); drop "
+            "--num_processes and set the process count in the launcher"
+        )
+    cli = ["-m", "grpo_ascend.cli", *(["--log-level", log_level] if log_level else []), "train", config, *overrides]
+    return [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1",
+        "--mixed_precision", "no",  # the trainer sets precision itself (bf16 / fp16 in the recipe)
+        "--dynamo_backend", "no", "--main_process_port", "0",
+        *cli,
+    ]
+
+
 def run_train(ns: argparse.Namespace) -> int:
     """Entry point of ``grpo-ascend train``."""
-    overrides = parse_overrides(list(ns.overrides or []))
+    num_processes, tokens = _split_num_processes(list(ns.overrides or []))
+    if num_processes is None:
+        num_processes = ns.num_processes
+    elif ns.num_processes is not None and ns.num_processes != num_processes:
+        raise ConfigError(f"--num_processes given twice ({ns.num_processes} and {num_processes})")
+    launched = _launched_world_size()
+    # Start the processes unless this is one of them already (or one process was asked for).
+    if num_processes is not None and num_processes != (launched or 1):
+        cmd = launch_command(ns.config, tokens, num_processes, getattr(ns, "log_level", None))
+        logger.info("starting %d processes: %s", num_processes, " ".join(cmd))
+        return subprocess.call(cmd)
+    overrides = parse_overrides(tokens)
     recipe, args = load_recipe(ns.config, overrides)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if int(os.environ.get("RANK", "0")) != 0:
+        logging.getLogger("grpo_ascend").setLevel(logging.WARNING)  # one rank reports progress
     trainer = build_trainer(recipe, args)
     trainer.train()
     return 0

@@ -1,0 +1,131 @@
+"""PPO with 2 data-parallel processes on the CPU (gloo over loopback): one optimizer step over a fixed
+global batch gives the single-process gradients for the policy adapter, the critic adapter and the
+value head. This checks the critic's own DDP wrapper (the shared base is not registered in it) and
+that the policy's wrapper does not hold critic parameters.
+
+Run as a script, this file is one rank: ``python tests/test_ppo_distributed.py OUT MODEL_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORLD = 2
+ROWS = 16
+
+
+def _global_batch() -> dict[str, torch.Tensor]:
+    """16 completions; the second half has far more valid tokens than the first (token-mean losses
+    are only exact across ranks if the normaliser counts all ranks' tokens)."""
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(5, 500, (ROWS, 6), generator=g)
+    prompt_mask = torch.ones_like(prompt)
+    prompt_mask[::3, :2] = 0
+    completion = torch.randint(5, 500, (ROWS, 7), generator=g)
+    lengths = torch.tensor([1, 2, 1, 3, 2, 1, 2, 1, 7, 6, 7, 5, 7, 7, 6, 7])
+    mask = (torch.arange(7).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    return {
+        "prompt_ids": prompt, "prompt_mask": prompt_mask, "completion_ids": completion, "completion_mask": mask,
+        "old_logps": (-3 - torch.rand(ROWS, 7, generator=g)) * mask,
+        "values": torch.randn(ROWS, 7, generator=g) * mask,
+        "advantages": torch.randn(ROWS, 7, generator=g) * mask,
+        "returns": torch.randn(ROWS, 7, generator=g) * mask,
+    }
+
+
+def step_gradients(model_dir: str, out: str, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Gradients (after the DDP average) of one PPO optimizer step over this rank's share of the batch."""
+    from grpo_ascend import PPOConfig, PPOTrainer
+    from grpo_ascend.models import default_lora_config
+    from grpo_ascend.synthetic import arithmetic_dataset
+    from grpo_ascend.trainers.base import Round
+
+    accum = 4 // world
+    cfg = PPOConfig(output_dir=out, num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=accum,
+                    num_mini_batches=1, max_completion_length=7, max_prompt_length=96, max_steps=1, save_steps=0,
+                    disable_tqdm=True, log_completions_steps=0, seed=0, length_bucket=16, kl_coef=0.0,
+                    entropy_coef=0.01, cliprange_value=0.1, vf_coef=0.5)
+    trainer = PPOTrainer(model_dir, lambda completions, **kw: [0.0] * len(completions), cfg, arithmetic_dataset(8),
+                         peft_config=default_lora_config(r=4))
+    with torch.no_grad():
+        for name, p in trainer.policy.named_parameters():
+            if p.requires_grad:
+                seed = sum(ord(c) * (i + 1) for i, c in enumerate(name)) % 100_003
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+    batch = _global_batch()
+    per_rank = ROWS // world
+    mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
+    trainer._write_buffer(mine)
+    trainer._round_tokens = mine["completion_mask"].sum().float()
+    names = {id(p): n for n, p in trainer.policy.named_parameters()}
+    captured: dict[str, torch.Tensor] = {}
+
+    def capture(params, finite):
+        captured.update({names[id(p)]: p.grad.detach().clone() for p in params})
+        return 0.0, True
+
+    trainer._clip_and_step = capture
+    rnd = Round({"completion_ids": mine["completion_ids"]}, ["p"] * per_rank, ["c"] * per_rank)
+    trainer._optimizer_step(rnd, torch.arange(per_rank), trainer._round_context(rnd))
+    return captured
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_single_process_gradients(tmp_path, tiny_model_dir):
+    env = dict(os.environ)
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION"):
+        env.pop(name, None)
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    procs, logs = [], []
+    for rank in range(WORLD):
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, str(tmp_path), str(tiny_model_dir)],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT,
+            cwd=str(Path(__file__).resolve().parents[1]),
+        ))
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for log in logs:
+            log.close()
+    assert codes == [0] * WORLD, "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = step_gradients(str(tiny_model_dir), str(tmp_path / "single"), 0, 1)
+    finally:
+        torch.set_num_threads(before)
+    assert any("critic" in k for k in expected) and any("value_head" in k for k in expected)
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"grads_rank{rank}.pt")
+        assert got.keys() == expected.keys()
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6, msg=f"rank {rank}: {name}")
+
+
+if __name__ == "__main__":
+    out_dir, model_dir = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    grads = step_gradients(model_dir, str(Path(out_dir) / f"run_rank{rank}"), rank, int(os.environ["WORLD_SIZE"]))
+    torch.save(grads, Path(out_dir) / f"grads_rank{rank}.pt")

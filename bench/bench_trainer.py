@@ -1,0 +1,488 @@
+"""GRPO step time and memory: grpo_ascend's GRPOTrainer vs TRL's GRPOTrainer, side by side.
+
+Both trainers do the same work on the same offline model (``small``, ~24M params, fp32 on the
+CPU by default): the same arithmetic chat prompts, the same cheap rule reward (TRL's signature),
+LoRA r=16 / alpha=32 on every linear layer, G=8 completions for each of 4 prompts per optimizer
+step (32 completions = ``--micro-batch`` 8 × ``--grad-accum`` 4 on both), 64 new tokens,
+temperature 1, beta=0.04 (reference = the base with the adapter disabled, on both), the same
+``loss_type``, one optimizer step per generation round (so neither computes old log-probs), no
+gradient checkpointing, no checkpoint saving inside the timed steps.
+
+Completion lengths are forced equal by default (``--lengths fixed``): ours samples with
+``ignore_eos`` (an EOS may be drawn but does not stop or mask the row), TRL's ``generate`` gets
+``min_new_tokens`` (EOS is suppressed until the limit). Both then train on 32 × 64 completion
+tokens per step. ``--lengths natural`` lets both stop at EOS.
+
+Each trainer runs in a fresh subprocess (``--worker``), alternating ours / TRL's ``--repeats``
+times. A step's time is the wall-clock interval between consecutive optimizer-step ends (ours: the
+per-step metrics hook; TRL: ``on_step_end``), so it covers generation, rewards, reference and
+policy forwards, backward, optimizer and logging; the first (warm-up) step is not counted. Peak
+memory is that process's peak RSS during ``train()`` (VmHWM reset just before it) on the CPU, or
+the allocator's peak on an accelerator.
+
+MFU: our step's model FLOPs over the best fp32 (or bf16) ``torch.mm`` rate measured in the same
+process with the same thread count. With ``P`` the weights of every matmul (the base's linear
+layers, the LoRA A/B matrices and the tied output head; embeddings are lookups), ``P_base`` the
+frozen part, ``Lp`` the prompt's real tokens and ``Lc`` the completion tokens, for 4 prompts × G=8:
+
+* generation: ``2·P·(4·Lp + 32·Lc)`` (one shared prefill per prompt, then one token per row),
+* reference forward + policy forward: ``2 · 2·P·32·(Lp + Lc)``,
+* backward: ``2·P_base·32·(Lp + Lc)`` (input gradients only through the frozen weights) plus
+  ``4·P_lora·32·(Lp + Lc)`` (input and weight gradients of the LoRA matrices).
+
+Attention score/value products are left out (under 2% at these lengths), as are padding
+positions a trainer computes but does not need.
+
+Examples::
+
+    python bench/bench_trainer.py                      # CPU, fp32, 2 threads, 1 warm-up + 3 steps, 2 repeats
+    python bench/bench_trainer.py --threads 1 --steps 4
+    python bench/bench_trainer.py --device cuda --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+IMPLS = ("ours", "trl")
+
+
+@dataclass
+class Settings:
+    """What both workers run with (passed to them as JSON)."""
+
+    device: str = "cpu"
+    dtype: str = "fp32"
+    threads: int = 2
+    model_config: str = "small"
+    prompts_per_step: int = 4
+    num_generations: int = 8
+    micro_batch: int = 8
+    grad_accum: int = 4
+    new_tokens: int = 64
+    beta: float = 0.04
+    loss_type: str = "dapo"
+    learning_rate: float = 1e-5
+    lora_r: int = 16
+    lora_alpha: int = 32
+    warmup_steps: int = 1
+    steps: int = 3
+    lengths: str = "fixed"
+    length_bucket: int = 64
+    dataset_size: int = 256
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------------ shared pieces
+def rule_reward(prompts: list[Any], completions: list[Any], completion_ids: Any = None, **kwargs: Any) -> list[float]:
+    """A cheap rule reward in TRL's signature: share of digit characters, +1 if the answer appears."""
+    answers = kwargs.get("answer") or [None] * len(completions)
+    scores = []
+    for completion, answer in zip(completions, answers):
+        text = completion if isinstance(completion, str) else "".join(m.get("content") or "" for m in completion)
+        digits = sum(ch.isdigit() for ch in text) / max(1, len(text))
+        scores.append(digits + (1.0 if answer is not None and f"<answer>{answer}</answer>" in text else 0.0))
+    return scores
+
+
+def lora_config(s: Settings) -> Any:
+    """LoRA on every linear layer except the output head (the same object type for both trainers)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=0.0, target_modules="all-linear",
+                      task_type="CAUSAL_LM")
+
+
+def dataset(s: Settings) -> Any:
+    """The built-in arithmetic task: conversational prompts of nearly equal length, an ``answer`` column."""
+    from grpo_ascend.synthetic import arithmetic_dataset
+
+    return arithmetic_dataset(n=s.dataset_size, seed=s.seed)
+
+
+def prompt_tokens(tokenizer: Any, ds: Any) -> float:
+    """Mean real token count of the rendered prompts (chat template + generation prompt)."""
+    lens = []
+    for messages in ds["prompt"]:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        lens.append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return statistics.fmean(lens)
+
+
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` memory field (VmRSS, VmHWM) in KiB; 0 where unavailable."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def matmul_peak(dtype: Any, device: Any, n: int = 2048, reps: int = 5) -> float:
+    """Best FLOP/s of an ``n×n @ n×n`` torch.mm in this process (current thread count)."""
+    import torch
+
+    from grpo_ascend import device as dev
+
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    torch.mm(a, b)
+    dev.synchronize(device)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        dev.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def matmul_params(model: Any) -> tuple[int, int]:
+    """(all matmul weights, LoRA weights) of a model: every nn.Linear, the tied head counted once more."""
+    from torch import nn
+
+    total = lora = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            total += module.weight.numel()
+            if "lora_" in name:
+                lora += module.weight.numel()
+    return total, lora
+
+
+def model_flops(s: Settings, p_all: int, p_lora: int, lp: float, lc: float) -> float:
+    """Model FLOPs of one optimizer step; see the module docstring for the formula."""
+    n = s.prompts_per_step * s.num_generations
+    seq_tokens = n * (lp + lc)
+    generation = 2 * p_all * (s.prompts_per_step * lp + n * lc)
+    forwards = 2 * (2 * p_all * seq_tokens)
+    backward = 2 * (p_all - p_lora) * seq_tokens + 4 * p_lora * seq_tokens
+    return generation + forwards + backward
+
+
+# ------------------------------------------------------------------------------ workers
+def _setup(s: Settings) -> tuple[Any, Any, Any]:
+    import torch
+
+    from grpo_ascend import device as dev
+    from grpo_ascend.tiny_model import build_tiny_model
+
+    torch.set_num_threads(s.threads)
+    device = dev.resolve_device(s.device)
+    return device, build_tiny_model(s.model_config), torch
+
+
+def _finish_memory(device: Any, before_train_hwm_kib: int, rss_before_kib: int) -> dict[str, float]:
+    from grpo_ascend import device as dev
+
+    out = {
+        "peak_rss_train_mib": _status_kib("VmHWM") / 1024,
+        "peak_rss_life_mib": max(before_train_hwm_kib, _status_kib("VmHWM")) / 1024,
+        "rss_before_train_mib": rss_before_kib / 1024,
+    }
+    if dev.is_accelerator(device):
+        out["device_peak_mib"] = dev.memory_stats(device)["peak"] / 2**20
+    return out
+
+
+def _intervals(t0: float, ends: list[float], warmup: int) -> tuple[float, list[float]]:
+    stamps = [t0, *ends]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return sum(gaps[:warmup]), gaps[warmup:]
+
+
+def _span_medians(spans: list[tuple[float, str, float]], ends: list[float], warmup: int) -> dict[str, float]:
+    """Median per timed step of the summed durations of each named span (TRL's profiling blocks)."""
+    per_step: list[dict[str, float]] = [{} for _ in ends]
+    for stamp, name, duration in spans:
+        step = next((i for i, end in enumerate(ends) if stamp <= end), None)
+        if step is not None and step >= warmup:
+            per_step[step][name] = per_step[step].get(name, 0.0) + duration
+    names = sorted({n for d in per_step[warmup:] for n in d})
+    return {n: statistics.median(d.get(n, 0.0) for d in per_step[warmup:]) for n in names}
+
+
+def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
+    """Train with grpo_ascend's GRPOTrainer; return timings, memory and the FLOP inputs."""
+    device, model_dir, torch = _setup(s)
+    from transformers import AutoTokenizer
+
+    from grpo_ascend import GRPOConfig, GRPOTrainer
+    from grpo_ascend import device as dev
+    from grpo_ascend.tracking import read_jsonl
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ds = dataset(s)
+    cfg = GRPOConfig(
+        output_dir=str(out_dir), device=s.device, seed=s.seed, max_steps=s.warmup_steps + s.steps,
+        per_device_train_batch_size=s.micro_batch, gradient_accumulation_steps=s.grad_accum,
+        num_generations=s.num_generations, max_completion_length=s.new_tokens, temperature=1.0,
+        beta=s.beta, loss_type=s.loss_type, learning_rate=s.learning_rate, bf16=s.dtype == "bf16",
+        length_bucket=s.length_bucket, save_steps=0, log_completions_steps=0, disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[rule_reward], args=cfg, train_dataset=ds,
+                          processing_class=tokenizer, peft_config=lora_config(s))
+    if s.lengths == "fixed":
+        trainer.sampling.ignore_eos = True  # the engine holds this SamplingParams object
+    ends: list[float] = []
+    log_step = trainer._log_step
+
+    def timed_log_step(*args: Any, **kwargs: Any) -> dict[str, float]:
+        record = log_step(*args, **kwargs)
+        ends.append(time.perf_counter())
+        return record
+
+    trainer._log_step = timed_log_step  # type: ignore[method-assign]
+    rss_before, hwm_before = _status_kib("VmRSS"), _status_kib("VmHWM")
+    _reset_peak_rss()
+    dev.reset_peak_memory(device)
+    t0 = time.perf_counter()
+    if profile:
+        import cProfile
+
+        cProfile.runctx("trainer.train()", globals(), {"trainer": trainer}, profile)
+    else:
+        trainer.train()
+    result = _finish_memory(device, hwm_before, rss_before)
+    warmup, gaps = _intervals(t0, ends, s.warmup_steps)
+    records = read_jsonl(out_dir / "metrics.jsonl")[s.warmup_steps:]
+    phases = {}
+    for key in ("time/step", "time/generation", "time/reward", "time/reference", "time/training"):
+        values = [r[key] for r in records if r.get(key) is not None]
+        if values:
+            phases[key] = statistics.median(values)
+    p_all, p_lora = matmul_params(trainer.policy)
+    mm_dtype = torch.bfloat16 if s.dtype == "bf16" else torch.float32
+    result.update(
+        warmup_s=warmup, step_s=gaps, phases=phases, threads=torch.get_num_threads(),
+        completion_len=statistics.fmean(r["completion_length/mean"] for r in records),
+        prompt_len=prompt_tokens(tokenizer, ds), p_all=p_all, p_lora=p_lora,
+        matmul_peak=matmul_peak(mm_dtype, device),
+    )
+    return result
+
+
+def run_trl(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
+    """Train with TRL's GRPOTrainer (transformers ``generate``, no vLLM); return timings and memory."""
+    device, model_dir, torch = _setup(s)
+    import trl
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_ascend import device as dev
+
+    class StepEnds(TrainerCallback):
+        """Timestamps of optimizer-step ends."""
+
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            dev.synchronize(device)
+            self.ends.append(time.perf_counter())
+
+    import trl.extras.profiling as trl_profiling
+
+    spans: list[tuple[float, str, float]] = []
+
+    def record(ctx: Any, duration: float) -> None:
+        spans.append((time.perf_counter(), ctx.name, duration))
+
+    trl_profiling.ProfilingContext._log_metrics = record  # type: ignore[method-assign]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ds = dataset(s)
+    generation_kwargs = {"min_new_tokens": s.new_tokens} if s.lengths == "fixed" else None
+    cfg = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=dev.device_type(device) == "cpu", seed=s.seed,
+        max_steps=s.warmup_steps + s.steps, per_device_train_batch_size=s.micro_batch,
+        gradient_accumulation_steps=s.grad_accum, num_generations=s.num_generations,
+        max_completion_length=s.new_tokens, temperature=1.0, top_p=1.0, top_k=0, beta=s.beta,
+        loss_type=s.loss_type, learning_rate=s.learning_rate, bf16=s.dtype == "bf16", fp16=False,
+        gradient_checkpointing=False, model_init_kwargs={"dtype": torch.float32},
+        generation_kwargs=generation_kwargs, logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0, dataloader_pin_memory=False, lr_scheduler_type="linear",
+        max_grad_norm=1.0, optim="adamw_torch",
+    )
+    timer = StepEnds()
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[rule_reward], args=cfg, train_dataset=ds,
+                          processing_class=tokenizer, peft_config=lora_config(s), callbacks=[timer])
+    rss_before, hwm_before = _status_kib("VmRSS"), _status_kib("VmHWM")
+    _reset_peak_rss()
+    dev.reset_peak_memory(device)
+    t0 = time.perf_counter()
+    if profile:
+        import cProfile
+
+        cProfile.runctx("trainer.train()", globals(), {"trainer": trainer}, profile)
+    else:
+        trainer.train()
+    result = _finish_memory(device, hwm_before, rss_before)
+    warmup, gaps = _intervals(t0, timer.ends, s.warmup_steps)
+    logs = [r for r in trainer.state.log_history if "completions/mean_length" in r][s.warmup_steps:]
+    result.update(
+        warmup_s=warmup, step_s=gaps, phases=_span_medians(spans, timer.ends, s.warmup_steps),
+        threads=torch.get_num_threads(), trl_version=trl.__version__,
+        completion_len=statistics.fmean(r["completions/mean_length"] for r in logs) if logs else float("nan"),
+    )
+    return result
+
+
+# ------------------------------------------------------------------------------ driver
+def spawn(impl: str, s: Settings, python: str, log_dir: Path, index: int) -> dict[str, Any]:
+    """Run one worker in a fresh process with the thread count fixed in its environment."""
+    out = log_dir / f"{impl}-{index}.json"
+    env = dict(os.environ, OMP_NUM_THREADS=str(s.threads), MKL_NUM_THREADS=str(s.threads))
+    cmd = [python, str(Path(__file__).resolve()), "--worker", impl, "--settings", json.dumps(asdict(s)),
+           "--result", str(out)]
+    log = log_dir / f"{impl}-{index}.log"
+    with open(log, "w") as handle:
+        proc = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise SystemExit(f"{impl} worker failed (exit {proc.returncode}); log {log}:\n{tail}")
+    return json.loads(out.read_text())
+
+
+def worker_main(impl: str, settings: str, result: str, profile: str | None) -> None:
+    s = Settings(**json.loads(settings))
+    with tempfile.TemporaryDirectory(prefix=f"bench-{impl}-") as tmp:
+        fn = run_ours if impl == "ours" else run_trl
+        data = fn(s, Path(tmp), profile)
+    Path(result).write_text(json.dumps(data))
+
+
+def _fmt_gib(mib: float) -> str:
+    return f"{mib / 1024:.2f}"
+
+
+def report(s: Settings, runs: dict[str, list[dict[str, Any]]], loads: list[tuple[float, float, float]]) -> None:
+    """Print the per-repeat lines and the summary table."""
+    med = {impl: statistics.median([t for r in runs[impl] for t in r["step_s"]]) for impl in IMPLS}
+    ours = runs["ours"]
+    flops = model_flops(s, ours[0]["p_all"], ours[0]["p_lora"], ours[0]["prompt_len"],
+                        statistics.fmean(r["completion_len"] for r in ours))
+    peak = statistics.median(r["matmul_peak"] for r in ours)
+    per_repeat = [statistics.median(o["step_s"]) / statistics.median(t["step_s"]) for o, t in zip(ours, runs["trl"])]
+    ratio = med["ours"] / med["trl"]
+    mem_key = "device_peak_mib" if "device_peak_mib" in ours[0] else "peak_rss_train_mib"
+    mem = {impl: max(r[mem_key] for r in runs[impl]) for impl in IMPLS}
+    life = {impl: max(r["peak_rss_life_mib"] for r in runs[impl]) for impl in IMPLS}
+    base = {impl: statistics.median(r["rss_before_train_mib"] for r in runs[impl]) for impl in IMPLS}
+    lens = {impl: statistics.fmean(r["completion_len"] for r in runs[impl]) for impl in IMPLS}
+
+    print()
+    mem_label = "device peak (GiB)" if mem_key == "device_peak_mib" else "peak RSS in train() (GiB)"
+    print(f"| trainer | s/step (median) | ratio ours/TRL | {mem_label} | peak RSS, whole process (GiB) "
+          "| RSS before train() (GiB) | completion tokens | MFU |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for impl in IMPLS:
+        name = "grpo_ascend" if impl == "ours" else f"TRL {runs['trl'][0]['trl_version']}"
+        r = f"{ratio:.3f}" if impl == "ours" else ""
+        mfu = flops / med[impl] / peak
+        print(f"| {name} | {med[impl]:.2f} | {r} | {_fmt_gib(mem[impl])} | {_fmt_gib(life[impl])} "
+              f"| {_fmt_gib(base[impl])} | {lens[impl]:.1f} | {100 * mfu:.2f}% |")
+    print()
+    print(f"ratio ours/TRL per repeat: {', '.join(f'{x:.3f}' for x in per_repeat)}; "
+          f"target <= 0.65: {'met' if ratio <= 0.65 else 'NOT met'}; memory "
+          f"{'<=' if mem['ours'] <= mem['trl'] else '>'} TRL's ({mem['ours'] / mem['trl']:.2f}x)")
+    for impl in IMPLS:
+        keys = sorted({k for r in runs[impl] for k in r["phases"]})
+        phases = {k: statistics.median(r["phases"].get(k, 0.0) for r in runs[impl]) for k in keys}
+        label = "ours (metrics.jsonl)" if impl == "ours" else "TRL (its profiling blocks, nested)"
+        print(f"{label}, median s per timed step: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+    print(f"model FLOPs per step {flops / 1e9:.1f} GFLOP (P={ours[0]['p_all'] / 1e6:.2f}M matmul weights, "
+          f"P_lora={ours[0]['p_lora'] / 1e6:.2f}M, Lp={ours[0]['prompt_len']:.1f}, "
+          f"Lc={lens['ours']:.1f}); measured {s.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s "
+          f"at {ours[0]['threads']} thread(s); MFU = FLOPs / (s/step × peak)")
+    print("load average (1, 5, 15 min) before each run: " + "; ".join(f"{a:.2f} {b:.2f} {c:.2f}" for a, b, c in loads))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, npu or auto (default cpu)")
+    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
+                        help="fp32 (CPU default) or bf16 autocast (accelerator default)")
+    parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads for both trainers")
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per run, after the warm-up")
+    parser.add_argument("--warmup-steps", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per trainer, alternating ours / TRL's")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--loss-type", default="dapo", choices=["dapo", "grpo", "bnpo", "dr_grpo"])
+    parser.add_argument("--lengths", default="fixed", choices=["fixed", "natural"],
+                        help="fixed: every completion has --new-tokens tokens on both; natural: stop at EOS")
+    parser.add_argument("--length-bucket", type=int, default=64,
+                        help="our length_bucket (config default 64; the 63-65-token prompts straddle 64, 1 = exact)")
+    parser.add_argument("--model-config", default="small", choices=["tiny", "small"])
+    parser.add_argument("--python", default=sys.executable, help="interpreter for the workers (needs trl)")
+    parser.add_argument("--keep-logs", default=None, help="folder for worker logs/results (default: a temp dir)")
+    parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", default=None, help="worker only: write a cProfile of train() here")
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        worker_main(args.worker, args.settings, args.result, args.profile)
+        return
+    if args.python == sys.executable:
+        import importlib.util
+
+        if importlib.util.find_spec("trl") is None:
+            raise SystemExit("TRL is not installed here: pip install -e '.[bench]' (or pass --python PATH)")
+    accelerator = args.device not in ("cpu",)
+    s = Settings(
+        device=args.device, dtype=args.dtype or ("bf16" if accelerator else "fp32"), threads=args.threads,
+        model_config=args.model_config, new_tokens=args.new_tokens, loss_type=args.loss_type,
+        warmup_steps=args.warmup_steps, steps=args.steps, lengths=args.lengths, length_bucket=args.length_bucket,
+    )
+    print(f"GRPO step, {s.model_config} model, {s.dtype} on {s.device}, {s.threads} thread(s): "
+          f"{s.prompts_per_step} prompts × G={s.num_generations} = {s.micro_batch * s.grad_accum} completions per "
+          f"optimizer step ({s.grad_accum} micro-batches of {s.micro_batch}), {s.new_tokens} new tokens "
+          f"({s.lengths} lengths), beta={s.beta}, loss_type={s.loss_type}, LoRA r={s.lora_r} all-linear; "
+          f"{s.warmup_steps} warm-up + {s.steps} timed steps per run, {args.repeats} run(s) each, alternating",
+          flush=True)
+    log_dir = Path(args.keep_logs) if args.keep_logs else Path(tempfile.mkdtemp(prefix="bench-trainer-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, Any]]] = {impl: [] for impl in IMPLS}
+    loads: list[tuple[float, float, float]] = []
+    for rep in range(args.repeats):
+        for impl in IMPLS:
+            loads.append(os.getloadavg())
+            r = spawn(impl, s, args.python, log_dir, rep)
+            runs[impl].append(r)
+            print(f"  [{impl} run {rep + 1}] warm-up {r['warmup_s']:.2f} s, steps "
+                  f"{', '.join(f'{t:.2f}' for t in r['step_s'])} s, load {loads[-1][0]:.2f}", flush=True)
+    report(s, runs, loads)
+
+
+if __name__ == "__main__":
+    main()

@@ -66,8 +66,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num_processes", "--num-processes", type=int, default=None, metavar="N",
         help="data-parallel processes to start on this machine through `accelerate launch` (one per "
-        "device; gloo processes on the CPU). For several machines or DeepSpeed-style setups use "
-        "`accelerate launch --config_file ... -m grpo_ascend.cli train ...` directly",
+        "device; gloo processes on the CPU). For several machines use `accelerate launch --config_file "
+        "recipes/accelerate/<file>.yaml -m grpo_ascend.cli train ...` instead",
     )
     parser.add_argument("config", help="YAML recipe (see recipes/)")
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value pairs overriding the recipe")

@@ -1,0 +1,209 @@
+"""One rank of the multi-process tests: ``python tests/dist_worker.py MODE OUT_DIR SPEC_JSON``.
+
+tests/test_distributed.py starts one of these per rank with the environment a launcher sets
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT); accelerate then joins them
+in a gloo process group on the CPU. Each rank writes its results to ``OUT_DIR/<name>_rank<R>.*``
+(never into the trainer's output_dir, whose writers the ``train`` mode audits).
+
+Modes:
+  grads  one optimizer step per loss type on a fixed global batch (this rank's slice); saves the
+         gradients after DDP averaging and the reported loss.
+  train  a short GRPO run (optionally resumed, or preempted right after the save at some step);
+         saves the trainable weights and every write this rank made under output_dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class Preempted(Exception):
+    """Raised right after a checkpoint save to simulate a job killed between two steps."""
+
+
+def even_token_fraction(prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
+                        **kwargs: Any) -> list[float]:
+    """A reward that varies within every group, even for the random tiny model: the share of even token ids."""
+    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
+def deterministic_trainable_init(model: torch.nn.Module) -> None:
+    """Set every trainable parameter from a generator seeded by its name (same in any process)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                seed = sum(ord(c) * (i + 1) for i, c in enumerate(name)) % 100_003
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+
+
+def fixed_global_batch(n: int = 16, prompt_len: int = 6, completion_len: int = 7) -> dict[str, torch.Tensor]:
+    """A fixed batch whose second half has far more valid completion tokens than the first."""
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(5, 500, (n, prompt_len), generator=g)
+    prompt_mask = torch.ones_like(prompt)
+    prompt_mask[::3, :2] = 0
+    completion = torch.randint(5, 500, (n, completion_len), generator=g)
+    lengths = torch.tensor([1, 2, 1, 3, 2, 1, 2, 1] + [7, 6, 7, 5, 7, 7, 6, 7])[:n]
+    completion_mask = (torch.arange(completion_len).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    return {
+        "prompt_ids": prompt,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(n, generator=g),
+        "loss_mask": completion_mask.float(),
+        "old_logps": -3 - torch.rand(n, completion_len, generator=g),
+        "ref_logps": -3 - torch.rand(n, completion_len, generator=g),
+    }
+
+
+def step_gradients(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: str) -> tuple[list[torch.Tensor], float]:
+    """Gradients of one optimizer step over all rows of ``tensors`` (the step itself is not taken)."""
+    from grpo_ascend.trainers.base import Round
+
+    captured: list[list[torch.Tensor]] = []
+
+    def capture(params: list[torch.nn.Parameter], finite: torch.Tensor) -> tuple[float, bool]:
+        captured.append([p.grad.detach().clone() for p in params])
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return 0.0, True
+
+    trainer._clip_and_step = capture
+    trainer.args.loss_type = loss_type
+    n = tensors["completion_ids"].shape[0]
+    rnd = Round(dict(tensors), ["p"] * n, ["c"] * n)
+    metrics = trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
+    return captured[0], metrics["loss"]
+
+
+def grads_config(output_dir: str, world_size: int) -> Any:
+    """Config for the gradient comparison: one optimizer step over 16 completions in total."""
+    from grpo_ascend import GRPOConfig
+
+    accum = 4 // world_size
+    return GRPOConfig(
+        output_dir=output_dir, num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=accum,
+        steps_per_generation=accum, max_completion_length=7, max_prompt_length=96, beta=0.04, max_steps=1,
+        save_steps=0, disable_tqdm=True, log_completions_steps=0, seed=0, length_bucket=16,
+    )
+
+
+def make_trainer(model_dir: str, cfg: Any, dataset_size: int = 8, dataset_seed: int = 3) -> Any:
+    from grpo_ascend import GRPOTrainer
+    from grpo_ascend.models import default_lora_config
+    from grpo_ascend.synthetic import arithmetic_dataset
+
+    return GRPOTrainer(model_dir, even_token_fraction, cfg, arithmetic_dataset(dataset_size, seed=dataset_seed),
+                       peft_config=default_lora_config(r=4))
+
+
+def run_grads(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
+    trainer = make_trainer(spec["model_dir"], grads_config(str(out / "unused"), world))
+    deterministic_trainable_init(trainer.policy)
+    batch = fixed_global_batch()
+    per_rank = batch["completion_ids"].shape[0] // world
+    mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
+    results = {}
+    for loss_type in spec["loss_types"]:
+        grads, loss = step_gradients(trainer, mine, loss_type)
+        results[loss_type] = {"grads": grads, "loss": loss}
+    torch.save(results, out / f"grads_rank{rank}.pt")
+
+
+class WriteAudit:
+    """Records every write-like file operation under ``root`` (an audit hook; see sys.addaudithook)."""
+
+    EVENTS = ("os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree", "os.truncate", "os.symlink")
+
+    def __init__(self, root: Path):
+        self.root = os.path.abspath(root)
+        self.writes: list[str] = []
+        self.active = True
+        sys.addaudithook(self)
+
+    def _inside(self, path: Any) -> bool:
+        if isinstance(path, int):
+            return False
+        try:
+            full = os.path.abspath(os.fsdecode(path))
+        except TypeError:
+            return False
+        return full == self.root or full.startswith(self.root + os.sep)
+
+    def __call__(self, event: str, args: tuple[Any, ...]) -> None:
+        if not self.active:
+            return
+        if event == "open":
+            path, mode, flags = args
+            if mode is not None:
+                writing = any(c in mode for c in "wax+")
+            else:
+                writing = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
+            if writing and self._inside(path):
+                self.writes.append(f"open {path}")
+        elif event in self.EVENTS and args and self._inside(args[0]):
+            self.writes.append(f"{event} {args[0]}")
+
+
+def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
+    from grpo_ascend import GRPOConfig
+
+    settings = {
+        "num_generations": 4, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
+        "steps_per_generation": 2, "max_completion_length": 10, "max_prompt_length": 96, "learning_rate": 5e-3,
+        "max_steps": 4, "save_steps": 2, "logging_steps": 1, "disable_tqdm": True, "log_completions_steps": 2,
+        "seed": 0, "lr_scheduler_type": "constant", "length_bucket": 16, "beta": 0.02,
+        **spec.get("config", {}),
+    }
+    cfg = GRPOConfig(**settings)
+    audit = WriteAudit(Path(cfg.output_dir))
+    trainer = make_trainer(spec["model_dir"], cfg, dataset_size=12)
+    stop_after = spec.get("stop_after_step")
+    if stop_after is not None:
+        original_save = trainer._save
+
+        def save_then_stop() -> None:
+            original_save()
+            if trainer.step == stop_after:
+                raise Preempted(f"preempted after the save at step {trainer.step}")
+
+        trainer._save = save_then_stop
+    status = "finished"
+    try:
+        trainer.train(resume_from_checkpoint=spec.get("resume"))
+    except Preempted:
+        status = "preempted"
+    audit.active = False
+    weights = {k: v.detach().cpu().clone() for k, v in trainer.policy.named_parameters() if v.requires_grad}
+    torch.save(weights, out / f"weights_rank{rank}.pt")
+    report = {"status": status, "step": trainer.step, "world_size": trainer.accelerator.num_processes,
+              "backend": trainer.accelerator.state.backend, "writes": audit.writes}
+    (out / f"report_rank{rank}.json").write_text(json.dumps(report, indent=1))
+
+
+def main() -> int:
+    mode, out, spec = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out.mkdir(parents=True, exist_ok=True)
+    if mode == "grads":
+        run_grads(out, spec, rank, world)
+    elif mode == "train":
+        run_train(out, spec, rank)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    raise SystemExit(main())

@@ -1,0 +1,386 @@
+"""Data-parallel training with 2 processes on the CPU (gloo over loopback), and the launch configs.
+
+Each multi-process test starts tests/dist_worker.py once per rank with the environment a launcher
+sets; one process per rank runs on one thread so two ranks fit the 2-core CI machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER = HERE / "dist_worker.py"
+ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
+WORLD = 2
+
+sys.path.insert(0, str(HERE))
+import dist_worker  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION"):
+        env.pop(name, None)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return env
+
+
+def launch(mode: str, out: Path, spec: dict[str, Any], timeout: float = 240) -> None:
+    """Run ``WORLD`` worker ranks joined over loopback; fail with their logs if any rank fails."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = _base_env()
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD),
+               LOCAL_WORLD_SIZE=str(WORLD))
+    procs, logs = [], []
+    for rank in range(WORLD):
+        log = open(out / f"log_{mode}_rank{rank}.txt", "w")
+        logs.append(log)
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(out), json.dumps(spec)],
+                                      env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT)))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    if codes != [0] * WORLD:
+        tails = "\n".join(f"--- rank {r} ---\n" + (out / f"log_{mode}_rank{r}.txt").read_text()[-3000:]
+                          for r in range(WORLD))
+        pytest.fail(f"{mode} workers exited with {codes or 'a timeout'}\n{tails}")
+
+
+def _reports(out: Path) -> list[dict[str, Any]]:
+    return [json.loads((out / f"report_rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _weights(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"weights_rank{rank}.pt", weights_only=True)
+
+
+def _stable_metrics(path: Path) -> list[dict[str, Any]]:
+    skip = ("time/", "tokens_per_second", "memory/")
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(skip)} for line in open(path)]
+
+
+# ---------------------------------------------------------------------------------------------
+# loss normalisation across ranks
+# ---------------------------------------------------------------------------------------------
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+
+
+def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path, tiny_model_dir):
+    """DDP-averaged gradients of 2 ranks (each holding half of a fixed batch whose halves have very
+    different token counts) equal the gradient one process computes over the whole batch."""
+    launch("grads", tmp_path / "dist", {"model_dir": str(tiny_model_dir), "loss_types": LOSS_TYPES})
+    ranks = [torch.load(tmp_path / "dist" / f"grads_rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+    single = dist_worker.make_trainer(str(tiny_model_dir), dist_worker.grads_config(str(tmp_path / "one"), 1))
+    dist_worker.deterministic_trainable_init(single.policy)
+    batch = dist_worker.fixed_global_batch()
+    halves = batch["loss_mask"].split(batch["loss_mask"].shape[0] // WORLD)
+    assert halves[0].sum() * 3 < halves[1].sum()  # the ranks' token counts really differ
+    for loss_type in LOSS_TYPES:
+        expected, expected_loss = dist_worker.step_gradients(single, batch, loss_type)
+        for r in range(WORLD):
+            got = ranks[r][loss_type]
+            assert len(got["grads"]) == len(expected)
+            for a, b in zip(got["grads"], expected):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=f"{loss_type}, rank {r}")
+            assert got["loss"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7), loss_type
+        # Both ranks hold the same averaged gradient bit for bit.
+        for a, b in zip(ranks[0][loss_type]["grads"], ranks[1][loss_type]["grads"]):
+            assert torch.equal(a, b), loss_type
+
+
+# ---------------------------------------------------------------------------------------------
+# training, files, resume
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tiny_model_dir):
+    """An uninterrupted 2-process run of 4 optimizer steps (checkpoints at 2 and 4)."""
+    out = tmp_path_factory.mktemp("full")
+    launch("train", out, {"model_dir": str(tiny_model_dir), "config": {"output_dir": str(out / "run")}})
+    return out
+
+
+def test_ranks_hold_identical_weights_after_several_steps(full_run):
+    reports = _reports(full_run)
+    assert [r["status"] for r in reports] == ["finished"] * WORLD
+    assert [r["step"] for r in reports] == [4] * WORLD
+    assert {r["world_size"] for r in reports} == {WORLD}
+    assert {r["backend"] for r in reports} == {"gloo"}
+    w0, w1 = _weights(full_run, 0), _weights(full_run, 1)
+    assert w0.keys() == w1.keys() and len(w0) > 0
+    for name in w0:
+        assert torch.equal(w0[name], w1[name]), name
+    # ... and training moved them: LoRA B starts at zero.
+    assert any(v.abs().max() > 0 for k, v in w0.items() if "lora_B" in k)
+
+
+def test_only_rank_zero_writes_files(full_run):
+    reports = _reports(full_run)
+    assert reports[1]["writes"] == []
+    written = "\n".join(reports[0]["writes"])
+    for name in ("metrics.jsonl", "samples.jsonl", "summary.json", "manifest.json"):
+        assert name in written, name
+    run = full_run / "run"
+    lines = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]  # one writer: no duplicated records
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert not list(run.glob(".tmp-*"))
+    extra = run / "checkpoint-2" / "extra.safetensors"
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(extra)))
+    assert {f"rank{r}/sampling_generator" for r in range(WORLD)} <= keys
+    assert {f"rank{r}/rng_state" for r in range(WORLD)} <= keys
+    state = json.loads((run / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["world_size"] == WORLD
+
+
+def test_resume_from_a_two_process_checkpoint_is_exact(tmp_path, full_run, tiny_model_dir):
+    out = tmp_path / "resumed"
+    spec = {"model_dir": str(tiny_model_dir), "config": {"output_dir": str(out / "run")}}
+    launch("train", out, {**spec, "stop_after_step": 2})
+    assert [r["status"] for r in _reports(out)] == ["preempted"] * WORLD
+    launch("train", out, {**spec, "resume": "latest"})
+    reports = _reports(out)
+    assert [r["status"] for r in reports] == ["finished"] * WORLD
+    assert reports[1]["writes"] == []
+    # The resumed ranks sample exactly what the uninterrupted ones did (each restored its own
+    # generator): the sample statistics of every step match exactly ...
+    full = _stable_metrics(full_run / "run" / "metrics.jsonl")
+    resumed = _stable_metrics(out / "run" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    sampled = ("reward", "reward_std", "completion_length/mean", "completion_length/min", "completion_length/max",
+               "advantages/mean", "advantages/abs_max", "tokens_generated")
+    for a, b in zip(full, resumed):
+        assert {k: a[k] for k in sampled} == {k: b[k] for k in sampled}, a["step"]
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (a["step"], key)
+    # ... and so do the weights. (Runs in separate processes have been seen to differ in the last
+    # bits of a loss value, so weights are compared closely rather than bit for bit.)
+    expected = _weights(full_run, 0)
+    for rank in range(WORLD):
+        got = _weights(out, rank)
+        assert got.keys() == expected.keys()
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-3, atol=1e-5, msg=f"rank {rank}, {name}")
+
+
+def test_per_rank_random_state_round_trips(tmp_path, tiny_model_dir):
+    """Restoring the gathered states gives each rank back its own generator and RNG streams."""
+    cfg = dist_worker.grads_config(str(tmp_path / "one"), 1)
+    trainer = dist_worker.make_trainer(str(tiny_model_dir), cfg)
+    gen_states = [torch.Generator().manual_seed(s).get_state() for s in (5, 6)]
+    import io
+
+    from grpo_ascend import device as dev
+
+    buffers = []
+    for seed in (7, 8):
+        torch.manual_seed(seed)
+        buf = io.BytesIO()
+        torch.save(dev.rng_state(trainer.device), buf)
+        buffers.append(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+    extra = {"sampling_generator": gen_states[0]}
+    for r in range(WORLD):
+        extra[f"rank{r}/sampling_generator"] = gen_states[r]
+        extra[f"rank{r}/rng_state"] = buffers[r]
+    trainer._restore_rank_random_state(extra, saved_world_size=WORLD)  # this process is rank 0
+    assert torch.equal(trainer.generator.get_state(), gen_states[0])
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    trainer._restore_rank_random_state(extra, saved_world_size=WORLD)
+    assert torch.equal(torch.rand(3), expected)
+    # A rank the saved run did not have gets a fresh stream instead of a copy of rank 0's.
+    trainer._restore_rank_random_state({"sampling_generator": gen_states[0]}, saved_world_size=1)
+    assert torch.equal(trainer.generator.get_state(), gen_states[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# the CLI's --num_processes convenience (accelerate launch underneath)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cli_num_processes_launches_data_parallel_training(tmp_path, tiny_model_dir):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": str(tiny_model_dir), "dataset": "synthetic:arithmetic", "dataset_kwargs": {"n": 32, "seed": 1},
+        "reward_funcs": ["accuracy"], "lora_r": 4, "num_generations": 2, "per_device_train_batch_size": 4,
+        "max_prompt_length": 96, "max_completion_length": 6, "length_bucket": 16, "max_steps": 2, "save_steps": 0,
+        "output_dir": str(tmp_path / "run"), "disable_tqdm": True, "log_completions_steps": 0, "device": "cpu",
+        "lr_scheduler_type": "constant",
+    }))
+    cmd = [sys.executable, "-m", "grpo_ascend.cli", "train", str(recipe), "--num_processes", str(WORLD),
+           "--learning_rate", "1e-3"]
+    done = subprocess.run(cmd, env=_base_env(), cwd=str(ROOT), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"× {WORLD} process(es)" in done.stdout
+    lines = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in lines] == [1, 2]
+    assert lines[0]["learning_rate"] == pytest.approx(1e-3)
+    assert (tmp_path / "run" / "checkpoint-2" / "manifest.json").is_file()
+
+
+def test_num_processes_inside_a_launched_process_is_refused(monkeypatch):
+    from grpo_ascend.errors import ConfigError
+    from grpo_ascend.run import launch_command
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="already started by a launcher with 4"):
+        launch_command("recipe.yaml", [], 2)
+
+
+def test_launch_command_runs_accelerate_then_the_cli(monkeypatch):
+    from grpo_ascend.run import _split_num_processes, launch_command
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cmd = launch_command("r.yaml", ["--max_steps", "3"], 8, log_level="warning")
+    assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert cmd[cmd.index("--num_processes") + 1] == "8"
+    tail = cmd[cmd.index("grpo_ascend.cli") - 1 :]
+    assert tail == ["-m", "grpo_ascend.cli", "--log-level", "warning", "train", "r.yaml", "--max_steps", "3"]
+    assert _split_num_processes(["--max_steps", "3", "--num-processes=4", "--seed", "1"]) == (
+        4, ["--max_steps", "3", "--seed", "1"])
+    assert _split_num_processes(["--num_processes", "2"]) == (2, [])
+
+
+# ---------------------------------------------------------------------------------------------
+# accelerate config files in recipes/accelerate
+# ---------------------------------------------------------------------------------------------
+
+
+def test_accelerate_configs_exist():
+    names = {p.name for p in ACCELERATE_CONFIGS}
+    assert {"npu_1node_8cards.yaml", "npu_2nodes_16cards.yaml", "deepspeed_zero2.yaml",
+            "deepspeed_zero3.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
+def test_accelerate_config_parses_with_accelerate(path):
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import ComputeEnvironment, DistributedType
+
+    raw = yaml.safe_load(path.read_text())
+    for key in ("compute_environment", "distributed_type", "num_machines", "num_processes", "machine_rank",
+                "mixed_precision", "main_training_function"):
+        assert key in raw, f"{path.name} lacks {key}"
+    config = ClusterConfig.from_yaml_file(str(path))  # rejects unknown keys, converts enums
+    assert config.compute_environment == ComputeEnvironment.LOCAL_MACHINE
+    assert config.num_processes >= 1 and config.num_machines >= 1
+    assert config.num_processes % config.num_machines == 0, "processes must split evenly over machines"
+    assert 0 <= config.machine_rank < config.num_machines
+    assert config.mixed_precision in ("no", "bf16", "fp16")
+    if config.num_machines > 1:
+        assert config.main_process_ip and config.main_process_port, "multi-node needs the main process address"
+    if config.distributed_type == DistributedType.DEEPSPEED:
+        ds = config.deepspeed_config
+        assert ds.get("zero_stage") in (2, 3)
+        assert "deepspeed_multinode_launcher" in ds or config.num_machines == 1
+    else:
+        assert config.distributed_type in (DistributedType.MULTI_NPU, DistributedType.MULTI_GPU)
+        assert config.num_processes >= 2
+
+    # What `accelerate launch --config_file PATH -m grpo_ascend.cli train RECIPE` resolves to.
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    parsed = launch_command_parser().parse_args(["--config_file", str(path), "-m", "grpo_ascend.cli", "train", "r.yaml"])
+    launch_args, _, _ = _validate_launch_command(parsed)
+    assert launch_args.num_processes == config.num_processes
+    assert launch_args.num_machines == config.num_machines
+    assert launch_args.use_deepspeed == (config.distributed_type == DistributedType.DEEPSPEED)
+    assert launch_args.multi_gpu == (config.distributed_type != DistributedType.DEEPSPEED)
+    assert launch_args.training_script == "grpo_ascend.cli" and launch_args.module
+
+
+# ---------------------------------------------------------------------------------------------
+# what the trainer asks of accelerate
+# ---------------------------------------------------------------------------------------------
+
+
+class _StopHere(Exception):
+    pass
+
+
+def _fake_accelerator(monkeypatch, distributed_type=None, seen=None):
+    """Replace accelerate.Accelerator: record its arguments, then stop or pretend a distributed type."""
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    class FakeAccelerator:
+        def __init__(self, **kwargs: Any):
+            if seen is not None:
+                seen.update(kwargs)
+                raise _StopHere
+            self.device = torch.device("cpu")
+            self.distributed_type = distributed_type or DistributedType.NO
+
+    monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
+
+
+def test_process_group_gets_the_device_backend_and_ddp_timeout(monkeypatch, tmp_path, tiny_model_dir):
+    from datetime import timedelta
+
+    from grpo_ascend import device as dev
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    seen: dict[str, Any] = {}
+    _fake_accelerator(monkeypatch, seen=seen)
+    cfg = dist_worker.grads_config(str(tmp_path / "run"), 1).replace(ddp_timeout=123, device="cpu")
+    with pytest.raises(_StopHere):
+        dist_worker.make_trainer(str(tiny_model_dir), cfg)
+    (group,) = seen["kwargs_handlers"]
+    assert group.backend == dev.dist_backend("cpu") == "gloo"
+    assert group.timeout == timedelta(seconds=123)
+    assert seen["cpu"] is True
+
+    # A single process must not name a backend (accelerate would then expect a process group).
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    seen.clear()
+    with pytest.raises(_StopHere):
+        dist_worker.make_trainer(str(tiny_model_dir), cfg)
+    assert "backend" not in seen["kwargs_handlers"][0].to_kwargs()
+    assert seen["kwargs_handlers"][0].timeout == timedelta(seconds=123)
+
+
+@pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP"])
+def test_sharded_engines_are_refused_clearly(monkeypatch, tmp_path, tiny_model_dir, kind):
+    from accelerate.utils import DistributedType
+
+    from grpo_ascend.errors import ConfigError
+
+    _fake_accelerator(monkeypatch, distributed_type=DistributedType(kind))
+    cfg = dist_worker.grads_config(str(tmp_path / "run"), 1)
+    with pytest.raises(ConfigError, match=f"{kind}.*not support"):
+        dist_worker.make_trainer(str(tiny_model_dir), cfg)

@@ -27,7 +27,7 @@ class ArithmeticProblem:
 
 
 def arithmetic_problems(
-    n: int, seed: int = 0, max_operand: int = 20, ops: str = "+-"
+    n: int, seed: int = 0, max_operand: int = 10, ops: str = "+-"
 ) -> list[ArithmeticProblem]:
     """Return ``n`` problems ``a op b`` with operands in ``[0, max_operand)``, reproducible by ``seed``."""
     if n <= 0:
@@ -54,7 +54,7 @@ def conversation(question: str, system_prompt: str | None = SYSTEM_PROMPT) -> li
 def arithmetic_dataset(
     n: int = 1000,
     seed: int = 0,
-    max_operand: int = 20,
+    max_operand: int = 10,
     ops: str = "+-",
     system_prompt: str | None = SYSTEM_PROMPT,
 ) -> Any:

@@ -47,10 +47,13 @@ def load_prompt_dataset(
                 raise DataError(f"dataset file not found: {spec!r}")
             if suffix not in _LOCAL_FORMATS:
                 raise DataError(f"dataset file {spec!r}: expected one of {sorted(_LOCAL_FORMATS)}")
+            if not Path(spec).read_bytes().strip():
+                raise DataError(f"the prompt dataset is empty: {spec!r} has no rows")
             try:
                 ds = load_dataset(_LOCAL_FORMATS[suffix], data_files=spec, split="train")
             except Exception as exc:  # datasets raises many types for unreadable files
-                raise DataError(f"could not read dataset file {spec!r}: {exc}".splitlines()[0]) from exc
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise DataError(f"could not read dataset file {spec!r}: {reason}") from exc
         else:
             try:
                 ds = load_dataset(spec, config_name, split=split)

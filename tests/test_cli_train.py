@@ -1,0 +1,100 @@
+"""`grpo-ascend train / plot / export` end to end, recipe checks, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo_ascend.cli import main
+from grpo_ascend.config import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")))
+def test_every_recipe_loads_and_validates(recipe):
+    spec, cfg = load_recipe(ROOT / "recipes" / recipe)
+    assert spec.reward_funcs
+    cfg.batch_plan()
+
+
+def test_readme_config_reference_is_current():
+    from grpo_ascend.config_docs import update_readme
+
+    assert update_readme(ROOT / "README.md", check=True), "run: python -m grpo_ascend.config_docs"
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("recipe", "extra", "message"),
+    [
+        (None, [], "config file not found"),
+        ("modle: builtin:tiny\n", [], "unknown key 'modle' (did you mean 'model'?)"),
+        ("dataset: {data}\nprompt_column: question\n", [], "has no prompt column 'question'; its columns are ['text', 'answer']"),
+        ("dataset: {empty}\n", [], "the prompt dataset is empty"),
+        ("reward_funcs: [missing_dir/nope.py:f]\n", [], "nope.py"),
+        ("num_generations: 1\n", [], "num_generations must be >= 2"),
+        ("max_steps: 2\n", ["--learning_rate", "fast"], "learning_rate: expected a number"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, recipe, extra, message):
+    data = _write(tmp_path, "d.jsonl", '{"text": "hi", "answer": "1"}\n')
+    empty = _write(tmp_path, "e.jsonl", "")
+    if recipe is None:
+        path = tmp_path / "missing.yaml"
+    else:
+        path = _write(tmp_path, "r.yaml", "model: builtin:tiny\n" * ("model" not in recipe and "modle" not in recipe)
+                      + recipe.format(data=data, empty=empty))
+    code, _, err = _run(capsys, "train", str(path), "--output_dir", str(tmp_path / "o"), *extra)
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("grpo-ascend: error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_train_plot_export_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    recipe = _write(tmp_path, "r.yaml", (
+        "model: builtin:tiny\ndataset: synthetic:arithmetic\ndataset_kwargs: {n: 32}\n"
+        "reward_funcs: [accuracy, {name: format, tags: [answer]}]\nreward_weights: [1.0, 0.5]\n"
+        "num_generations: 4\nper_device_train_batch_size: 8\nmax_completion_length: 6\nmax_prompt_length: 96\n"
+        "lora_r: 4\nlora_alpha: 8\nlearning_rate: 1.0e-3\nmax_steps: 3\nsave_steps: 2\nlog_completions_steps: 1\n"
+        "num_completions_to_print: 2\nexport_adapter_at_end: true\ndisable_tqdm: true\n"))
+    code, stdout, err = _run(capsys, "train", str(recipe), "--output_dir", str(out), "--seed", "3")
+    assert code == 0, err
+    assert "batch plan: 2 prompts × 4 generations" in stdout
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for key in ("reward", "rewards/accuracy/mean", "rewards/format/mean", "loss", "grad_norm", "entropy",
+                "completion_length/mean", "time/generation", "time/training", "memory/peak_gb", "learning_rate"):
+        assert key in metrics[0], key
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 6 and {"prompt", "completion", "reward", "rewards/accuracy"} <= samples[0].keys()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert (out / "adapter" / "adapter_model.safetensors").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3
+
+    code, stdout, err = _run(capsys, "plot", str(out))
+    assert code == 0, err
+    assert (out / "plot.png").stat().st_size > 10_000
+
+    code, stdout, err = _run(capsys, "export", str(out / "checkpoint-3"), "--out", str(tmp_path / "exported"))
+    assert code == 0, err
+    assert (tmp_path / "exported" / "adapter_config.json").exists()
+
+    code, stdout, err = _run(capsys, "plot", str(tmp_path / "nothing-here"))
+    assert code == 2 and "no metrics" in err

@@ -7,6 +7,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/env.sh" plot
+# The built-in model is tiny: one thread is as fast as several and does not thrash when the CPU is
+# shared. Export OMP_NUM_THREADS yourself for larger models.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 cd "$ROOT"
 OUT="outputs/default"
 for ((i = 1; i <= $#; i++)); do

@@ -72,7 +72,7 @@ def test_train_plot_export_end_to_end(tmp_path, capsys):
         "reward_funcs: [accuracy, {name: format, tags: [answer]}]\nreward_weights: [1.0, 0.5]\n"
         "num_generations: 4\nper_device_train_batch_size: 8\nmax_completion_length: 6\nmax_prompt_length: 96\n"
         "lora_r: 4\nlora_alpha: 8\nlearning_rate: 1.0e-3\nmax_steps: 3\nsave_steps: 2\nlog_completions_steps: 1\n"
-        "num_completions_to_print: 2\nexport_adapter_at_end: true\ndisable_tqdm: true\n"))
+        "num_completions_to_print: 2\nexport_adapter_at_end: true\ndisable_tqdm: true\nreport_to: [tensorboard]\n"))
     code, stdout, err = _run(capsys, "train", str(recipe), "--output_dir", str(out), "--seed", "3")
     assert code == 0, err
     assert "batch plan: 2 prompts × 4 generations" in stdout
@@ -85,6 +85,7 @@ def test_train_plot_export_end_to_end(tmp_path, capsys):
     assert len(samples) == 6 and {"prompt", "completion", "reward", "rewards/accuracy"} <= samples[0].keys()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     assert (out / "adapter" / "adapter_model.safetensors").exists()
+    assert list(out.glob("*/events.out.tfevents.*")), "TensorBoard events were not written"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3
 

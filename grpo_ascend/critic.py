@@ -17,9 +17,14 @@ Where the critic lives (``build_critic``):
   model's backbone (``init="reward_model"``) plus the head. Costs a second full model *and* its
   gradients and AdamW moments: about 4× the backbone's parameter bytes on top of the policy's.
 
-The head (and for ``reward_model`` with LoRA the whole critic) is attached to the PeftModel as a
+Sharing the base saves memory, not compute: the critic runs its own forward (and backward) through
+the whole backbone, so a PPO step costs about twice a GRPO step's model passes.
+
+With LoRA the head (and for ``reward_model`` the whole critic) is attached to the PeftModel as a
 non-adapter submodule, so checkpoints keep the critic next to the policy adapter (the ``critic``
-adapter in its own subfolder, the head in ``extra_trainable.safetensors``) and resume restores it.
+adapter in its own subfolder, the head in ``extra_trainable.safetensors``) and resume restores it;
+the exported adapter is the policy's alone. With full fine-tuning the trainer checkpoints policy
+and critic together (``policy.*`` and ``critic.*`` tensors).
 """
 
 from __future__ import annotations

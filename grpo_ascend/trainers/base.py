@@ -7,6 +7,7 @@ tensors) and :meth:`RLTrainerBase._optimizer_step` (one optimizer step over some
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_ascend import device as dev
+from grpo_ascend.algorithms.losses import LossNormaliser
 from grpo_ascend.config import BaseRLConfig, BatchPlan
 from grpo_ascend.data import PromptSampler, is_conversational
 from grpo_ascend.errors import ConfigError
@@ -422,6 +424,41 @@ class RLTrainerBase:
         """Values shared by the optimizer steps of one round (e.g. global token counts)."""
         return {}
 
+    def _no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        """Skip the gradient all-reduce on every micro-batch but the step's last."""
+        return contextlib.nullcontext() if last else self.accelerator.no_sync(model)
+
+    def _sum_over_ranks(self, value: Tensor) -> Tensor:
+        return self.accelerator.reduce(value, reduction="sum") if self.accelerator.num_processes > 1 else value
+
+    def _step_normaliser(self, step_mask: Tensor, generation_tokens_global: Tensor) -> LossNormaliser:
+        """The optimizer step's loss normaliser (token counts over all ranks; see algorithms/losses.py)."""
+        return LossNormaliser.for_step(
+            step_mask,
+            generation_tokens_global=generation_tokens_global,
+            steps_per_generation=self.plan.steps_per_generation // self.plan.grad_accum,
+            world_size=self.accelerator.num_processes,
+            step_tokens_global=self._sum_over_ranks(step_mask.sum()),
+        )
+
+    @staticmethod
+    def _accumulate(sums: dict[str, Tensor], values: dict[str, Tensor]) -> None:
+        """Add detached micro-batch statistics into ``sums`` (kept on the device, no host sync)."""
+        for k, v in values.items():
+            sums[k] = sums[k] + v.detach() if k in sums else v.detach().clone()
+
+    @staticmethod
+    def _policy_metrics(totals: dict[str, float]) -> dict[str, float]:
+        """Per-token averages of the policy-loss statistics summed over a step and all ranks."""
+        n_tok = max(totals.get("token_count", 0.0), 1.0)
+        return {
+            "entropy": totals.get("entropy_sum", 0.0) / n_tok,
+            "clip_ratio/low": totals.get("clipped_low", 0.0) / n_tok,
+            "clip_ratio/high": totals.get("clipped_high", 0.0) / n_tok,
+            "clip_ratio/region": totals.get("clipped_region", 0.0) / n_tok,
+            "ratio/mean": totals.get("ratio_sum", 0.0) / n_tok,
+        }
+
     def _clip_and_step(self, params: list[nn.Parameter], loss_finite: Tensor) -> tuple[float, bool]:
         """Clip, check for NaN/inf, and step — or skip the step leaving the weights untouched."""
         max_norm = self.args.max_grad_norm
@@ -634,6 +671,9 @@ class RLTrainerBase:
             "world_size": self.accelerator.num_processes,
         }
 
+    def _restore_trainer_state(self, state: dict[str, Any]) -> None:
+        """Subclass hook: restore what the subclass added to :meth:`_trainer_state`."""
+
     def _load(self, path: Path) -> None:
         from grpo_ascend import checkpoint as ckpt
 
@@ -651,5 +691,6 @@ class RLTrainerBase:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.sampler.load_state_dict(state["sampler"])
         self._restore_rank_random_state(loaded.extra_tensors, int(state.get("world_size", 1)))
+        self._restore_trainer_state(state)
         self._last_saved_step = self.step
         logger.info("resumed from %s at step %d", path, self.step)

@@ -9,7 +9,6 @@ Use it like TRL's ``GRPOTrainer``::
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
@@ -23,7 +22,6 @@ from grpo_ascend.algorithms.advantages import (
 )
 from grpo_ascend.algorithms.losses import (
     POLICY_LOSSES,
-    LossNormaliser,
     PolicyLossBatch,
     PolicyLossSettings,
     policy_loss,
@@ -151,32 +149,18 @@ class GRPOTrainer(RLTrainerBase):
         return (groups.unsqueeze(1) * G + torch.arange(G, device=groups.device)).flatten()
 
     def _round_context(self, rnd: Round) -> dict[str, Any]:
-        tokens = rnd.tensors["loss_mask"].sum()
-        if self.accelerator.num_processes > 1:
-            tokens = self.accelerator.reduce(tokens, reduction="sum")
-        return {"generation_tokens_global": tokens}
+        return {"generation_tokens_global": self._sum_over_ranks(rnd.tensors["loss_mask"].sum())}
 
     # ------------------------------------------------------------------------------ training
     def _optimizer_step(self, rnd: Round, rows: Tensor, round_ctx: dict[str, Any]) -> dict[str, float]:
         args, t = self.args, rnd.tensors
-        step_mask = t["loss_mask"][rows]
-        step_tokens = step_mask.sum()
-        if self.accelerator.num_processes > 1:
-            step_tokens = self.accelerator.reduce(step_tokens, reduction="sum")
-        normaliser = LossNormaliser.for_step(
-            step_mask,
-            generation_tokens_global=round_ctx["generation_tokens_global"],
-            steps_per_generation=self.plan.steps_per_generation // self.plan.grad_accum,
-            world_size=self.accelerator.num_processes,
-            step_tokens_global=step_tokens,
-        )
+        normaliser = self._step_normaliser(t["loss_mask"][rows], round_ctx["generation_tokens_global"])
         self.policy.train()
         micro_batches = rows.split(args.per_device_train_batch_size)
         sums: dict[str, Tensor] = {}
         for i, m in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.logprob_model)
-            with sync:
+            with self._no_sync(self.logprob_model, last):
                 logps, entropies = self.logprob_model(
                     t["prompt_ids"][m], t["prompt_mask"][m], t["completion_ids"][m], t["completion_mask"][m],
                     temperature=args.temperature, with_entropy=True,
@@ -193,23 +177,13 @@ class GRPOTrainer(RLTrainerBase):
                 )
                 loss, stats = policy_loss(args.loss_type, batch, self.loss_settings, normaliser)
                 self.accelerator.backward(loss)
-            for k, v in {"loss": loss.detach(), **stats}.items():
-                sums[k] = sums[k] + v if k in sums else v.detach().clone()
+            self._accumulate(sums, {"loss": loss, **stats})
         grad_norm, _ = self._clip_and_step(
             [p for p in self.policy.parameters() if p.requires_grad], torch.isfinite(sums["loss"])
         )
         totals = self._reduce(sums)
-        n_tok = max(totals.get("token_count", 0.0), 1.0)
-        world = self.accelerator.num_processes
-        metrics = {
-            "loss": totals["loss"] / world,
-            "grad_norm": grad_norm,
-            "entropy": totals.get("entropy_sum", 0.0) / n_tok,
-            "clip_ratio/low": totals.get("clipped_low", 0.0) / n_tok,
-            "clip_ratio/high": totals.get("clipped_high", 0.0) / n_tok,
-            "clip_ratio/region": totals.get("clipped_region", 0.0) / n_tok,
-            "ratio/mean": totals.get("ratio_sum", 0.0) / n_tok,
-        }
+        metrics = {"loss": totals["loss"] / self.accelerator.num_processes, "grad_norm": grad_norm,
+                   **self._policy_metrics(totals)}
         if args.beta > 0:
-            metrics["kl"] = totals.get("kl_sum", 0.0) / n_tok
+            metrics["kl"] = totals.get("kl_sum", 0.0) / max(totals.get("token_count", 0.0), 1.0)
         return metrics

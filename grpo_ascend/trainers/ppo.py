@@ -27,10 +27,7 @@ completions per device):
 
 from __future__ import annotations
 
-import contextlib
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +38,6 @@ from grpo_ascend.algorithms.gae import gae_advantages
 from grpo_ascend.algorithms.kl_control import make_kl_controller, token_rewards
 from grpo_ascend.algorithms.losses import (
     POLICY_LOSSES,
-    LossNormaliser,
     PolicyLossBatch,
     PolicyLossSettings,
     policy_loss,
@@ -282,34 +278,18 @@ class PPOTrainer(RLTrainerBase):
         return rnd, metrics
 
     def _round_context(self, rnd: Round) -> dict[str, Any]:
-        tokens = self._round_tokens
-        if self.accelerator.num_processes > 1:
-            tokens = self.accelerator.reduce(tokens, reduction="sum")
-        return {"generation_tokens_global": tokens, "round_size": rnd.size}
+        return {"generation_tokens_global": self._sum_over_ranks(self._round_tokens), "round_size": rnd.size}
 
     # ------------------------------------------------------------------------------ training
     def _optimizer_step(self, rnd: Round, rows: Tensor, round_ctx: dict[str, Any]) -> dict[str, float]:
         args, critic = self.args, self._critic
         data = self._read_buffer(rows, round_ctx["round_size"])
         loss_mask = data["completion_mask"].float()
-        step_tokens = loss_mask.sum()
-        if self.accelerator.num_processes > 1:
-            step_tokens = self.accelerator.reduce(step_tokens, reduction="sum")
-        normaliser = LossNormaliser.for_step(
-            loss_mask,
-            generation_tokens_global=round_ctx["generation_tokens_global"],
-            steps_per_generation=self.plan.steps_per_generation // self.plan.grad_accum,
-            world_size=self.accelerator.num_processes,
-            step_tokens_global=step_tokens,
-        )
+        normaliser = self._step_normaliser(loss_mask, round_ctx["generation_tokens_global"])
         self.policy.train()
         self.critic_model.train()
         micro_batches = torch.arange(rows.numel(), device=self.device).split(args.per_device_train_batch_size)
         sums: dict[str, Tensor] = {}
-
-        def add(values: dict[str, Tensor]) -> None:
-            for k, v in values.items():
-                sums[k] = sums[k] + v.detach() if k in sums else v.detach().clone()
 
         for i, m in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -329,7 +309,8 @@ class PPOTrainer(RLTrainerBase):
                                         old_logps=data["old_logps"][m], entropies=entropies)
                 pg_loss, stats = policy_loss(args.loss_type, batch, self.loss_settings, normaliser)
                 self.accelerator.backward(pg_loss)
-            add({"policy_loss": pg_loss, "value_loss": v_loss, "value_clipped": v_stats["value_clipped"], **stats})
+            self._accumulate(sums, {"policy_loss": pg_loss, "value_loss": v_loss,
+                                    "value_clipped": v_stats["value_clipped"], **stats})
         total = sums["policy_loss"] + args.vf_coef * sums["value_loss"]
         grad_norm, _ = self._clip_and_step(self._policy_params + critic.trainable, torch.isfinite(total))
         totals = self._reduce(sums)
@@ -341,24 +322,13 @@ class PPOTrainer(RLTrainerBase):
             "value_loss": totals["value_loss"] / world,
             "value_clip_fraction": totals["value_clipped"] / n_tok,
             "grad_norm": grad_norm,
-            "entropy": totals.get("entropy_sum", 0.0) / n_tok,
-            "clip_ratio/low": totals.get("clipped_low", 0.0) / n_tok,
-            "clip_ratio/high": totals.get("clipped_high", 0.0) / n_tok,
-            "clip_ratio/region": totals.get("clipped_region", 0.0) / n_tok,
-            "ratio/mean": totals.get("ratio_sum", 0.0) / n_tok,
+            **self._policy_metrics(totals),
         }
-
-    def _no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if last else self.accelerator.no_sync(model)
 
     # ------------------------------------------------------------------------------ checkpoints
     def _trainer_state(self) -> dict[str, Any]:
         return {**super()._trainer_state(), "kl_controller": self.kl_ctl.state_dict()}
 
-    def _load(self, path: Path) -> None:
-        super()._load(path)
-        from grpo_ascend.checkpoint import TRAINER_STATE_NAME
-
-        state = json.loads((Path(path) / TRAINER_STATE_NAME).read_text())
+    def _restore_trainer_state(self, state: dict[str, Any]) -> None:
         if "kl_controller" in state:
             self.kl_ctl.load_state_dict(state["kl_controller"])

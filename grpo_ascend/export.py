@@ -237,12 +237,20 @@ def _merge(out: Path, base: str, config: dict[str, Any], tensors: Mapping[str, t
     _save_model(merged, out, target_dtype)
 
 
+_PPO_PREFIXES = ("policy.", "critic.")
+
+
 def _full_from_checkpoint(out: Path, folder: Path, base: str, dtype: torch.dtype | None) -> None:
     """Full fine-tuning checkpoint: base model + the saved trainable parameters, strictly by name."""
     model = _load_base(base)
     target_dtype = dtype or _stored_dtype(model)
     weights_path = folder / ckpt.FULL_WEIGHTS_NAME
     loaded = ckpt._load_tensors(weights_path)
+    if loaded and all(name.startswith(_PPO_PREFIXES) for name in loaded):
+        # PPO full fine-tuning saves the policy and the critic side by side: export the policy.
+        dropped = sum(not name.startswith("policy.") for name in loaded)
+        loaded = {name.removeprefix("policy."): t for name, t in loaded.items() if name.startswith("policy.")}
+        logger.info("PPO checkpoint: exporting the policy, leaving out %d critic tensor(s)", dropped)
     params = dict(model.named_parameters())
     unknown = [name for name in loaded if name not in params]
     if unknown:

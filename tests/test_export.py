@@ -207,3 +207,18 @@ def test_live_full_model_export_casts_without_touching_the_model(tiny_model_dir,
     assert torch.equal(exported.model.norm.weight, model.model.norm.weight.to(torch.bfloat16))
     assert exported.lm_head.weight is exported.model.embed_tokens.weight
     assert (out / "tokenizer.json").is_file()  # taken from the base model's folder
+
+
+def test_ppo_full_finetune_checkpoint_exports_the_policy(tiny_model_dir, tmp_path):
+    """PPO saves policy and critic side by side; export writes the policy alone."""
+    from transformers import AutoModelForCausalLM
+
+    policy = _base(tiny_model_dir)
+    with torch.no_grad():
+        policy.model.layers[1].self_attn.q_proj.weight.mul_(1.25)
+    both = torch.nn.ModuleDict({"policy": policy, "critic": torch.nn.Linear(4, 1)})
+    path = ckpt.save_checkpoint(tmp_path / "run", 2, model=both, trainer_state={})
+    out = export_checkpoint(path, tmp_path / "full", base_model=str(tiny_model_dir))
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(3, 500, (2, 8))
+    assert torch.equal(_logits(exported, ids), _logits(policy, ids))

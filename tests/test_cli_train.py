@@ -99,3 +99,14 @@ def test_train_plot_export_end_to_end(tmp_path, capsys):
 
     code, stdout, err = _run(capsys, "plot", str(tmp_path / "nothing-here"))
     assert code == 2 and "no metrics" in err
+
+
+@pytest.mark.slow
+def test_readme_python_example_runs(tmp_path, monkeypatch):
+    """The README's Python API example runs as written (in a scratch folder)."""
+    text = (ROOT / "README.md").read_text()
+    example = text.split("## Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "README.md", "exec"), {"__name__": "readme_example"})  # noqa: S102 - our own docs
+    summary = json.loads((tmp_path / "outputs" / "api" / "summary.json").read_text())
+    assert summary["steps"] == 10

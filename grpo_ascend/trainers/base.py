@@ -96,7 +96,10 @@ class RLTrainerBase:
         policy = apply_peft(policy, peft_config)
         self._patch_for_device(policy)
         if args.gradient_checkpointing:
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(policy, "activation_checkpointing_enable"):  # the name since transformers 5
+                policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             policy.config.use_cache = False
         self.policy = policy.to(self.device)
         self.is_peft = is_peft(self.policy)

@@ -11,5 +11,5 @@ args=()
 for a in "$@"; do
   if [ "$a" = "--fast" ]; then args+=(-m "not slow"); else args+=("$a"); fi
 done
-ruff check grpo_ascend reward_models tests bench recipes
+ruff check grpo_ascend reward_models tests bench recipes examples
 python -m pytest "${args[@]}"

@@ -3,7 +3,8 @@
 Both trainers do the same work on the same offline model (``small``, ~24M params, fp32 on the
 CPU by default): the same arithmetic chat prompts, the same cheap rule reward (TRL's signature),
 LoRA r=16 / alpha=32 on every linear layer, G=8 completions for each of 4 prompts per optimizer
-step (32 completions = ``--micro-batch`` 8 × ``--grad-accum`` 4 on both), 64 new tokens,
+step (32 completions = per_device_train_batch_size 8 × gradient_accumulation_steps 4 on both,
+so steps_per_generation = 4 and one generation round per optimizer step), 64 new tokens,
 temperature 1, beta=0.04 (reference = the base with the adapter disabled, on both), the same
 ``loss_type``, one optimizer step per generation round (so neither computes old log-probs), no
 gradient checkpointing, no checkpoint saving inside the timed steps.
@@ -19,6 +20,11 @@ per-step metrics hook; TRL: ``on_step_end``), so it covers generation, rewards, 
 policy forwards, backward, optimizer and logging; the first (warm-up) step is not counted. Peak
 memory is that process's peak RSS during ``train()`` (VmHWM reset just before it) on the CPU, or
 the allocator's peak on an accelerator.
+
+The CPU may be shared: each step also records its process CPU time, and a step counts as
+uncontended when CPU time >= 0.8 × threads × wall time (a preempted OpenMP thread stalls every
+barrier of the step). The headline ratio uses the medians of the uncontended steps (all-step
+medians, minima and CPU-time ratios are printed next to it); the load average is printed too.
 
 MFU: our step's model FLOPs over the best fp32 (or bf16) ``torch.mm`` rate measured in the same
 process with the same thread count. With ``P`` the weights of every matmul (the base's linear
@@ -36,7 +42,8 @@ positions a trainer computes but does not need.
 Examples::
 
     python bench/bench_trainer.py                      # CPU, fp32, 2 threads, 1 warm-up + 3 steps, 2 repeats
-    python bench/bench_trainer.py --threads 1 --steps 4
+    python bench/bench_trainer.py --threads 1 --repeats 3
+    python bench/bench_trainer.py --max-operand 20     # 63-65-token prompts: straddle our 64-token bucket
     python bench/bench_trainer.py --device cuda --dtype bf16
 """
 
@@ -495,7 +502,9 @@ def main(argv: list[str] | None = None) -> None:
 
         if importlib.util.find_spec("trl") is None:
             raise SystemExit("TRL is not installed here: pip install -e '.[bench]' (or pass --python PATH)")
-    accelerator = args.device not in ("cpu",)
+    from grpo_ascend import device as dev
+
+    accelerator = dev.is_accelerator(dev.resolve_device(args.device))
     s = Settings(
         device=args.device, dtype=args.dtype or ("bf16" if accelerator else "fp32"), threads=args.threads,
         model_config=args.model_config, new_tokens=args.new_tokens, loss_type=args.loss_type,

@@ -1,6 +1,6 @@
 """grpo-ascend: GRPO and PPO fine-tuning of causal LMs, Ascend NPU first, CUDA and CPU unchanged.
 
-Heavy modules load lazily so that ``import grpo_ascend`` stays cheap and never touches torch_npu.
+Heavy modules load lazily so that ``import grpo_ascend`` stays cheap and never loads the Ascend torch extension.
 """
 
 from __future__ import annotations

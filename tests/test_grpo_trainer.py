@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import SMALL_RUN, first_digit_is_one
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.models import (
@@ -20,19 +21,7 @@ from grpo_ascend.trainers.base import Round
 
 
 def _config(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "run"), num_generations=4, per_device_train_batch_size=8, max_completion_length=10,
-        max_prompt_length=96, learning_rate=5e-3, max_steps=2, save_steps=0, logging_steps=1, disable_tqdm=True,
-        log_completions_steps=0, seed=0, lr_scheduler_type="constant", length_bucket=16,
-    )
-    base.update(kw)
-    return GRPOConfig(**base)
-
-
-def first_digit_is_one(prompts, completions, **kwargs):
-    """A pattern the warm-started policy can learn quickly: answers that start with the digit 1."""
-    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    return [1.0 if t.strip().removeprefix("<answer>").startswith("1") else 0.0 for t in texts]
+    return GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), **kw})
 
 
 def test_reference_is_base_with_adapters_disabled(tiny_model_dir):

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from helpers import SMALL_RUN, first_digit_is_one
 
 from grpo_ascend import PPOConfig, PPOTrainer
 from grpo_ascend.algorithms.kl_control import (
@@ -39,20 +40,8 @@ def one_thread():
 
 
 def _config(tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=8, max_completion_length=8,
-        max_prompt_length=96, learning_rate=5e-3, max_steps=2, save_steps=0, logging_steps=1, disable_tqdm=True,
-        log_completions_steps=0, seed=0, lr_scheduler_type="constant", length_bucket=16, ppo_epochs=1,
-        num_mini_batches=1, kl_coef=0.05,
-    )
-    base.update(kw)
-    return PPOConfig(**base)
-
-
-def first_digit_is_one(prompts, completions, **kwargs):
-    """A pattern the warm-started policy learns quickly: answers that start with the digit 1."""
-    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    return [1.0 if t.strip().removeprefix("<answer>").startswith("1") else 0.0 for t in texts]
+    ppo = dict(num_generations=2, max_completion_length=8, ppo_epochs=1, num_mini_batches=1, kl_coef=0.05)
+    return PPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), **ppo, **kw})
 
 
 def _metrics(path):

@@ -287,7 +287,8 @@ class RLTrainerBase:
             "rewards": scored.total.to(self.device, torch.float32),
         }
         rnd = Round(tensors, repeated, completions, rewards_per_function=scored.per_function, reward_names=scored.names)
-        rnd.metrics.update({f"reward_errors/{k}": float(v) for k, v in scored.error_counts.items() if v})
+        # Every function's count, zeros included, so every rank reduces the same keys.
+        rnd.metrics.update({f"reward_errors/{k}": float(v) for k, v in scored.error_counts.items()})
         return rnd
 
     @staticmethod
@@ -396,6 +397,7 @@ class RLTrainerBase:
                 metrics[f"rewards/{name}/mean"] = m
                 metrics[f"rewards/{name}/std"] = s
         metrics["tokens_generated"] = float(lengths.sum())
+        metrics.update(self._reduce({k: torch.tensor(v, device=self.device) for k, v in rnd.metrics.items()}))
         return metrics
 
     def _sample_records(self, rnd: Round, advantages: Tensor | None) -> list[dict[str, Any]]:

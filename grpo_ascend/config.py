@@ -168,7 +168,10 @@ class BaseRLConfig(_Validated):
     min_p: float | None = _f(None, "Drop tokens below min_p × the top probability; null = off.")
     repetition_penalty: float = _f(1.0, "Penalty > 1 discourages tokens already generated; 1 = off.")
     stop_strings: list[str] = _f([], "Extra strings that end a completion (EOS always does).")
-    length_bucket: int = _f(64, "Pad prompt/completion lengths to multiples of this so NPUs compile few shapes.")
+    length_bucket: int | None = _f(
+        None, "Pad prompt/completion lengths to multiples of this so NPUs compile few shapes; null = 64 on NPUs, "
+        "exact lengths (1) elsewhere, where padding only costs compute."
+    )
     # --- rewards ---
     reward_weights: list[float] | None = _f(None, "Weight per reward function (default 1 each).")
     reward_errors: Literal["raise", "zero"] = _f("raise", "A raising reward function stops the run, or scores 0 and is counted.")
@@ -188,6 +191,10 @@ class BaseRLConfig(_Validated):
     fp16: bool = _f(False, "fp16 autocast with a dynamic grad scaler (older Ascend parts).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     logprob_chunk_size: int = _f(128, "Sequence chunk for log-prob/entropy computation (bounds full-vocab memory).")
+    share_prompt_prefill: bool = _f(
+        True, "Run each prompt once per group in the log-prob forward/backward (its keys/values are shared "
+        "by the group's completions); off = every row's full sequence. Off under gradient checkpointing."
+    )
     # --- checkpoints and logging ---
     save_steps: int = _f(500, "Save a checkpoint every N optimizer steps (and at the end); 0 = only at the end.")
     save_total_limit: int | None = _f(None, "Keep only the newest N checkpoints; null = keep all.")
@@ -238,7 +245,7 @@ class BaseRLConfig(_Validated):
         if self.bf16 and self.fp16:
             raise ConfigError("bf16 and fp16 are both true; choose one precision")
         for name in ("save_steps", "logging_steps", "log_completions_steps", "warmup_steps", "length_bucket"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.logging_steps == 0:
             raise ConfigError("logging_steps must be >= 1")

@@ -292,6 +292,16 @@ def dist_backend(device: torch.device | str) -> str:
     return {"npu": "hccl", "cuda": "nccl"}.get(device_type(device), "gloo")
 
 
+def default_length_bucket(device: torch.device | str) -> int:
+    """Length bucket when none is configured: 64 on NPU, 1 (exact lengths) elsewhere.
+
+    Ascend graph mode compiles once per input shape, so padding lengths to multiples of 64 keeps
+    the number of compilations small. Elsewhere kernels take any shape, and padding only costs
+    compute: prompts of 63-65 tokens padded to 128 make a training step about a quarter slower.
+    """
+    return 64 if device_type(device) == "npu" else 1
+
+
 def is_accelerator(device: torch.device | str) -> bool:
     """True for NPU and CUDA devices."""
     return device_type(device) in ACCELERATOR_TYPES

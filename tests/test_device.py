@@ -199,6 +199,7 @@ def test_cpu_resolution(cpu_only):
     assert dev.device_type("cpu") == "cpu"
     assert dev.device_type(torch.device("cpu")) == "cpu"
     assert dev.dist_backend("cpu") == "gloo"
+    assert dev.default_length_bucket("cpu") == 1  # padding only costs compute off NPU
     assert dev.device_count() == 1
     assert dev.bf16_supported("cpu")
     dev.synchronize("cpu")
@@ -330,6 +331,7 @@ def test_npu_calls_reach_torch_npu(fake_npu):
     device = dev.resolve_device("npu")
     assert dev.device_type(device) == "npu"
     assert dev.dist_backend(device) == "hccl"
+    assert dev.default_length_bucket(device) == 64  # few shapes for graph compilation
     assert dev.bf16_supported(device)
     fake_npu.calls.clear()
     dev.synchronize(device)

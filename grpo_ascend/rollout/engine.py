@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from grpo_ascend.device import default_length_bucket
 from grpo_ascend.errors import ConfigError, DataError
 from grpo_ascend.rollout.kv_cache import BucketedKVCache, round_up
 from grpo_ascend.rollout.sampling import SamplingParams, next_tokens
@@ -293,7 +294,8 @@ class RolloutEngine:
         self, prompts: list[Prompt], params: SamplingParams, generator: torch.Generator | None
     ) -> RolloutBatch:
         t_start = time.perf_counter()
-        dev, pad, bucket = self.device, self.pad_token_id, params.length_bucket
+        dev, pad = self.device, self.pad_token_id
+        bucket = params.length_bucket if params.length_bucket is not None else default_length_bucket(dev)
         group, max_new = params.num_generations, params.max_completion_length
         interval = self.sync_interval
         ids, rendered = self._tokenize(self._render(prompts), params)

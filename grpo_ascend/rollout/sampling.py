@@ -41,7 +41,8 @@ class SamplingParams:
     from the decoded text); ``stop_token_ids`` end it at (and including) the token; the tokenizer's
     and the model's EOS always stop unless ``ignore_eos`` (benchmarks, fixed-length rollouts).
     ``length_bucket`` pads prompt and completion lengths to its multiples so an accelerator that
-    compiles per shape sees few shapes (0 or 1 = exact lengths). ``seed`` reseeds every call
+    compiles per shape sees few shapes (0 or 1 = exact lengths; None = the device's default,
+    64 on NPU and exact elsewhere, see ``device.default_length_bucket``). ``seed`` reseeds every call
     (identical inputs give identical samples); for a reproducible stream that differs from step to
     step pass a persistent ``torch.Generator`` to ``RolloutEngine.generate`` instead.
     """
@@ -57,7 +58,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     max_prompt_length: int | None = 512
     prompt_truncation: str = "error"
-    length_bucket: int = 64
+    length_bucket: int | None = None
     seed: int | None = None
     ignore_eos: bool = False
 
@@ -122,9 +123,10 @@ class SamplingParams:
             raise ConfigError(
                 f"prompt_truncation must be one of {PROMPT_TRUNCATION_MODES}, got {self.prompt_truncation!r}"
             )
-        if not is_int(self.length_bucket) or self.length_bucket < 0:
+        if self.length_bucket is not None and (not is_int(self.length_bucket) or self.length_bucket < 0):
             raise ConfigError(
-                f"length_bucket must be an int >= 0 (0 or 1 = no bucketing), got {self.length_bucket!r}"
+                f"length_bucket must be None (device default) or an int >= 0 (0 or 1 = no bucketing), "
+                f"got {self.length_bucket!r}"
             )
         if self.seed is not None and not is_int(self.seed):
             raise ConfigError(f"seed must be None or an int, got {self.seed!r}")

@@ -118,8 +118,11 @@ class RLTrainerBase:
         self.train_dataset = train_dataset
         self.sampler = PromptSampler(train_dataset, seed=args.seed, shuffle=args.shuffle_dataset)
         self.max_steps = self._total_steps()
+        self.length_bucket = (
+            args.length_bucket if args.length_bucket is not None else dev.default_length_bucket(self.device)
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda())
-        self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size)
+        self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
         self.logprob_model, self.optimizer = self.accelerator.prepare(self.logprob_model, self.optimizer)
 
         from grpo_ascend.rollout.engine import RolloutEngine
@@ -137,7 +140,7 @@ class RLTrainerBase:
             stop_strings=list(args.stop_strings),
             max_prompt_length=args.max_prompt_length,
             prompt_truncation=args.prompt_truncation,
-            length_bucket=args.length_bucket,
+            length_bucket=self.length_bucket,
         )
         self.engine = RolloutEngine(self.policy, self.tokenizer, self.sampling)
         self.rewards = RewardSet(
@@ -355,7 +358,9 @@ class RLTrainerBase:
             from grpo_ascend.models import frozen_copy
 
             ref = frozen_copy(self.accelerator.unwrap_model(self.logprob_model).model)
-            self.ref_logprob_model = CompletionLogprobs(ref, self.args.logprob_chunk_size).to(self.device)
+            self.ref_logprob_model = CompletionLogprobs(
+                ref, self.args.logprob_chunk_size, self.args.share_prompt_prefill
+            ).to(self.device)
 
     def _reference_logprobs(self, t: dict[str, Tensor], sl: slice) -> Tensor:
         from grpo_ascend.models import adapters_disabled
@@ -539,9 +544,20 @@ class RLTrainerBase:
         return summary
 
     def _shuffled_rows(self, n: int, iteration: int) -> Tensor:
-        """Row order for one pass over a round: seeded by (seed, round, iteration), so resume is exact."""
+        """Row order for one pass over a round: seeded by (seed, round, iteration), so resume is exact.
+
+        When every optimizer step holds whole groups (its rows are a multiple of G), whole groups
+        are shuffled and a group's rows stay adjacent: the log-prob forward then runs each prompt
+        once per micro-batch (``share_prompt_prefill``). Otherwise single rows are shuffled.
+        """
         gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.round_index * 101 + iteration)
-        return torch.randperm(n, generator=gen).to(self.device)
+        G = self.args.num_generations
+        if (self.plan.micro_batch * self.plan.grad_accum) % G == 0 and n % G == 0:
+            groups = torch.randperm(n // G, generator=gen)
+            order = (groups[:, None] * G + torch.arange(G)).reshape(-1)
+        else:
+            order = torch.randperm(n, generator=gen)
+        return order.to(self.device)
 
     def _should_save(self) -> bool:
         every = self.args.save_steps

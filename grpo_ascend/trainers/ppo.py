@@ -145,8 +145,8 @@ class PPOTrainer(RLTrainerBase):
         """Allocate the ring buffer once at the largest widths the engine can return (bucketed
         max_prompt_length / max_completion_length); grow only when max_prompt_length is unset."""
         args = self.args
-        width_p = round_up(args.max_prompt_length, args.length_bucket) if args.max_prompt_length else prompt_width
-        width_c = max(round_up(args.max_completion_length, args.length_bucket), completion_width)
+        width_p = round_up(args.max_prompt_length, self.length_bucket) if args.max_prompt_length else prompt_width
+        width_c = max(round_up(args.max_completion_length, self.length_bucket), completion_width)
         if self.buffer is not None and prompt_width <= self._buffer_widths[0] and completion_width <= self._buffer_widths[1]:
             return self.buffer
         width_p = max(width_p, prompt_width)

@@ -1,0 +1,131 @@
+"""CompletionLogprobs runs each run of repeated prompts once: same log-probs and gradients as the plain forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_ascend.models import CompletionLogprobs, apply_peft, default_lora_config, shared_prompt_rows
+
+
+def _batch(tokenizer, prompts: list[str], repeats: list[int], completion_len: int = 7, seed: int = 0):
+    """Left-padded prompts repeated per ``repeats`` and random right-padded completions."""
+    enc = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    width = max(len(e) for e in enc)
+    rows = [e for e, r in zip(enc, repeats) for _ in range(r)]
+    pad = tokenizer.pad_token_id
+    prompt_ids = torch.tensor([[pad] * (width - len(e)) + e for e in rows])
+    prompt_mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in rows])
+    gen = torch.Generator().manual_seed(seed)
+    completion_ids = torch.randint(3, 60, (len(rows), completion_len), generator=gen)
+    lengths = torch.randint(1, completion_len + 1, (len(rows),), generator=gen)
+    completion_mask = (torch.arange(completion_len)[None] < lengths[:, None]).long()
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+PROMPTS = ["3+4=", "12+7= ", "9+9=", "1+20+3="]
+
+
+def test_shared_prompt_rows_finds_runs_of_identical_prompts(tiny_model):
+    _, tok = tiny_model
+    ids, mask, _, _ = _batch(tok, PROMPTS, [3, 1, 2, 2])
+    first, row_run = shared_prompt_rows(ids, mask)
+    assert first.tolist() == [0, 3, 4, 6]
+    assert row_run.tolist() == [0, 0, 0, 1, 2, 2, 3, 3]
+    distinct, *_ = _batch(tok, PROMPTS, [1, 1, 1, 1])
+    assert shared_prompt_rows(distinct, torch.ones_like(distinct)) is None
+    # Equal prompts that are not adjacent are not merged (rows stay in the caller's order).
+    alternating = torch.cat([distinct[:2], distinct[:2]])
+    assert shared_prompt_rows(alternating, torch.ones_like(alternating)) is None
+
+
+@pytest.mark.parametrize("repeats", [[4, 4], [3, 1, 2, 2], [1, 5, 1, 1]])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_shared_forward_matches_plain_forward_and_gradients(tiny_model, repeats, with_entropy):
+    model, tok = tiny_model
+    torch.manual_seed(0)
+    policy = apply_peft(model, default_lora_config(r=4))
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:  # non-zero B so the adapters change the outputs and get gradients
+            torch.nn.init.normal_(p, std=0.05)
+    inputs = _batch(tok, PROMPTS[: len(repeats)], repeats)
+    results = []
+    for share in (True, False):
+        lp = CompletionLogprobs(policy, chunk_size=5, share_prompts=share)
+        policy.zero_grad(set_to_none=True)
+        logps, ent = lp(*inputs, temperature=0.7, with_entropy=with_entropy)
+        mask = inputs[3].float()
+        loss = (logps * mask).sum() + (0 if ent is None else (ent * mask).sum() * 0.1)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        results.append((logps.detach(), None if ent is None else ent.detach(), grads))
+    (shared_lp, shared_ent, shared_g), (plain_lp, plain_ent, plain_g) = results
+    mask = inputs[3].bool()
+    torch.testing.assert_close(shared_lp[mask], plain_lp[mask], rtol=0, atol=2e-5)
+    if with_entropy:
+        torch.testing.assert_close(shared_ent[mask], plain_ent[mask], rtol=0, atol=2e-5)
+    assert shared_g.keys() == plain_g.keys() and len(plain_g) > 0
+    for name in plain_g:
+        torch.testing.assert_close(shared_g[name], plain_g[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_shared_forward_with_adapters_disabled_matches_base(tiny_model):
+    """The reference pass (adapters off) also shares prompts and equals the base model's log-probs."""
+    from grpo_ascend.models import adapters_disabled
+
+    model, tok = tiny_model
+    inputs = _batch(tok, PROMPTS[:2], [4, 4])
+    with torch.no_grad():
+        base = CompletionLogprobs(model, share_prompts=False)(*inputs)[0]
+        policy = apply_peft(model, default_lora_config(r=4))
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.05)
+        with adapters_disabled(policy):
+            ref = CompletionLogprobs(policy)(*inputs)[0]
+        adapted = CompletionLogprobs(policy)(*inputs)[0]
+    mask = inputs[3].bool()
+    torch.testing.assert_close(ref[mask], base[mask], rtol=0, atol=2e-5)
+    assert (adapted[mask] - base[mask]).abs().max() > 1e-3
+
+
+def test_gradient_checkpointing_uses_the_plain_forward(tiny_model, monkeypatch):
+    model, tok = tiny_model
+    model.train()
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    try:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    except TypeError:
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls = []
+    monkeypatch.setattr(CompletionLogprobs, "_shared_prompt_hidden", lambda *a, **k: calls.append(1))
+    inputs = _batch(tok, PROMPTS[:2], [4, 4])
+    logps, _ = CompletionLogprobs(model)(*inputs)
+    assert calls == [] and logps.shape == inputs[2].shape
+
+
+def _order(micro: int, accum: int, G: int, n: int, seed: int = 0, round_index: int = 0):
+    from types import SimpleNamespace
+
+    from grpo_ascend.trainers.base import RLTrainerBase
+
+    fake = SimpleNamespace(args=SimpleNamespace(seed=seed, num_generations=G), round_index=round_index,
+                           plan=SimpleNamespace(micro_batch=micro, grad_accum=accum), device=torch.device("cpu"))
+    return RLTrainerBase._shuffled_rows(fake, n, 0)
+
+
+def test_rounds_shuffle_whole_groups_when_steps_hold_whole_groups():
+    order = _order(micro=4, accum=2, G=4, n=32)
+    assert sorted(order.tolist()) == list(range(32))
+    groups = order.view(-1, 4)
+    assert (groups == groups[:, :1] + torch.arange(4)).all()  # each group's rows adjacent, in order
+    assert groups[:, 0].tolist() != sorted(groups[:, 0].tolist())  # ... and the groups shuffled
+    assert torch.equal(order, _order(micro=4, accum=2, G=4, n=32))  # seeded: resume replays it
+    assert not torch.equal(order, _order(micro=4, accum=2, G=4, n=32, round_index=1))
+
+
+def test_rounds_shuffle_rows_when_a_step_would_split_a_group():
+    order = _order(micro=3, accum=1, G=4, n=24)
+    assert sorted(order.tolist()) == list(range(24))
+    assert not (order.view(-1, 4) == order.view(-1, 4)[:, :1] + torch.arange(4)).all()

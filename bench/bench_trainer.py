@@ -43,7 +43,7 @@ Examples::
 
     python bench/bench_trainer.py                      # CPU, fp32, 2 threads, 1 warm-up + 3 steps, 2 repeats
     python bench/bench_trainer.py --threads 1 --repeats 3
-    python bench/bench_trainer.py --max-operand 20     # 63-65-token prompts: straddle our 64-token bucket
+    python bench/bench_trainer.py --max-operand 20 --length-bucket 64  # 63-65-token prompts straddle the bucket
     python bench/bench_trainer.py --device cuda --dtype bf16
 """
 
@@ -93,7 +93,7 @@ class Settings:
     warmup_steps: int = 1
     steps: int = 3
     lengths: str = "fixed"
-    length_bucket: int = 64
+    length_bucket: int | None = None
     dataset_size: int = 256
     max_operand: int = 10
     seed: int = 0
@@ -479,7 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loss-type", default="dapo", choices=["dapo", "grpo", "bnpo", "dr_grpo"])
     parser.add_argument("--lengths", default="fixed", choices=["fixed", "natural"],
                         help="fixed: every completion has --new-tokens tokens on both; natural: stop at EOS")
-    parser.add_argument("--length-bucket", type=int, default=64, help="our length_bucket (config default 64; 1 = exact)")
+    parser.add_argument("--length-bucket", type=int, default=None,
+                        help="our length_bucket (default: the config's, exact lengths off NPU and 64 on NPU)")
     parser.add_argument("--model-config", default="small", choices=["tiny", "small"])
     parser.add_argument("--max-operand", type=int, default=10,
                         help="arithmetic operands below this: 10 gives 63-token prompts, 20 gives 63-65")
@@ -516,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
           f"optimizer step ({s.grad_accum} micro-batches of {s.micro_batch}), {s.new_tokens} new tokens "
           f"({s.lengths} lengths), beta={s.beta}, loss_type={s.loss_type}, LoRA r={s.lora_r} all-linear; "
           f"{s.warmup_steps} warm-up + {s.steps} timed steps per run, {args.repeats} run(s) each, alternating; "
-          f"our length_bucket {s.length_bucket}; malloc mmap threshold "
+          f"our length_bucket {s.length_bucket or 'config default'}; malloc mmap threshold "
           f"{args.malloc_mmap_threshold or 'glibc default'}", flush=True)
     log_dir = Path(args.keep_logs) if args.keep_logs else Path(tempfile.mkdtemp(prefix="bench-trainer-"))
     log_dir.mkdir(parents=True, exist_ok=True)

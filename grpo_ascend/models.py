@@ -202,6 +202,72 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
         yield
 
 
+def _mergeable_lora_layers(model: nn.Module) -> list[tuple[nn.Module, list[str]]] | None:
+    """(layer, active adapters) of every LoRA layer with adapters on, or None if one can't be merged.
+
+    Only plain linear LoRA layers qualify: variants (DoRA, ...) and quantised or custom layer types
+    compute more than ``W + B·A·scaling``.
+    """
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+        from peft.tuners.lora.layer import LoraLayer
+    except ImportError:
+        return None
+    found = []
+    for module in model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if module.merged or module.disable_adapters:
+            continue
+        active = [a for a in module.active_adapters if a in module.lora_A]
+        if not active:
+            continue
+        if type(module) is not LoraLinear or any(a in module.lora_variant for a in active):
+            return None
+        found.append((module, active))
+    return found
+
+
+def lora_merge_bytes(model: nn.Module) -> int | None:
+    """Extra bytes :func:`lora_merged` holds (a merged copy of each adapted weight); None if it can't merge."""
+    layers = _mergeable_lora_layers(model) if is_peft(model) else None
+    if not layers:
+        return None
+    return sum(m.get_base_layer().weight.nbytes for m, _ in layers)
+
+
+@contextlib.contextmanager
+def lora_merged(model: nn.Module) -> Iterator[bool]:
+    """Inference with the active LoRA adapters folded into the base weights; yields whether it merged.
+
+    Each adapted base weight is swapped for ``W + Σ B·A·scaling`` and the layer's adapter path is
+    switched off, so a forward costs one matmul per linear layer instead of three -- what makes
+    token-by-token generation with LoRA slow. The originals are kept and swapped back on exit, so
+    the base weights are bit-for-bit unchanged (no ``W + Δ - Δ`` rounding drift). Costs a copy of
+    the adapted weights while active. Not for training inside the block: gradients would not reach
+    the adapters.
+    """
+    layers = _mergeable_lora_layers(model) if is_peft(model) else None
+    if not layers:
+        yield False
+        return
+    swapped: list[tuple[nn.Module, Tensor]] = []
+    try:
+        with torch.no_grad():
+            for module, active in layers:
+                weight = module.get_base_layer().weight
+                delta = sum(module.get_delta_weight(a) for a in active)
+                original = weight.data
+                weight.data = original + delta.to(original.dtype)
+                swapped.append((module, original))
+                module._disable_adapters = True
+        yield True
+    finally:
+        for module, original in swapped:
+            module.get_base_layer().weight.data = original
+            module._disable_adapters = False
+
+
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A frozen deep copy (the reference for full fine-tuning)."""
     ref = copy.deepcopy(model)

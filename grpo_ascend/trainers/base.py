@@ -34,6 +34,8 @@ from grpo_ascend.models import (
     is_peft,
     load_causal_lm,
     load_tokenizer,
+    lora_merge_bytes,
+    lora_merged,
     trainable_parameters,
 )
 from grpo_ascend.tracking import RunTracker, truncate_metrics
@@ -143,6 +145,7 @@ class RLTrainerBase:
             length_bucket=self.length_bucket,
         )
         self.engine = RolloutEngine(self.policy, self.tokenizer, self.sampling)
+        self.merge_lora_for_rollout = self._decide_lora_merge()
         self.rewards = RewardSet(
             reward_funcs,
             reward_weights=args.reward_weights,
@@ -199,6 +202,23 @@ class RLTrainerBase:
         if args.report_to:
             accelerator.init_trackers(Path(args.output_dir).name or "run")
         return accelerator
+
+    def _decide_lora_merge(self) -> bool:
+        """Whether rollouts run with LoRA folded into the weights (``rollout_merge_lora``)."""
+        wanted = self.args.rollout_merge_lora
+        extra = lora_merge_bytes(self.policy)
+        if wanted is False or extra is None:
+            if wanted and self.is_peft:
+                logger.warning("rollout_merge_lora: these adapters can't be folded into the weights "
+                               "(a LoRA variant or non-linear layer); generating with the adapters unmerged")
+            return False
+        if wanted is None:
+            free, _ = dev.free_memory(self.device)
+            if not free or extra > free // 4:
+                logger.info("rollouts keep LoRA unmerged: a merged copy needs %.1f GiB, free memory is %.1f GiB",
+                            extra / 2**30, free / 2**30)
+                return False
+        return True
 
     def _patch_for_device(self, model: nn.Module) -> None:
         from grpo_ascend.npu_patches import apply_npu_patches
@@ -264,7 +284,8 @@ class RLTrainerBase:
         prompts = [r["prompt"] for r in rows]
         start = time.perf_counter()
         self.policy.eval()
-        with torch.no_grad(), self._autocast():
+        merged = lora_merged(self.policy) if self.merge_lora_for_rollout else contextlib.nullcontext()
+        with torch.no_grad(), self._autocast(), merged:
             batch = self.engine.generate(prompts, generator=self.generator)
         start = self._timed(timings, "generation", start)
 

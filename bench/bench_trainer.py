@@ -29,15 +29,17 @@ medians, minima and CPU-time ratios are printed next to it); the load average is
 MFU: our step's model FLOPs over the best fp32 (or bf16) ``torch.mm`` rate measured in the same
 process with the same thread count. With ``P`` the weights of every matmul (the base's linear
 layers, the LoRA A/B matrices and the tied output head; embeddings are lookups), ``P_base`` the
-frozen part, ``Lp`` the prompt's real tokens and ``Lc`` the completion tokens, for 4 prompts × G=8:
+frozen part, ``Lp`` the prompt's real tokens and ``Lc`` the completion tokens, for 4 prompts × G=8
+the step needs ``T = 4·Lp + 32·Lc`` token positions (a group's prompt once, every completion):
 
-* generation: ``2·P·(4·Lp + 32·Lc)`` (one shared prefill per prompt, then one token per row),
-* reference forward + policy forward: ``2 · 2·P·32·(Lp + Lc)``,
-* backward: ``2·P_base·32·(Lp + Lc)`` (input gradients only through the frozen weights) plus
-  ``4·P_lora·32·(Lp + Lc)`` (input and weight gradients of the LoRA matrices).
+* generation: ``2·P·T`` (one shared prefill per prompt, then one token per row),
+* reference forward + policy forward: ``2 · 2·P·T``,
+* backward: ``2·P_base·T`` (input gradients only through the frozen weights) plus ``4·P_lora·T``
+  (input and weight gradients of the LoRA matrices).
 
-Attention score/value products are left out (under 2% at these lengths), as are padding
-positions a trainer computes but does not need.
+A trainer that runs each row's prompt again (TRL does, in its log-prob forwards) computes more
+than this; those FLOPs are not counted as useful. Attention score/value products are left out
+(under 2% at these lengths), as are padding positions.
 
 Examples::
 
@@ -189,11 +191,10 @@ def matmul_params(model: Any) -> tuple[int, int]:
 
 def model_flops(s: Settings, p_all: int, p_lora: int, lp: float, lc: float) -> float:
     """Model FLOPs of one optimizer step; see the module docstring for the formula."""
-    n = s.prompts_per_step * s.num_generations
-    seq_tokens = n * (lp + lc)
-    generation = 2 * p_all * (s.prompts_per_step * lp + n * lc)
-    forwards = 2 * (2 * p_all * seq_tokens)
-    backward = 2 * (p_all - p_lora) * seq_tokens + 4 * p_lora * seq_tokens
+    positions = s.prompts_per_step * lp + s.prompts_per_step * s.num_generations * lc
+    generation = 2 * p_all * positions
+    forwards = 2 * (2 * p_all * positions)
+    backward = 2 * (p_all - p_lora) * positions + 4 * p_lora * positions
     return generation + forwards + backward
 
 

@@ -208,7 +208,9 @@ def test_reward_rises_on_a_learnable_pattern(tmp_path, tiny_warm_model_dir):
     metrics = _metrics(tmp_path / "run" / "metrics.jsonl")
     rewards = [m["reward"] for m in metrics]
     assert len(rewards) == 20
-    early, late = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    # 4 optimizer steps per round share its reward: compare the first round with the last two
+    # (16 completions a round, so one round alone is a noisy estimate).
+    early, late = sum(rewards[:4]) / 4, sum(rewards[-8:]) / 8
     assert late > early + 0.25, (early, late)
     last = metrics[-1]
     for key in ("value_loss", "value_clip_fraction", "explained_variance", "kl", "kl_coef", "returns/mean",

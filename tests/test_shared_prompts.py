@@ -129,3 +129,19 @@ def test_rounds_shuffle_rows_when_a_step_would_split_a_group():
     order = _order(micro=3, accum=1, G=4, n=24)
     assert sorted(order.tolist()) == list(range(24))
     assert not (order.view(-1, 4) == order.view(-1, 4)[:, :1] + torch.arange(4)).all()
+
+
+def test_shared_forward_under_bf16_autocast(tiny_model):
+    model, tok = tiny_model
+    inputs = _batch(tok, PROMPTS[:2], [4, 4])
+    mask = inputs[3].bool()
+    with torch.no_grad():
+        exact = CompletionLogprobs(model, share_prompts=False)(*inputs)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            shared = CompletionLogprobs(model)(*inputs)[0]
+            plain = CompletionLogprobs(model, share_prompts=False)(*inputs)[0]
+    assert shared.dtype == torch.float32
+    # bf16 rounding: the shared path is as close to fp32 as the plain bf16 forward is
+    shared_err = (shared[mask] - exact[mask]).abs().mean()
+    plain_err = (plain[mask] - exact[mask]).abs().mean()
+    assert shared_err < 2 * plain_err + 1e-3, (shared_err, plain_err)

@@ -14,15 +14,6 @@ from grpo_ascend.errors import CheckpointError, ConfigError
 from grpo_ascend.export import export_checkpoint, parse_dtype
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls run faster on one thread, and much faster when other jobs share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _base(model_dir):
     from transformers import AutoModelForCausalLM
 

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models import backbone_and_head, is_peft, position_ids_from_mask, resolve_model_path
+from grpo_ascend.models import backbone_and_head, completion_hidden_states, is_peft, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -96,14 +96,13 @@ class CompletionValues(nn.Module):
     def decoder(self) -> nn.Module:
         return self._shared if self.shared_backbone else self.backbone
 
+    share_prompts = True  # a group's prompt runs once (see models.completion_hidden_states)
+
     def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
-        ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        hidden = self.decoder(
-            input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
-        ).last_hidden_state
-        start = prompt_ids.shape[1] - 1
-        return self.head(hidden[:, start : start + completion_ids.shape[1]])
+        hidden = completion_hidden_states(
+            self.decoder, prompt_ids, prompt_mask, completion_ids, completion_mask, self.share_prompts
+        )
+        return self.head(hidden)
 
 
 @dataclass

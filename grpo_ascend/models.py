@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -117,18 +118,64 @@ def shared_prompt_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor,
     return first, starts.long().cumsum(0) - 1
 
 
+def activation_checkpointing_on(model: nn.Module) -> bool:
+    """Whether a transformers model recomputes activations in backward (the name changed in v5)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if name in dir(type(model)):
+            return bool(getattr(model, name))
+    return False
+
+
+def completion_hidden_states(
+    backbone: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    share_prompts: bool = True,
+) -> Tensor:
+    """Last hidden states [B, Lc, H] at the positions that predict each completion token.
+
+    With ``share_prompts``, each run of identical consecutive prompts (a GRPO group) goes through
+    the decoder once: its keys/values are cached and indexed out to the run's rows, and only the
+    completions run per row. Forward and backward then cost about (distinct prompt tokens + all
+    completion tokens) instead of every row's prompt + completion, with the same result up to
+    float rounding. Under activation checkpointing (which drops the cache) every row runs whole.
+    """
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    positions = position_ids_from_mask(mask)
+    runs = None
+    if share_prompts and completion_ids.shape[1] > 0 and not activation_checkpointing_on(backbone):
+        runs = shared_prompt_rows(prompt_ids, prompt_mask)
+    width = prompt_ids.shape[1]
+    if runs is None:
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
+        return hidden[:, width - 1 : width - 1 + completion_ids.shape[1]]
+    from transformers import DynamicCache
+
+    first, row_run = runs
+    cache_kwarg = "cache" if "cache" in inspect.signature(type(backbone).forward).parameters else "past_key_values"
+    cache = DynamicCache(config=backbone.config)
+    prefill = backbone(
+        input_ids=prompt_ids[first], attention_mask=prompt_mask[first], position_ids=positions[first, :width],
+        use_cache=True, **{cache_kwarg: cache},
+    ).last_hidden_state
+    cache.batch_select_indices(row_run)
+    completion = backbone(
+        input_ids=completion_ids, attention_mask=mask, position_ids=positions[:, width:],
+        use_cache=True, **{cache_kwarg: cache},
+    ).last_hidden_state
+    # Token t of a completion is predicted from position t-1: the prompt's last for t = 0.
+    return torch.cat([prefill[row_run, -1:], completion[:, :-1]], dim=1)
+
+
 class CompletionLogprobs(nn.Module):
     """Wraps a causal LM so one forward returns per-token log-probs (and entropies) of completions.
 
     Being an ``nn.Module`` lets accelerate wrap it (DDP, autocast) while the vocabulary projection
-    runs in chunks and never materialises a [B, T, V] float32 tensor.
-
-    With ``share_prompts`` (the default) rows whose prompts repeat consecutively -- a GRPO group
-    -- run the prompt through the decoder once: its keys/values are cached, indexed out to every
-    row of the run, and only the completions go through the decoder per row. Forward and backward
-    then cost about (distinct prompts + all completion tokens) instead of every row's prompt + its
-    completion; the result equals the plain forward up to float rounding. Under gradient
-    checkpointing (which drops the cache) the plain forward runs.
+    runs in chunks and never materialises a [B, T, V] float32 tensor. ``share_prompts``: see
+    :func:`completion_hidden_states` (a GRPO group's prompt runs once).
     """
 
     def __init__(self, model: nn.Module, chunk_size: int = 128, share_prompts: bool = True):
@@ -136,7 +183,6 @@ class CompletionLogprobs(nn.Module):
         self.model = model
         self.chunk_size = chunk_size
         self.share_prompts = share_prompts
-        self._cache_kwarg: str | None = None
 
     def forward(
         self,
@@ -148,49 +194,13 @@ class CompletionLogprobs(nn.Module):
         with_entropy: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         backbone, head = backbone_and_head(self.model)
-        mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        positions = position_ids_from_mask(mask)
-        runs = None
-        if self.share_prompts and completion_ids.shape[1] > 0 and not getattr(hf_model(self.model), "is_gradient_checkpointing", False):
-            runs = shared_prompt_rows(prompt_ids, prompt_mask)
-        if runs is None:
-            ids = torch.cat([prompt_ids, completion_ids], dim=1)
-            hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
-            start = prompt_ids.shape[1] - 1
-            hidden = hidden[:, start : start + completion_ids.shape[1]]
-        else:
-            hidden = self._shared_prompt_hidden(backbone, prompt_ids, prompt_mask, completion_ids, mask, positions, runs)
+        hidden = completion_hidden_states(
+            backbone, prompt_ids, prompt_mask, completion_ids, completion_mask, self.share_prompts
+        )
         return token_logprobs_from_hidden(
             hidden, head, completion_ids, temperature=temperature or 1.0,  # greedy (0) reads T=1 log-probs
             chunk_size=self.chunk_size, with_entropy=with_entropy,
         )
-
-    def _shared_prompt_hidden(
-        self, backbone: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-        mask: Tensor, positions: Tensor, runs: tuple[Tensor, Tensor],
-    ) -> Tensor:
-        """Hidden states [B, Lc, H] predicting each completion token, prompts run once per run."""
-        from transformers import DynamicCache
-
-        first, row_run = runs
-        width = prompt_ids.shape[1]
-        if self._cache_kwarg is None:
-            import inspect
-
-            params = inspect.signature(type(backbone).forward).parameters
-            self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        cache = DynamicCache(config=backbone.config)
-        prefill = backbone(
-            input_ids=prompt_ids[first], attention_mask=prompt_mask[first], position_ids=positions[first, :width],
-            use_cache=True, **{self._cache_kwarg: cache},
-        ).last_hidden_state
-        cache.batch_select_indices(row_run)
-        completion = backbone(
-            input_ids=completion_ids, attention_mask=mask, position_ids=positions[:, width:],
-            use_cache=True, **{self._cache_kwarg: cache},
-        ).last_hidden_state
-        # Token t of a completion is predicted from position t-1: the prompt's last for t = 0.
-        return torch.cat([prefill[row_run, -1:], completion[:, :-1]], dim=1)
 
 
 @contextlib.contextmanager

@@ -99,7 +99,9 @@ def test_gradient_checkpointing_uses_the_plain_forward(tiny_model, monkeypatch):
     except TypeError:
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     calls = []
-    monkeypatch.setattr(CompletionLogprobs, "_shared_prompt_hidden", lambda *a, **k: calls.append(1))
+    import grpo_ascend.models as models
+
+    monkeypatch.setattr(models, "shared_prompt_rows", lambda *a, **k: calls.append(1))
     inputs = _batch(tok, PROMPTS[:2], [4, 4])
     logps, _ = CompletionLogprobs(model)(*inputs)
     assert calls == [] and logps.shape == inputs[2].shape
@@ -145,3 +147,32 @@ def test_shared_forward_under_bf16_autocast(tiny_model):
     shared_err = (shared[mask] - exact[mask]).abs().mean()
     plain_err = (plain[mask] - exact[mask]).abs().mean()
     assert shared_err < 2 * plain_err + 1e-3, (shared_err, plain_err)
+
+
+def test_critic_values_share_prompts_with_the_same_result(tiny_model):
+    from grpo_ascend.critic import active_adapter, build_critic, enable_critic_grads
+
+    model, tok = tiny_model
+    policy = apply_peft(model, default_lora_config(r=4))
+    critic = build_critic(policy, "policy", None)
+    enable_critic_grads(critic)
+    with torch.no_grad():
+        critic.module.head.weight.normal_(0, 0.5)  # a non-trivial value head and critic adapter
+        for p in critic.trainable:
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+    inputs = _batch(tok, PROMPTS[:3], [3, 2, 3])
+    out = []
+    for share in (True, False):
+        critic.module.share_prompts = share
+        for p in critic.trainable:
+            p.grad = None
+        with active_adapter(policy, critic.adapter):
+            values = critic.module(*inputs)
+            (values * inputs[3]).sum().backward()
+        out.append((values.detach(), [p.grad.clone() for p in critic.trainable if p.grad is not None]))
+    mask = inputs[3].bool()
+    torch.testing.assert_close(out[0][0][mask], out[1][0][mask], rtol=0, atol=2e-5)
+    assert len(out[0][1]) == len(out[1][1]) > 0
+    for a, b in zip(out[0][1], out[1][1]):  # float32 sums in another order: relative to the gradient's scale
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5 * float(b.abs().max()))

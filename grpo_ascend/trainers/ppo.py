@@ -128,6 +128,7 @@ class PPOTrainer(RLTrainerBase):
     def _extra_trainable_parameters(self) -> list[nn.Parameter]:
         """Build the critic (the base calls this before it creates the optimizer)."""
         self.critic = build_critic(self.policy, self.args.critic_init, self.args.critic_model)
+        self.critic.module.share_prompts = self.args.share_prompt_prefill
         return list(self.critic.trainable)
 
     @property

@@ -748,12 +748,23 @@ class RLTrainerBase:
 
         self.accelerator.wait_for_everyone()
         per_rank = self._per_rank_random_state()
+        staging, shards = None, None
+        if self.is_deepspeed:
+            # ZeRO-1/2: every rank writes its optimizer shard into the main rank's staging folder; the
+            # main rank then completes the checkpoint (manifest over all shards) and renames it.
+            from accelerate.utils import broadcast_object_list
+
+            made = [str(ckpt.make_staging_dir(self.args.output_dir, self.step)) if self.is_main_process else None]
+            staging = broadcast_object_list(made, from_process=0)[0]
+            ckpt.write_optimizer_shard(staging, self.accelerator.process_index, self._deepspeed_optimizer_state())
+            shards = self.accelerator.num_processes
+            self.accelerator.wait_for_everyone()
         if self.is_main_process:
             ckpt.save_checkpoint(
                 self.args.output_dir,
                 self.step,
                 model=self._trainable_module(),
-                optimizer=self.optimizer.optimizer,
+                optimizer=None if self.is_deepspeed else self.optimizer.optimizer,
                 scheduler=self.scheduler,
                 scaler=self.accelerator.scaler,
                 trainer_state=self._trainer_state(),
@@ -762,9 +773,39 @@ class RLTrainerBase:
                 extra_tensors={"sampling_generator": self.generator.get_state(), **per_rank},
                 rng_device=self.device,
                 save_total_limit=self.args.save_total_limit,
+                staging_dir=staging,
+                optimizer_shards=shards,
             )
         self._last_saved_step = self.step
         self.accelerator.wait_for_everyone()
+
+    def _deepspeed_optimizer_state(self) -> dict[str, Any]:
+        """This rank's ZeRO optimizer state as plain values (readable with ``torch.load(weights_only=True)``).
+
+        DeepSpeed's state dict holds its loss-scaler object (kept as its plain attributes) and the
+        parameter-slice mappings (rebuilt by DeepSpeed at start-up, dropped here).
+        """
+        state = dict(self.optimizer.optimizer.state_dict())
+        scaler = state.pop("loss_scaler", None)
+        state.pop("param_slice_mappings", None)
+        if "zero_stage" in state:
+            state["zero_stage"] = int(state["zero_stage"])
+        plain = (bool, int, float, str, type(None))
+        state["loss_scaler_state"] = {k: v for k, v in vars(scaler).items() if isinstance(v, plain)} if scaler else {}
+        return state
+
+    def _load_deepspeed_optimizer_state(self, path: Path) -> None:
+        """Restore this rank's ZeRO optimizer shard: Adam state and fp32 master partition, loss scale."""
+        from grpo_ascend import checkpoint as ckpt
+
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        state = ckpt.load_optimizer_shard(path, rank, world)
+        scaler_state = state.pop("loss_scaler_state", {})
+        zero = self.optimizer.optimizer
+        # DeepSpeed indexes the list by data-parallel rank; only this rank's entry is read.
+        zero.load_state_dict([state] * world, load_optimizer_states=True, load_from_fp32_weights=True)
+        for key, value in scaler_state.items():
+            setattr(zero.loss_scaler, key, value)
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
@@ -785,11 +826,13 @@ class RLTrainerBase:
         loaded = ckpt.load_checkpoint(
             path,
             model=self._trainable_module(),
-            optimizer=self.optimizer.optimizer,
+            optimizer=None if self.is_deepspeed else self.optimizer.optimizer,
             scheduler=self.scheduler,
             scaler=self.accelerator.scaler,
             rng_device=self.device,
         )
+        if self.is_deepspeed:  # after the weights: each rank reads its own shard
+            self._load_deepspeed_optimizer_state(path)
         state = loaded.trainer_state
         self.step = int(state["step"])
         self.round_index = int(state["round_index"])

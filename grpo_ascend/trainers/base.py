@@ -255,6 +255,7 @@ class RLTrainerBase:
             if have not in ("auto", None) and have != value:
                 logger.warning("DeepSpeed config %s=%r replaced by %r from the grpo-ascend config", key, have, value)
             ds[key] = value
+        self.accelerator.gradient_accumulation_steps = plan.grad_accum  # accelerate warns when it disagrees
         if "optimizer" in ds or "scheduler" in ds:
             raise ConfigError(
                 "the DeepSpeed config defines an 'optimizer' or 'scheduler'; grpo-ascend builds its own AdamW and "

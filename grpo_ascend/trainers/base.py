@@ -497,8 +497,8 @@ class RLTrainerBase:
     def _no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce on every micro-batch but the step's last.
 
-        Under DeepSpeed this marks the engine's gradient-accumulation boundary instead (ZeRO-2
-        reduces gradient buckets during every backward; the optimizer step comes after the last).
+        Under DeepSpeed this marks the engine's gradient-accumulation boundary instead (the engine
+        decides when to reduce; the optimizer step comes after the last micro-batch).
         """
         if self.is_deepspeed:
             model.set_gradient_accumulation_boundary(last)

@@ -6,6 +6,12 @@ parameters of a fully fine-tuned model), the optimizer, LR scheduler and grad sc
 RNG state, the trainer state (step, data position, metrics history), the trainer config, the
 tokenizer and any extra tensors the trainer needs (a sampling generator's state, pending buffers).
 
+With an optimizer sharded over the ranks (DeepSpeed ZeRO-1/2) every rank writes its own shard
+(``optimizer_shards/rank{R}.pt``) into the same temporary folder — :func:`make_staging_dir` on the
+main rank, :func:`write_optimizer_shard` on each rank, a barrier — before the main rank finishes
+the checkpoint with ``save_checkpoint(..., staging_dir=..., optimizer_shards=N)``; each rank reads
+its shard back with :func:`load_optimizer_shard`.
+
 Saving is atomic: everything is written into a hidden temporary folder next to the final one,
 each file and the folder are fsynced, ``manifest.json`` (sizes and sha256 of every file) is
 written last, and only then is the folder renamed to its final name. A crash at any moment
@@ -62,6 +68,7 @@ TRAINER_STATE_NAME = "trainer_state.json"
 # trainer config under it breaks AutoTokenizer/AutoConfig.from_pretrained on the checkpoint.
 TRAINER_CONFIG_NAME = "trainer_config.json"
 EXTRA_TENSORS_NAME = "extra.safetensors"
+OPTIMIZER_SHARDS_DIR = "optimizer_shards"
 
 #: Test hook: seconds to sleep after part of the files are written (crash-safety tests kill the
 #: process while it sleeps). A line starting with PAUSE_MARKER is printed before sleeping.
@@ -549,6 +556,57 @@ def _pause_for_tests(folder: Path) -> None:
     time.sleep(float(seconds))
 
 
+def make_staging_dir(output_dir: str | os.PathLike, step: int) -> Path:
+    """Create the hidden temporary folder a checkpoint of ``step`` is written into (main rank only).
+
+    Pass it to :func:`write_optimizer_shard` on every rank and then to ``save_checkpoint(staging_dir=...)``.
+    """
+    root = Path(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step}-", dir=root))
+
+
+def _shard_name(rank: int) -> str:
+    return f"{OPTIMIZER_SHARDS_DIR}/rank{rank}.pt"
+
+
+def write_optimizer_shard(staging_dir: str | os.PathLike, rank: int, state: dict[str, Any]) -> Path:
+    """Write this rank's optimizer shard (plain tensors and Python values) into a staging folder, fsynced."""
+    folder = Path(staging_dir)
+    if not folder.name.startswith(TMP_PREFIX) or not folder.is_dir():
+        raise CheckpointError(f"{str(folder)!r} is not a checkpoint staging folder made by make_staging_dir")
+    path = folder / _shard_name(rank)
+    path.parent.mkdir(exist_ok=True)
+    _torch_save(state, path)
+    _fsync_file(path)
+    return path
+
+
+def load_optimizer_shard(path: str | os.PathLike, rank: int, world_size: int) -> dict[str, Any]:
+    """Read rank ``rank``'s optimizer shard from a checkpoint written by ``world_size`` ranks.
+
+    The checkpoint's manifest is verified first; a checkpoint written by a different number of ranks
+    (or without shards) is a CheckpointError, since each shard holds one rank's slice of the state.
+    """
+    folder = Path(path)
+    manifest = read_manifest(folder, verify_hashes=True)
+    saved = manifest.get("optimizer_shards")
+    if saved is None:
+        raise CheckpointError(
+            f"{folder} holds one whole optimizer state, not per-rank shards: it was written without a sharded "
+            "optimizer (no DeepSpeed ZeRO); resume it the way it was trained"
+        )
+    if int(saved) != world_size:
+        raise CheckpointError(
+            f"{folder} holds optimizer shards of {saved} ranks but this run has {world_size}: the sharded "
+            f"optimizer state can only be resumed with {saved} processes"
+        )
+    state = _torch_load(_require(folder, manifest, _shard_name(rank), f"rank {rank}'s optimizer shard"))
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{folder / _shard_name(rank)} does not hold an optimizer state dict")
+    return state
+
+
 def _prune(root: Path, keep: int, protect: Path) -> None:
     """Delete the oldest complete checkpoints beyond ``keep``; never ``protect``."""
     complete = list_checkpoints(root)
@@ -585,6 +643,8 @@ def save_checkpoint(
     extra_tensors: dict[str, torch.Tensor] | None = None,
     rng_device: torch.device | str | None = None,
     save_total_limit: int | None = None,
+    staging_dir: str | os.PathLike | None = None,
+    optimizer_shards: int | None = None,
 ) -> Path:
     """Write ``output_dir/checkpoint-{step}/`` atomically and return its path.
 
@@ -594,6 +654,8 @@ def save_checkpoint(
     first, so they are exactly those at the call. An existing folder of the same step is replaced
     only after the new one is complete. With ``save_total_limit`` the oldest complete checkpoints
     beyond that number are deleted afterwards (never the one just written). Call on one process only.
+    ``staging_dir`` (from :func:`make_staging_dir`) is the temporary folder to finish, into which
+    ``optimizer_shards`` ranks already wrote their optimizer shards; the manifest covers them too.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a non-negative int, got {step!r}")
@@ -608,10 +670,21 @@ def save_checkpoint(
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{CHECKPOINT_PREFIX}{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{step}-", dir=root))
+    if staging_dir is None:
+        tmp = make_staging_dir(root, step)
+    else:
+        tmp = Path(staging_dir)
+        if tmp.parent.resolve() != root.resolve() or not tmp.name.startswith(TMP_PREFIX) or not tmp.is_dir():
+            raise CheckpointError(f"staging_dir {str(tmp)!r} is not a staging folder make_staging_dir made in {str(root)!r}")
     trash = None
     try:
+        if optimizer_shards is not None:
+            missing = [r for r in range(optimizer_shards) if not (tmp / _shard_name(r)).is_file()]
+            if missing:
+                raise CheckpointError(f"optimizer shards of rank(s) {missing} are missing from {tmp}")
         weights = _write_weights(model, tmp)
+        if optimizer_shards is not None:
+            weights = {**weights, "optimizer_shards": optimizer_shards}
         if optimizer is not None:
             _torch_save(optimizer.state_dict(), tmp / OPTIMIZER_NAME)
         _pause_for_tests(tmp)
@@ -728,6 +801,12 @@ def load_checkpoint(
     model = _unwrap(model)
     steps = [_prepare_weights(model, folder, manifest)]
     if optimizer is not None:
+        if "optimizer_shards" in manifest and OPTIMIZER_NAME not in manifest["files"]:
+            raise CheckpointError(
+                f"{folder} holds an optimizer sharded over {manifest['optimizer_shards']} ranks (DeepSpeed ZeRO), "
+                f"not one optimizer state: resume it under the same DeepSpeed ZeRO config with "
+                f"{manifest['optimizer_shards']} processes"
+            )
         opt_path = _require(folder, manifest, OPTIMIZER_NAME, "an optimizer")
         opt_state = _torch_load(opt_path)
         _check_optimizer_state(opt_state, optimizer, opt_path)

@@ -7,7 +7,9 @@ in a gloo process group on the CPU. Each rank writes its results to ``OUT_DIR/<n
 
 Modes:
   grads  one optimizer step per loss type on a fixed global batch (this rank's slice); saves the
-         gradients after DDP averaging and the reported loss.
+         gradients after DDP averaging and the reported loss. With ``"real_step": true`` (DeepSpeed,
+         whose ZeRO-2 gradients live in per-rank partitions) the step is taken at learning rate 0
+         and the reported loss and global gradient norm are saved instead.
   train  a short GRPO run (optionally resumed, or preempted right after the save at some step);
          saves the trainable weights and every write this rank made under output_dir.
 """
@@ -82,6 +84,54 @@ def step_gradients(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: st
     return captured[0], metrics["loss"]
 
 
+def step_loss_and_norm(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: str) -> dict[str, float]:
+    """Loss and pre-clipping global gradient norm of one real optimizer step (taken at learning rate 0)."""
+    from grpo_ascend.trainers.base import Round
+
+    trainer.scheduler.base_lrs = [0.0] * len(trainer.scheduler.base_lrs)
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = 0.0
+    trainer.args.loss_type = loss_type
+    n = tensors["completion_ids"].shape[0]
+    rnd = Round(dict(tensors), ["p"] * n, ["c"] * n)
+    metrics = trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
+    return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+
+
+def nan_then_finite_step(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A step whose gradient is NaN on this rank only (rank 0), then a finite one, at a real learning rate."""
+    from grpo_ascend.trainers.base import Round
+
+    trainer.scheduler.base_lrs = [1e-2] * len(trainer.scheduler.base_lrs)
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = 1e-2
+    n = tensors["completion_ids"].shape[0]
+
+    def step(poison: bool) -> dict[str, float]:
+        t = dict(tensors)
+        if poison and int(os.environ["RANK"]) == 0:
+            t["advantages"] = t["advantages"].clone()
+            t["advantages"][0] = float("nan")
+        rnd = Round(t, ["p"] * n, ["c"] * n)
+        return trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
+
+    def weights() -> list[torch.Tensor]:
+        return [p.detach().clone() for p in trainer.policy.parameters() if p.requires_grad]
+
+    before = weights()
+    bad = step(poison=True)
+    after_bad = weights()
+    step(poison=False)
+    after_good = weights()
+    return {
+        "skipped_steps": trainer.skipped_steps,
+        "bad_grad_norm": bad["grad_norm"],
+        "untouched": all(torch.equal(a, b) for a, b in zip(before, after_bad)),
+        "moved": any(not torch.equal(a, b) for a, b in zip(after_bad, after_good)),
+        "finite_after": all(bool(torch.isfinite(w).all()) for w in after_good),
+    }
+
+
 def grads_config(output_dir: str, world_size: int) -> Any:
     """Config for the gradient comparison: one optimizer step over 16 completions in total."""
     from grpo_ascend import GRPOConfig
@@ -106,13 +156,23 @@ def make_trainer(model_dir: str, cfg: Any, dataset_size: int = 8, dataset_seed: 
 def run_grads(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
     trainer = make_trainer(spec["model_dir"], grads_config(str(out / "unused"), world))
     deterministic_trainable_init(trainer.policy)
+    zero = getattr(trainer.optimizer, "optimizer", None)
+    if hasattr(zero, "_restore_from_bit16_weights"):
+        # DeepSpeed ZeRO copied the weights into its fp32 master partitions at start-up and writes
+        # those back after every step: refresh them from the re-initialised weights.
+        zero._restore_from_bit16_weights()
     batch = fixed_global_batch()
     per_rank = batch["completion_ids"].shape[0] // world
     mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
     results = {}
     for loss_type in spec["loss_types"]:
+        if spec.get("real_step"):
+            results[loss_type] = step_loss_and_norm(trainer, mine, loss_type)
+            continue
         grads, loss = step_gradients(trainer, mine, loss_type)
         results[loss_type] = {"grads": grads, "loss": loss}
+    if spec.get("real_step"):
+        results["nan_step"] = nan_then_finite_step(trainer, mine)
     torch.save(results, out / f"grads_rank{rank}.pt")
 
 

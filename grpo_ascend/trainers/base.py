@@ -51,6 +51,11 @@ def _launched_distributed(on_cpu: bool) -> bool:
     return on_cpu and any(int(os.environ.get(name, "1")) > 1 for name in sizes)
 
 
+def _deepspeed_requested() -> bool:
+    """Whether ``accelerate launch`` was told to use DeepSpeed (its config or ``--use_deepspeed``)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
 @dataclass
 class Round:
     """One generation round on this rank: rollout tensors plus everything derived for training."""
@@ -125,6 +130,8 @@ class RLTrainerBase:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda())
         self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
+        if self.is_deepspeed:
+            self._configure_deepspeed()
         self.logprob_model, self.optimizer = self.accelerator.prepare(self.logprob_model, self.optimizer)
 
         from grpo_ascend.rollout.engine import RolloutEngine
@@ -180,7 +187,9 @@ class RLTrainerBase:
             group.backend = dev.dist_backend(requested)
         kwargs: dict[str, Any] = {
             "mixed_precision": dev.mixed_precision_for_accelerate(bool(bf16), args.fp16),
-            "cpu": on_cpu,
+            # accelerate ignores its DeepSpeed launch settings when told cpu=True; on the CPU it then
+            # picks the CPU device by itself (and DeepSpeed its CPU accelerator).
+            "cpu": on_cpu and not (_deepspeed_requested() and _launched_distributed(on_cpu)),
             "kwargs_handlers": [group],
         }
         if args.report_to:
@@ -191,14 +200,15 @@ class RLTrainerBase:
                 f"accelerate chose device {accelerator.device} but {args.device!r} was requested; "
                 "check the accelerate config (accelerate env) or the device setting"
             )
-        if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        if accelerator.distributed_type == DistributedType.FSDP:
             raise ConfigError(
-                f"accelerate is configured for {accelerator.distributed_type.value}, which grpo-ascend does not "
-                "support yet: the rollout engine runs the unwrapped policy and needs every parameter on every "
-                "rank (ZeRO-3 / FSDP shard them), and checkpoints hold one optimizer state (ZeRO-1/2 shard it). "
-                "Launch plain data parallelism instead (distributed_type MULTI_NPU / MULTI_GPU, e.g. "
-                "recipes/accelerate/npu_1node_8cards.yaml, or grpo-ascend train --num_processes N)"
+                "accelerate is configured for FSDP, which grpo-ascend does not support: FSDP shards the weights "
+                "the rollout engine needs whole on every rank, and checkpoints would need its sharded optimizer "
+                "state. Use DeepSpeed ZeRO-2 (recipes/accelerate/deepspeed_zero2.yaml) or plain data parallelism "
+                "(distributed_type MULTI_NPU / MULTI_GPU, or grpo-ascend train --num_processes N)"
             )
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            self._check_deepspeed(accelerator)
         if args.report_to:
             accelerator.init_trackers(Path(args.output_dir).name or "run")
         return accelerator
@@ -219,6 +229,61 @@ class RLTrainerBase:
                             extra / 2**30, free / 2**30)
                 return False
         return True
+
+    @property
+    def is_deepspeed(self) -> bool:
+        """Whether accelerate runs the policy under a DeepSpeed engine (ZeRO-1/2)."""
+        from accelerate.utils import DistributedType
+
+        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
+
+    def _check_deepspeed(self, accelerator: Any) -> None:
+        """Refuse the DeepSpeed setups grpo-ascend cannot run correctly (ZeRO-3, PPO)."""
+        stage = int(accelerator.state.deepspeed_plugin.zero_stage)
+        if stage not in (1, 2):
+            raise ConfigError(
+                f"DeepSpeed zero_stage={stage} is not supported; use zero_stage 2 "
+                "(recipes/accelerate/deepspeed_zero2.yaml) or plain data parallelism. ZeRO-3 shards the weights, "
+                "while the rollout engine generates with the whole policy on every rank and checkpoints save it "
+                "from rank 0; ZeRO-0 adds nothing over plain data parallelism"
+            )
+        if not self._supports_deepspeed:
+            raise ConfigError(
+                f"{type(self).__name__} does not support DeepSpeed: it trains two accelerate-prepared models "
+                "(policy and critic), and accelerate gives DeepSpeed one engine per model. Launch PPO with plain "
+                "data parallelism (distributed_type MULTI_NPU / MULTI_GPU, or grpo-ascend train --num_processes N)"
+            )
+
+    #: Whether the trainer drives its one prepared model through a DeepSpeed engine (GRPO does).
+    _supports_deepspeed = True
+
+    def _configure_deepspeed(self) -> None:
+        """Fill the DeepSpeed config from this run's config: micro-batch, accumulation and clipping.
+
+        grpo-ascend normalises each optimizer step's loss itself, marks the accumulation boundary on
+        the engine and calls the engine's backward without its gradient-accumulation scaling, so the
+        config's values only have to be consistent; values set in the accelerate/DeepSpeed config
+        that disagree with the run's are overridden with a warning.
+        """
+        args, plan = self.args, self.plan
+        ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        wanted: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": plan.grad_accum,
+            "train_batch_size": args.per_device_train_batch_size * plan.grad_accum * self.accelerator.num_processes,
+            "gradient_clipping": float(args.max_grad_norm or 0.0),
+        }
+        for key, value in wanted.items():
+            have = ds.get(key, "auto")
+            if have not in ("auto", None) and have != value:
+                logger.warning("DeepSpeed config %s=%r replaced by %r from the grpo-ascend config", key, have, value)
+            ds[key] = value
+        self.accelerator.gradient_accumulation_steps = plan.grad_accum  # accelerate warns when it disagrees
+        if "optimizer" in ds or "scheduler" in ds:
+            raise ConfigError(
+                "the DeepSpeed config defines an 'optimizer' or 'scheduler'; grpo-ascend builds its own AdamW and "
+                "LR schedule from the run config (learning_rate, lr_scheduler_type, ...): remove them"
+            )
 
     def _patch_for_device(self, model: nn.Module) -> None:
         from grpo_ascend.npu_patches import apply_npu_patches
@@ -456,8 +521,26 @@ class RLTrainerBase:
         return {}
 
     def _no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-        """Skip the gradient all-reduce on every micro-batch but the step's last."""
+        """Skip the gradient all-reduce on every micro-batch but the step's last.
+
+        Under DeepSpeed this marks the engine's gradient-accumulation boundary instead (the engine
+        decides when to reduce; the optimizer step comes after the last micro-batch).
+        """
+        if self.is_deepspeed:
+            model.set_gradient_accumulation_boundary(last)
+            return contextlib.nullcontext()
         return contextlib.nullcontext() if last else self.accelerator.no_sync(model)
+
+    def _backward(self, loss: Tensor) -> None:
+        """Backward of an already normalised micro-batch loss (see :meth:`_step_normaliser`).
+
+        Under DeepSpeed the engine's backward runs without its division by gradient_accumulation_steps
+        (the normaliser already accounts for accumulation); the step itself is :meth:`_clip_and_step`'s.
+        """
+        if self.is_deepspeed:
+            self.logprob_model.backward(loss, scale_wrt_gas=False)
+        else:
+            self.accelerator.backward(loss)
 
     def _sum_over_ranks(self, value: Tensor) -> Tensor:
         return self.accelerator.reduce(value, reduction="sum") if self.accelerator.num_processes > 1 else value
@@ -492,6 +575,8 @@ class RLTrainerBase:
 
     def _clip_and_step(self, params: list[nn.Parameter], loss_finite: Tensor) -> tuple[float, bool]:
         """Clip, check for NaN/inf, and step — or skip the step leaving the weights untouched."""
+        if self.is_deepspeed:
+            return self._deepspeed_step()
         max_norm = self.args.max_grad_norm
         if max_norm and max_norm > 0:
             grad_norm = self.accelerator.clip_grad_norm_(params, max_norm)
@@ -512,6 +597,22 @@ class RLTrainerBase:
             logger.warning("step %d: loss or gradient is NaN/inf; step skipped, weights untouched", self.step + 1)
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm), finite
+
+    def _deepspeed_step(self) -> tuple[float, bool]:
+        """The DeepSpeed engine's step: it clips (gradient_clipping = max_grad_norm) and skips the step when
+        the global gradient norm is NaN/inf (ZeRO-1/2 check it in every precision), then zeroes the grads."""
+        engine = self.logprob_model
+        engine.optimizer.check_grad_overflow = True  # also under bf16/fp32, where it may be off by default
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else float("nan")
+        finite = bool(engine.was_step_applied())
+        if finite:
+            self.scheduler.step()
+        else:
+            self.skipped_steps += 1
+            logger.warning("step %d: gradient is NaN/inf; DeepSpeed skipped the step, weights untouched", self.step + 1)
+        return grad_norm, finite
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, Any]:
         """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True."""
@@ -685,12 +786,23 @@ class RLTrainerBase:
 
         self.accelerator.wait_for_everyone()
         per_rank = self._per_rank_random_state()
+        staging, shards = None, None
+        if self.is_deepspeed:
+            # ZeRO-1/2: every rank writes its optimizer shard into the main rank's staging folder; the
+            # main rank then completes the checkpoint (manifest over all shards) and renames it.
+            from accelerate.utils import broadcast_object_list
+
+            made = [str(ckpt.make_staging_dir(self.args.output_dir, self.step)) if self.is_main_process else None]
+            staging = broadcast_object_list(made, from_process=0)[0]
+            ckpt.write_optimizer_shard(staging, self.accelerator.process_index, self._deepspeed_optimizer_state())
+            shards = self.accelerator.num_processes
+            self.accelerator.wait_for_everyone()
         if self.is_main_process:
             ckpt.save_checkpoint(
                 self.args.output_dir,
                 self.step,
                 model=self._trainable_module(),
-                optimizer=self.optimizer.optimizer,
+                optimizer=None if self.is_deepspeed else self.optimizer.optimizer,
                 scheduler=self.scheduler,
                 scaler=self.accelerator.scaler,
                 trainer_state=self._trainer_state(),
@@ -699,9 +811,39 @@ class RLTrainerBase:
                 extra_tensors={"sampling_generator": self.generator.get_state(), **per_rank},
                 rng_device=self.device,
                 save_total_limit=self.args.save_total_limit,
+                staging_dir=staging,
+                optimizer_shards=shards,
             )
         self._last_saved_step = self.step
         self.accelerator.wait_for_everyone()
+
+    def _deepspeed_optimizer_state(self) -> dict[str, Any]:
+        """This rank's ZeRO optimizer state as plain values (readable with ``torch.load(weights_only=True)``).
+
+        DeepSpeed's state dict holds its loss-scaler object (kept as its plain attributes) and the
+        parameter-slice mappings (rebuilt by DeepSpeed at start-up, dropped here).
+        """
+        state = dict(self.optimizer.optimizer.state_dict())
+        scaler = state.pop("loss_scaler", None)
+        state.pop("param_slice_mappings", None)
+        if "zero_stage" in state:
+            state["zero_stage"] = int(state["zero_stage"])
+        plain = (bool, int, float, str, type(None))
+        state["loss_scaler_state"] = {k: v for k, v in vars(scaler).items() if isinstance(v, plain)} if scaler else {}
+        return state
+
+    def _load_deepspeed_optimizer_state(self, path: Path) -> None:
+        """Restore this rank's ZeRO optimizer shard: Adam state and fp32 master partition, loss scale."""
+        from grpo_ascend import checkpoint as ckpt
+
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        state = ckpt.load_optimizer_shard(path, rank, world)
+        scaler_state = state.pop("loss_scaler_state", {})
+        zero = self.optimizer.optimizer
+        # DeepSpeed indexes the list by data-parallel rank; only this rank's entry is read.
+        zero.load_state_dict([state] * world, load_optimizer_states=True, load_from_fp32_weights=True)
+        for key, value in scaler_state.items():
+            setattr(zero.loss_scaler, key, value)
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
@@ -722,11 +864,13 @@ class RLTrainerBase:
         loaded = ckpt.load_checkpoint(
             path,
             model=self._trainable_module(),
-            optimizer=self.optimizer.optimizer,
+            optimizer=None if self.is_deepspeed else self.optimizer.optimizer,
             scheduler=self.scheduler,
             scaler=self.accelerator.scaler,
             rng_device=self.device,
         )
+        if self.is_deepspeed:  # after the weights: each rank reads its own shard
+            self._load_deepspeed_optimizer_state(path)
         state = loaded.trainer_state
         self.step = int(state["step"])
         self.round_index = int(state["round_index"])

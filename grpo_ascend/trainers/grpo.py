@@ -176,7 +176,7 @@ class GRPOTrainer(RLTrainerBase):
                     entropies=entropies,
                 )
                 loss, stats = policy_loss(args.loss_type, batch, self.loss_settings, normaliser)
-                self.accelerator.backward(loss)
+                self._backward(loss)
             self._accumulate(sums, {"loss": loss, **stats})
         grad_norm, _ = self._clip_and_step(
             [p for p in self.policy.parameters() if p.requires_grad], torch.isfinite(sums["loss"])

@@ -74,6 +74,7 @@ class PPOTrainer(RLTrainerBase):
 
     config_class = PPOConfig
     args: PPOConfig
+    _supports_deepspeed = False  # two prepared models (policy, critic): accelerate gives DeepSpeed one engine each
 
     def __init__(
         self,

@@ -1,0 +1,262 @@
+"""DeepSpeed ZeRO-2 behind accelerate: 2 processes on the CPU (gloo), and the refusals around it.
+
+The multi-process tests start tests/dist_worker.py once per rank with the environment
+``accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml`` sets
+(ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_ZERO_STAGE); they need ``pip install deepspeed``
+and are skipped without it. DeepSpeed picks its CPU accelerator when no device is present.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import dist_worker  # noqa: E402
+from test_distributed import LOSS_TYPES, WORLD, _reports, _stable_metrics, _weights, launch  # noqa: E402
+
+ZERO2_ENV = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}
+SHARD_DIR = "optimizer_shards"
+
+
+def _need_deepspeed() -> None:
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'grpo-ascend[deepspeed]')")
+
+
+# ---------------------------------------------------------------------------------------------
+# two processes under ZeRO-2 (slow: DeepSpeed start-up is ~10 s per launch here)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory, tiny_model_dir):
+    """An uninterrupted 2-process ZeRO-2 run of 4 optimizer steps (checkpoints at 2 and 4)."""
+    _need_deepspeed()
+    out = tmp_path_factory.mktemp("zero2")
+    launch("train", out, {"model_dir": str(tiny_model_dir), "config": {"output_dir": str(out / "run")}},
+           extra_env=ZERO2_ENV)
+    return out
+
+
+@pytest.mark.slow
+def test_zero2_training_matches_plain_data_parallel(zero2_run, tmp_path, tiny_model_dir):
+    """Same seed, same config: ZeRO-2 ends with the weights (and per-step metrics) of the DDP path."""
+    ddp = tmp_path / "ddp"
+    launch("train", ddp, {"model_dir": str(tiny_model_dir), "config": {"output_dir": str(ddp / "run")}})
+    reports = _reports(zero2_run)
+    assert [r["status"] for r in reports] == ["finished"] * WORLD
+    assert [r["step"] for r in reports] == [4] * WORLD
+    expected = _weights(ddp, 0)
+    for rank in range(WORLD):
+        got = _weights(zero2_run, rank)
+        assert got.keys() == expected.keys() and len(got) > 0
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=f"rank {rank}, {name}")
+    assert any(v.abs().max() > 0 for k, v in expected.items() if "lora_B" in k)  # training moved them
+    w0, w1 = _weights(zero2_run, 0), _weights(zero2_run, 1)
+    for name in w0:
+        assert torch.equal(w0[name], w1[name]), name  # ZeRO-2 all-gathers the updated weights
+    zero2 = _stable_metrics(zero2_run / "run" / "metrics.jsonl")
+    plain = _stable_metrics(ddp / "run" / "metrics.jsonl")
+    assert [r["step"] for r in zero2] == [1, 2, 3, 4]
+    assert any(r["grad_norm"] > 1.0 for r in plain)  # max_grad_norm=1 clipped some step (DeepSpeed's clip)
+    for a, b in zip(plain, zero2):
+        assert b["reward"] == a["reward"], a["step"]
+        for key in ("loss", "grad_norm", "kl", "learning_rate"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (a["step"], key)
+        assert b["skipped_steps"] == 0
+
+
+@pytest.mark.slow
+def test_zero2_gradient_matches_one_process(tmp_path, tiny_model_dir):
+    """Loss and global gradient norm of one ZeRO-2 step (2 ranks × 2 accumulated micro-batches, very
+    different token counts per rank) equal one process's over the whole batch, for every loss type;
+    a NaN gradient skips the step."""
+    _need_deepspeed()
+    out = tmp_path / "zero2"
+    launch("grads", out, {"model_dir": str(tiny_model_dir), "loss_types": LOSS_TYPES, "real_step": True},
+           extra_env=ZERO2_ENV)
+    ranks = [torch.load(out / f"grads_rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    single = dist_worker.make_trainer(str(tiny_model_dir), dist_worker.grads_config(str(tmp_path / "one"), 1))
+    dist_worker.deterministic_trainable_init(single.policy)
+    batch = dist_worker.fixed_global_batch()
+    for loss_type in LOSS_TYPES:
+        grads, loss = dist_worker.step_gradients(single, batch, loss_type)
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+        for r in range(WORLD):
+            got = ranks[r][loss_type]
+            assert got["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7), (loss_type, r)
+            assert got["grad_norm"] == pytest.approx(norm, rel=1e-4), (loss_type, r)
+    # A NaN gradient on one rank: DeepSpeed skips the step on every rank, weights untouched; the
+    # next finite step is taken.
+    for r in range(WORLD):
+        nan = ranks[r]["nan_step"]
+        assert nan["skipped_steps"] == 1 and nan["untouched"] and nan["moved"] and nan["finite_after"], (r, nan)
+        assert not math.isfinite(nan["bad_grad_norm"]), (r, nan)
+
+
+@pytest.mark.slow
+def test_zero2_checkpoints_are_sharded_and_only_rank_zero_writes_the_rest(zero2_run):
+    run = zero2_run / "run"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert not list(run.glob(".tmp-*"))
+    ckpt = run / "checkpoint-2"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["optimizer_shards"] == WORLD
+    assert {f"{SHARD_DIR}/rank{r}.pt" for r in range(WORLD)} <= set(manifest["files"])
+    assert not (ckpt / "optimizer.pt").exists()
+    lines = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    reports = _reports(zero2_run)
+    written = "\n".join(reports[0]["writes"])
+    for name in ("metrics.jsonl", "summary.json", "manifest.json", f"{SHARD_DIR}/rank0.pt"):
+        assert name in written, name
+    # Rank 1 writes nothing but its optimizer shard, inside the main rank's staging folder.
+    assert reports[1]["writes"], "rank 1 wrote no optimizer shard"
+    for entry in reports[1]["writes"]:
+        assert "/.tmp-checkpoint-" in entry and f"/{SHARD_DIR}" in entry, entry
+        assert entry.endswith((SHARD_DIR, f"{SHARD_DIR}/rank1.pt")), entry
+
+
+@pytest.mark.slow
+def test_zero2_resume_is_exact(tmp_path, zero2_run, tiny_model_dir):
+    out = tmp_path / "resumed"
+    spec = {"model_dir": str(tiny_model_dir), "config": {"output_dir": str(out / "run")}}
+    launch("train", out, {**spec, "stop_after_step": 2}, extra_env=ZERO2_ENV)
+    assert [r["status"] for r in _reports(out)] == ["preempted"] * WORLD
+    launch("train", out, {**spec, "resume": "latest"}, extra_env=ZERO2_ENV)
+    assert [r["status"] for r in _reports(out)] == ["finished"] * WORLD
+    full = _stable_metrics(zero2_run / "run" / "metrics.jsonl")
+    resumed = _stable_metrics(out / "run" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed):
+        assert b["reward"] == a["reward"], a["step"]
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-8), (a["step"], key)
+    # Adam's moments after steps 1-2 shape steps 3-4: a lost shard would show here.
+    expected = _weights(zero2_run, 0)
+    for rank in range(WORLD):
+        got = _weights(out, rank)
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=f"rank {rank}, {name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# what runs without DeepSpeed installed: config filling, refusals, shard files
+# ---------------------------------------------------------------------------------------------
+
+
+class _StopHere(Exception):
+    pass
+
+
+def _fake_deepspeed_accelerator(monkeypatch, zero_stage: int = 2, seen: dict[str, Any] | None = None) -> None:
+    """accelerate.Accelerator replaced by one that reports DeepSpeed at ``zero_stage`` (or records its kwargs)."""
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    class FakeAccelerator:
+        def __init__(self, **kwargs: Any):
+            if seen is not None:
+                seen.update(kwargs)
+                raise _StopHere
+            self.device = torch.device("cpu")
+            self.distributed_type = DistributedType.DEEPSPEED
+            self.state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage))
+
+    monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
+
+
+def test_zero3_is_refused_clearly(monkeypatch, tmp_path, tiny_model_dir):
+    from grpo_ascend.errors import ConfigError
+
+    _fake_deepspeed_accelerator(monkeypatch, zero_stage=3)
+    cfg = dist_worker.grads_config(str(tmp_path / "run"), 1)
+    with pytest.raises(ConfigError, match="zero_stage=3 is not supported.*deepspeed_zero2.yaml"):
+        dist_worker.make_trainer(str(tiny_model_dir), cfg)
+
+
+def test_ppo_under_deepspeed_is_refused_clearly(monkeypatch, tmp_path, tiny_model_dir):
+    from grpo_ascend import PPOConfig, PPOTrainer
+    from grpo_ascend.errors import ConfigError
+    from grpo_ascend.synthetic import arithmetic_dataset
+
+    _fake_deepspeed_accelerator(monkeypatch, zero_stage=2)
+    cfg = PPOConfig(output_dir=str(tmp_path / "run"), max_completion_length=4, max_steps=1)
+    with pytest.raises(ConfigError, match="PPOTrainer does not support DeepSpeed.*num_processes"):
+        PPOTrainer(str(tiny_model_dir), dist_worker.even_token_fraction, cfg, arithmetic_dataset(4))
+
+
+def test_deepspeed_launch_does_not_force_accelerate_onto_cpu_mode(monkeypatch, tmp_path, tiny_model_dir):
+    """accelerate ignores its DeepSpeed settings when told cpu=True, so the trainer must not say so."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    seen: dict[str, Any] = {}
+    _fake_deepspeed_accelerator(monkeypatch, seen=seen)
+    cfg = dist_worker.grads_config(str(tmp_path / "run"), 1).replace(device="cpu")
+    with pytest.raises(_StopHere):
+        dist_worker.make_trainer(str(tiny_model_dir), cfg)
+    assert seen["cpu"] is False
+    assert seen["kwargs_handlers"][0].backend == "gloo"
+
+
+def test_deepspeed_config_is_filled_from_the_run_config(caplog):
+    from grpo_ascend.config import GRPOConfig
+    from grpo_ascend.errors import ConfigError
+    from grpo_ascend.trainers.base import RLTrainerBase
+
+    args = GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=3, steps_per_generation=3, num_generations=2,
+                      max_grad_norm=0.5)
+    ds_config: dict[str, Any] = {"gradient_accumulation_steps": 1, "gradient_clipping": "auto",
+                                 "train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}}
+    fake = SimpleNamespace(args=args, plan=args.batch_plan(2), accelerator=SimpleNamespace(
+        num_processes=2, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=ds_config))))
+    with caplog.at_level("WARNING"):
+        RLTrainerBase._configure_deepspeed(fake)
+    assert ds_config["train_micro_batch_size_per_gpu"] == 4
+    assert ds_config["gradient_accumulation_steps"] == 3
+    assert ds_config["train_batch_size"] == 4 * 3 * 2
+    assert ds_config["gradient_clipping"] == 0.5
+    assert "gradient_accumulation_steps=1 replaced by 3" in caplog.text
+    ds_config["optimizer"] = {"type": "Adam"}
+    with pytest.raises(ConfigError, match="remove them"):
+        RLTrainerBase._configure_deepspeed(fake)
+
+
+def test_optimizer_shards_round_trip_and_refuse_another_world_size(tmp_path, tiny_model):
+    from grpo_ascend import checkpoint as ckpt
+    from grpo_ascend.errors import CheckpointError
+
+    model, _ = tiny_model
+    staging = ckpt.make_staging_dir(tmp_path, 3)
+    states = [{"base_optimizer_state": {"state": {}, "param_groups": []}, "part": torch.full((3,), float(r))}
+              for r in range(2)]
+    for r, state in enumerate(states):
+        ckpt.write_optimizer_shard(staging, r, state)
+    path = ckpt.save_checkpoint(tmp_path, 3, model=model, trainer_state={"step": 3}, staging_dir=staging,
+                                optimizer_shards=2)
+    assert not staging.exists() and path.name == "checkpoint-3"
+    for r in range(2):
+        assert torch.equal(ckpt.load_optimizer_shard(path, r, 2)["part"], states[r]["part"])
+    with pytest.raises(CheckpointError, match="shards of 2 ranks but this run has 4"):
+        ckpt.load_optimizer_shard(path, 0, 4)
+    optimizer = torch.optim.AdamW([p for p in model.parameters()][:1])
+    with pytest.raises(CheckpointError, match="sharded over 2 ranks.*DeepSpeed"):
+        ckpt.load_checkpoint(path, model=model, optimizer=optimizer)
+    # A save whose shards did not all arrive never becomes a checkpoint.
+    staging = ckpt.make_staging_dir(tmp_path, 4)
+    ckpt.write_optimizer_shard(staging, 0, states[0])
+    with pytest.raises(CheckpointError, match=r"rank\(s\) \[1\] are missing"):
+        ckpt.save_checkpoint(tmp_path, 4, model=model, trainer_state={"step": 4}, staging_dir=staging,
+                             optimizer_shards=2)
+    assert not (tmp_path / "checkpoint-4").exists() and not staging.exists()
+    assert ckpt.find_latest_checkpoint(tmp_path) == path

@@ -291,8 +291,8 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts, shared tensors counted once."""
+    """(trainable, total) parameter counts, shared tensors counted once (DeepSpeed ZeRO-3 partitions whole)."""
     seen: dict[int, tuple[int, bool]] = {}
     for p in model.parameters():
-        seen[id(p)] = (p.numel(), p.requires_grad)
+        seen[id(p)] = (int(getattr(p, "ds_numel", p.numel())), p.requires_grad)
     return sum(n for n, t in seen.values() if t), sum(n for n, _ in seen.values())

@@ -9,7 +9,8 @@ Modes:
   grads  one optimizer step per loss type on a fixed global batch (this rank's slice); saves the
          gradients after DDP averaging and the reported loss. With ``"real_step": true`` (DeepSpeed,
          whose ZeRO-2 gradients live in per-rank partitions) the step is taken at learning rate 0
-         and the reported loss and global gradient norm are saved instead.
+         and the reported loss and global gradient norm are saved instead. Under ZeRO-3 the
+         (partitioned) trainable weights are gathered to be set or read.
   train  a short GRPO run (optionally resumed, or preempted right after the save at some step);
          saves the trainable weights and every write this rank made under output_dir.
 """
@@ -116,7 +117,8 @@ def nan_then_finite_step(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict
         return trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
 
     def weights() -> list[torch.Tensor]:
-        return [p.detach().clone() for p in trainer.policy.parameters() if p.requires_grad]
+        with trainer._gathered_trainable():  # ZeRO-3 partitions them
+            return [p.detach().clone() for p in trainer.policy.parameters() if p.requires_grad]
 
     before = weights()
     bad = step(poison=True)
@@ -155,7 +157,8 @@ def make_trainer(model_dir: str, cfg: Any, dataset_size: int = 8, dataset_seed: 
 
 def run_grads(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
     trainer = make_trainer(spec["model_dir"], grads_config(str(out / "unused"), world))
-    deterministic_trainable_init(trainer.policy)
+    with trainer._gathered_trainable(modifier_rank=0):  # ZeRO-3: rank 0's values are partitioned back
+        deterministic_trainable_init(trainer.policy)
     zero = getattr(trainer.optimizer, "optimizer", None)
     if hasattr(zero, "_restore_from_bit16_weights"):
         # DeepSpeed ZeRO copied the weights into its fp32 master partitions at start-up and writes
@@ -240,7 +243,8 @@ def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
     except Preempted:
         status = "preempted"
     audit.active = False
-    weights = {k: v.detach().cpu().clone() for k, v in trainer.policy.named_parameters() if v.requires_grad}
+    with trainer._gathered_trainable():  # ZeRO-3 partitions them; every rank takes part
+        weights = {k: v.detach().cpu().clone() for k, v in trainer.policy.named_parameters() if v.requires_grad}
     torch.save(weights, out / f"weights_rank{rank}.pt")
     report = {"status": status, "step": trainer.step, "world_size": trainer.accelerator.num_processes,
               "backend": trainer.accelerator.state.backend, "writes": audit.writes}

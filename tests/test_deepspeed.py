@@ -190,6 +190,9 @@ def test_zero3_training_matches_zero2(zero3_run, zero2_run):
     reports = _reports(zero3_run)
     assert [r["status"] for r in reports] == ["finished"] * WORLD
     assert [r["step"] for r in reports] == [4] * WORLD
+    for r in reports:  # each rank holds a slice of every parameter, the LoRA matrices included
+        assert len(r["partitioned"]) == r["parameters"] and any("lora_A" in n for n in r["partitioned"]), r
+    assert _reports(zero2_run)[0]["partitioned"] == []
     expected = _weights(zero2_run, 0)
     for rank in range(WORLD):
         got = _weights(zero3_run, rank)

@@ -135,6 +135,8 @@ class RLTrainerBase:
         if self.is_deepspeed:
             self._configure_deepspeed()
         self.logprob_model, self.optimizer = self.accelerator.prepare(self.logprob_model, self.optimizer)
+        if self.is_zero3:
+            self._setup_zero3_forward()
 
         from grpo_ascend.rollout.engine import RolloutEngine
         from grpo_ascend.rollout.sampling import SamplingParams
@@ -308,6 +310,15 @@ class RLTrainerBase:
                 "LoRA adapter (peft_config / the recipe's lora section) under ZeRO-3, or fully fine-tune under "
                 "ZeRO-2 (recipes/accelerate/deepspeed_zero2.yaml)"
             )
+
+    def _setup_zero3_forward(self) -> None:
+        """Make every rank issue the same ZeRO-3 gathers in the log-prob forward, whatever its batch holds."""
+        from grpo_ascend.models import backbone_and_head
+
+        module = self.accelerator.unwrap_model(self.logprob_model)
+        module.fixed_calls = True  # the decoder runs the same calls with or without repeated prompts
+        _, head = backbone_and_head(self.policy)
+        zero3.keep_gathered_per_forward(module, head.parameters())  # the head runs once per token chunk
 
     def _whole_policy_for_rollout(self) -> contextlib.AbstractContextManager:
         """ZeRO-3: the whole policy gathered on every rank for one generation round; else nothing to do."""

@@ -73,3 +73,25 @@ def whole_model_for_generation(engine: Any) -> Iterator[None]:
 
     with unwrap_model_for_generation(engine):
         yield
+
+
+def keep_gathered_per_forward(root: nn.Module, params: Iterable[nn.Parameter]) -> int:
+    """Gather ``params`` once per forward of ``root`` instead of at every call of their own module.
+
+    The log-prob forward calls the output head once per token chunk (and again per chunk in the
+    backward's recompute); the number of chunks follows this rank's completion lengths. ZeRO-3
+    gathers a module's weights collectively at each call, so ranks with different chunk counts
+    would issue mismatched collectives. Registered as external parameters of ``root`` (and flagged
+    as such, as DeepSpeed's own hooks flag parameters a module hands out), they are gathered when
+    ``root``'s forward starts and stay whole until the optimizer step re-partitions everything.
+    Returns how many parameters were registered (0 without ZeRO-3).
+    """
+    params = [p for p in params if is_partitioned(p)]
+    if not params:
+        return 0
+    import deepspeed
+
+    for param in params:
+        deepspeed.zero.register_external_parameter(root, param)
+        param.is_external_param = True
+    return len(params)

@@ -133,6 +133,7 @@ def completion_hidden_states(
     completion_ids: Tensor,
     completion_mask: Tensor,
     share_prompts: bool = True,
+    fixed_calls: bool = False,
 ) -> Tensor:
     """Last hidden states [B, Lc, H] at the positions that predict each completion token.
 
@@ -141,12 +142,18 @@ def completion_hidden_states(
     completions run per row. Forward and backward then cost about (distinct prompt tokens + all
     completion tokens) instead of every row's prompt + completion, with the same result up to
     float rounding. Under activation checkpointing (which drops the cache) every row runs whole.
+    ``fixed_calls``: take the cached two-call path even when no prompt repeats (each row its own
+    run), so the decoder is called the same number of times whatever the batch holds -- under
+    DeepSpeed ZeRO-3 every call gathers weights collectively, and all ranks must make the same calls.
     """
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
     positions = position_ids_from_mask(mask)
     runs = None
     if share_prompts and completion_ids.shape[1] > 0 and not activation_checkpointing_on(backbone):
         runs = shared_prompt_rows(prompt_ids, prompt_mask)
+        if runs is None and fixed_calls:
+            every = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
+            runs = (every, every)
     width = prompt_ids.shape[1]
     if runs is None:
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -176,6 +183,12 @@ class CompletionLogprobs(nn.Module):
     Being an ``nn.Module`` lets accelerate wrap it (DDP, autocast) while the vocabulary projection
     runs in chunks and never materialises a [B, T, V] float32 tensor. ``share_prompts``: see
     :func:`completion_hidden_states` (a GRPO group's prompt runs once).
+
+    ``fixed_calls`` (set under DeepSpeed ZeRO-3, where each module call gathers its weights
+    collectively and DeepSpeed checks that every rank calls the same modules in the same order):
+    every rank makes the same calls whatever its batch holds -- the decoder takes the two-call
+    path even without repeated prompts, and the completions are right-padded (masked) to the
+    widest over all ranks, so the head runs the same number of chunks (one scalar all-reduce).
     """
 
     def __init__(self, model: nn.Module, chunk_size: int = 128, share_prompts: bool = True):
@@ -183,6 +196,7 @@ class CompletionLogprobs(nn.Module):
         self.model = model
         self.chunk_size = chunk_size
         self.share_prompts = share_prompts
+        self.fixed_calls = False
 
     def forward(
         self,
@@ -193,9 +207,26 @@ class CompletionLogprobs(nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
+        width = completion_ids.shape[1]
+        if self.fixed_calls and torch.distributed.is_available() and torch.distributed.is_initialized():
+            widest = torch.tensor([width], dtype=torch.long, device=completion_ids.device)
+            torch.distributed.all_reduce(widest, op=torch.distributed.ReduceOp.MAX)
+            extra = int(widest) - width
+            if extra > 0:  # positions after every real token: causal attention never reads them
+                completion_ids = nn.functional.pad(completion_ids, (0, extra))
+                completion_mask = nn.functional.pad(completion_mask, (0, extra))
+                logps, entropies = self._logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                                  temperature, with_entropy)
+                return logps[:, :width], None if entropies is None else entropies[:, :width]
+        return self._logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy)
+
+    def _logprobs(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
+        temperature: float, with_entropy: bool,
+    ) -> tuple[Tensor, Tensor | None]:
         backbone, head = backbone_and_head(self.model)
         hidden = completion_hidden_states(
-            backbone, prompt_ids, prompt_mask, completion_ids, completion_mask, self.share_prompts
+            backbone, prompt_ids, prompt_mask, completion_ids, completion_mask, self.share_prompts, self.fixed_calls
         )
         return token_logprobs_from_hidden(
             hidden, head, completion_ids, temperature=temperature or 1.0,  # greedy (0) reads T=1 log-probs
@@ -291,8 +322,8 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts, shared tensors counted once."""
+    """(trainable, total) parameter counts, shared tensors counted once (DeepSpeed ZeRO-3 partitions whole)."""
     seen: dict[int, tuple[int, bool]] = {}
     for p in model.parameters():
-        seen[id(p)] = (p.numel(), p.requires_grad)
+        seen[id(p)] = (int(getattr(p, "ds_numel", p.numel())), p.requires_grad)
     return sum(n for n, t in seen.values() if t), sum(n for n, _ in seen.values())

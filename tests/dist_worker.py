@@ -9,7 +9,8 @@ Modes:
   grads  one optimizer step per loss type on a fixed global batch (this rank's slice); saves the
          gradients after DDP averaging and the reported loss. With ``"real_step": true`` (DeepSpeed,
          whose ZeRO-2 gradients live in per-rank partitions) the step is taken at learning rate 0
-         and the reported loss and global gradient norm are saved instead.
+         and the reported loss and global gradient norm are saved instead. Under ZeRO-3 the
+         (partitioned) trainable weights are gathered to be set or read.
   train  a short GRPO run (optionally resumed, or preempted right after the save at some step);
          saves the trainable weights and every write this rank made under output_dir.
 """
@@ -45,11 +46,14 @@ def deterministic_trainable_init(model: torch.nn.Module) -> None:
 
 
 def fixed_global_batch(n: int = 16, prompt_len: int = 6, completion_len: int = 7) -> dict[str, torch.Tensor]:
-    """A fixed batch whose second half has far more valid completion tokens than the first."""
+    """A fixed batch whose second half has far more valid completion tokens than the first; in the
+    first half consecutive rows share their prompt in pairs (the log-prob forward's prompt sharing)."""
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(5, 500, (n, prompt_len), generator=g)
     prompt_mask = torch.ones_like(prompt)
     prompt_mask[::3, :2] = 0
+    half = n // 2
+    prompt[1:half:2], prompt_mask[1:half:2] = prompt[0:half:2], prompt_mask[0:half:2]
     completion = torch.randint(5, 500, (n, completion_len), generator=g)
     lengths = torch.tensor([1, 2, 1, 3, 2, 1, 2, 1] + [7, 6, 7, 5, 7, 7, 6, 7])[:n]
     completion_mask = (torch.arange(completion_len).unsqueeze(0) < lengths.unsqueeze(1)).long()
@@ -116,7 +120,8 @@ def nan_then_finite_step(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict
         return trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
 
     def weights() -> list[torch.Tensor]:
-        return [p.detach().clone() for p in trainer.policy.parameters() if p.requires_grad]
+        with trainer._gathered_trainable():  # ZeRO-3 partitions them
+            return [p.detach().clone() for p in trainer.policy.parameters() if p.requires_grad]
 
     before = weights()
     bad = step(poison=True)
@@ -140,7 +145,7 @@ def grads_config(output_dir: str, world_size: int) -> Any:
     return GRPOConfig(
         output_dir=output_dir, num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=accum,
         steps_per_generation=accum, max_completion_length=7, max_prompt_length=96, beta=0.04, max_steps=1,
-        save_steps=0, disable_tqdm=True, log_completions_steps=0, seed=0, length_bucket=16,
+        save_steps=0, disable_tqdm=True, log_completions_steps=0, seed=0, length_bucket=16, logprob_chunk_size=8,
     )
 
 
@@ -155,7 +160,8 @@ def make_trainer(model_dir: str, cfg: Any, dataset_size: int = 8, dataset_seed: 
 
 def run_grads(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
     trainer = make_trainer(spec["model_dir"], grads_config(str(out / "unused"), world))
-    deterministic_trainable_init(trainer.policy)
+    with trainer._gathered_trainable(modifier_rank=0):  # ZeRO-3: rank 0's values are partitioned back
+        deterministic_trainable_init(trainer.policy)
     zero = getattr(trainer.optimizer, "optimizer", None)
     if hasattr(zero, "_restore_from_bit16_weights"):
         # DeepSpeed ZeRO copied the weights into its fp32 master partitions at start-up and writes
@@ -164,6 +170,12 @@ def run_grads(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
     batch = fixed_global_batch()
     per_rank = batch["completion_ids"].shape[0] // world
     mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
+    # Each rank's completions as wide as its longest (as a rollout would pad them): the ranks then
+    # differ in width, in head chunks (logprob_chunk_size=8) and in prompt sharing, and must still
+    # agree (ZeRO-3 gathers weights collectively at every module call).
+    width = int(mine["completion_mask"].sum(1).max())
+    mine = {k: v[:, :width] if k in ("completion_ids", "completion_mask", "loss_mask", "old_logps", "ref_logps")
+            else v for k, v in mine.items()}
     results = {}
     for loss_type in spec["loss_types"]:
         if spec.get("real_step"):
@@ -240,10 +252,14 @@ def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
     except Preempted:
         status = "preempted"
     audit.active = False
-    weights = {k: v.detach().cpu().clone() for k, v in trainer.policy.named_parameters() if v.requires_grad}
+    with trainer._gathered_trainable():  # ZeRO-3 partitions them; every rank takes part
+        weights = {k: v.detach().cpu().clone() for k, v in trainer.policy.named_parameters() if v.requires_grad}
     torch.save(weights, out / f"weights_rank{rank}.pt")
+    # Parameters this rank holds only a slice of (DeepSpeed ZeRO-3 partitions; none otherwise).
+    partitioned = [n for n, p in trainer.policy.named_parameters() if p.numel() < getattr(p, "ds_numel", p.numel())]
     report = {"status": status, "step": trainer.step, "world_size": trainer.accelerator.num_processes,
-              "backend": trainer.accelerator.state.backend, "writes": audit.writes}
+              "backend": trainer.accelerator.state.backend, "writes": audit.writes,
+              "partitioned": partitioned, "parameters": len(list(trainer.policy.parameters()))}
     (out / f"report_rank{rank}.json").write_text(json.dumps(report, indent=1))
 
 

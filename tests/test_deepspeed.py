@@ -1,15 +1,20 @@
-"""DeepSpeed ZeRO-2 behind accelerate: 2 processes on the CPU (gloo), and the refusals around it.
+"""DeepSpeed ZeRO-2 and ZeRO-3 behind accelerate: 2 processes on the CPU (gloo), and the refusals around it.
 
 The multi-process tests start tests/dist_worker.py once per rank with the environment
 ``accelerate launch --config_file recipes/accelerate/deepspeed_zero2.yaml`` sets
 (ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_ZERO_STAGE); they need ``pip install deepspeed``
 and are skipped without it. DeepSpeed picks its CPU accelerator when no device is present.
+ZeRO-3 runs from a DeepSpeed config file (ACCELERATE_DEEPSPEED_CONFIG_FILE) whose
+``stage3_param_persistence_threshold`` is 0, so every parameter of the tiny model (the LoRA
+matrices included) really is partitioned; the model is built under ``zero.Init`` as with
+``zero3_init_flag: true``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,8 +28,20 @@ sys.path.insert(0, str(HERE))
 import dist_worker  # noqa: E402
 from test_distributed import LOSS_TYPES, WORLD, _reports, _stable_metrics, _weights, launch  # noqa: E402
 
+# Adam's update lr·m/(√v+ε) turns a rounding-level difference in a near-zero gradient element into
+# an update difference of up to lr·δ/ε; the ZeRO stages reduce gradients in different orders, so
+# with ε=1e-8 a few of the ~50k LoRA elements end ~1e-4 apart after 4 steps while the metrics agree to
+# 1e-6. ε=1e-4 keeps the runs' elementwise comparison meaningful at 1e-5 (measured: 2e-7 apart).
+RUN_CONFIG = {"adam_epsilon": 1e-4}
 ZERO2_ENV = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}
 SHARD_DIR = "optimizer_shards"
+
+
+def _zero3_env(folder: Path) -> dict[str, str]:
+    """The launch environment of ZeRO-3 with every parameter partitioned (none kept whole as 'persistent')."""
+    config = folder / "ds_zero3.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    return {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(config)}
 
 
 def _need_deepspeed() -> None:
@@ -41,7 +58,7 @@ def zero2_run(tmp_path_factory, tiny_model_dir):
     """An uninterrupted 2-process ZeRO-2 run of 4 optimizer steps (checkpoints at 2 and 4)."""
     _need_deepspeed()
     out = tmp_path_factory.mktemp("zero2")
-    launch("train", out, {"model_dir": str(tiny_model_dir), "config": {"output_dir": str(out / "run")}},
+    launch("train", out, {"model_dir": str(tiny_model_dir), "config": {**RUN_CONFIG, "output_dir": str(out / "run")}},
            extra_env=ZERO2_ENV)
     return out
 
@@ -50,7 +67,7 @@ def zero2_run(tmp_path_factory, tiny_model_dir):
 def test_zero2_training_matches_plain_data_parallel(zero2_run, tmp_path, tiny_model_dir):
     """Same seed, same config: ZeRO-2 ends with the weights (and per-step metrics) of the DDP path."""
     ddp = tmp_path / "ddp"
-    launch("train", ddp, {"model_dir": str(tiny_model_dir), "config": {"output_dir": str(ddp / "run")}})
+    launch("train", ddp, {"model_dir": str(tiny_model_dir), "config": {**RUN_CONFIG, "output_dir": str(ddp / "run")}})
     reports = _reports(zero2_run)
     assert [r["status"] for r in reports] == ["finished"] * WORLD
     assert [r["step"] for r in reports] == [4] * WORLD
@@ -76,14 +93,16 @@ def test_zero2_training_matches_plain_data_parallel(zero2_run, tmp_path, tiny_mo
 
 
 @pytest.mark.slow
-def test_zero2_gradient_matches_one_process(tmp_path, tiny_model_dir):
-    """Loss and global gradient norm of one ZeRO-2 step (2 ranks × 2 accumulated micro-batches, very
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_gradient_matches_one_process(stage, tmp_path, tiny_model_dir):
+    """Loss and global gradient norm of one ZeRO-2/3 step (2 ranks × 2 accumulated micro-batches, very
     different token counts per rank) equal one process's over the whole batch, for every loss type;
     a NaN gradient skips the step."""
     _need_deepspeed()
-    out = tmp_path / "zero2"
+    out = tmp_path / f"zero{stage}"
+    env = ZERO2_ENV if stage == 2 else _zero3_env(tmp_path)
     launch("grads", out, {"model_dir": str(tiny_model_dir), "loss_types": LOSS_TYPES, "real_step": True},
-           extra_env=ZERO2_ENV)
+           extra_env=env)
     ranks = [torch.load(out / f"grads_rank{r}.pt", weights_only=True) for r in range(WORLD)]
     single = dist_worker.make_trainer(str(tiny_model_dir), dist_worker.grads_config(str(tmp_path / "one"), 1))
     dist_worker.deterministic_trainable_init(single.policy)
@@ -129,7 +148,7 @@ def test_zero2_checkpoints_are_sharded_and_only_rank_zero_writes_the_rest(zero2_
 @pytest.mark.slow
 def test_zero2_resume_is_exact(tmp_path, zero2_run, tiny_model_dir):
     out = tmp_path / "resumed"
-    spec = {"model_dir": str(tiny_model_dir), "config": {"output_dir": str(out / "run")}}
+    spec = {"model_dir": str(tiny_model_dir), "config": {**RUN_CONFIG, "output_dir": str(out / "run")}}
     launch("train", out, {**spec, "stop_after_step": 2}, extra_env=ZERO2_ENV)
     assert [r["status"] for r in _reports(out)] == ["preempted"] * WORLD
     launch("train", out, {**spec, "resume": "latest"}, extra_env=ZERO2_ENV)
@@ -147,6 +166,105 @@ def test_zero2_resume_is_exact(tmp_path, zero2_run, tiny_model_dir):
         got = _weights(out, rank)
         for name in expected:
             torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=f"rank {rank}, {name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# two processes under ZeRO-3 (every parameter partitioned)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory, tiny_model_dir):
+    """An uninterrupted 2-process ZeRO-3 run of 4 optimizer steps (checkpoints at 2 and 4, adapter exported)."""
+    _need_deepspeed()
+    out = tmp_path_factory.mktemp("zero3")
+    config = {**RUN_CONFIG, "output_dir": str(out / "run"), "export_adapter_at_end": True}
+    launch("train", out, {"model_dir": str(tiny_model_dir), "config": config}, extra_env=_zero3_env(out))
+    return out
+
+
+@pytest.mark.slow
+def test_zero3_training_matches_zero2(zero3_run, zero2_run):
+    """Same seed, same config: ZeRO-3 (rollouts on gathered weights, per-module gathering in training)
+    ends with the weights and per-step metrics of ZeRO-2, which matches plain data parallelism."""
+    reports = _reports(zero3_run)
+    assert [r["status"] for r in reports] == ["finished"] * WORLD
+    assert [r["step"] for r in reports] == [4] * WORLD
+    for r in reports:  # each rank holds a slice of every parameter, the LoRA matrices included
+        assert len(r["partitioned"]) == r["parameters"] and any("lora_A" in n for n in r["partitioned"]), r
+    assert _reports(zero2_run)[0]["partitioned"] == []
+    expected = _weights(zero2_run, 0)
+    for rank in range(WORLD):
+        got = _weights(zero3_run, rank)
+        assert got.keys() == expected.keys() and len(got) > 0
+        for name in expected:
+            assert got[name].shape == expected[name].shape, name  # gathered whole, not a partition
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=f"rank {rank}, {name}")
+    zero3 = _stable_metrics(zero3_run / "run" / "metrics.jsonl")
+    zero2 = _stable_metrics(zero2_run / "run" / "metrics.jsonl")
+    assert [r["step"] for r in zero3] == [1, 2, 3, 4]
+    for a, b in zip(zero2, zero3):
+        assert b["reward"] == a["reward"], a["step"]  # same rollouts: generation saw the whole weights
+        for key in ("loss", "grad_norm", "kl", "entropy", "learning_rate"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (a["step"], key)
+        assert b["skipped_steps"] == 0
+
+
+@pytest.mark.slow
+def test_zero3_checkpoints_have_the_plain_format_and_export(zero3_run, zero2_run, tmp_path):
+    """Rank 0 writes the whole adapter (gathered) in PEFT's format, every rank its optimizer shard;
+    the export command works on the checkpoint unchanged."""
+    from safetensors.torch import load_file
+
+    from grpo_ascend.export import export_checkpoint
+
+    run = zero3_run / "run"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    ckpt = run / "checkpoint-4"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["kind"] == "lora" and manifest["optimizer_shards"] == WORLD
+    reference = zero2_run / "run" / "checkpoint-4"
+    assert set(manifest["files"]) == set(json.loads((reference / "manifest.json").read_text())["files"])
+    got, expected = load_file(ckpt / "adapter_model.safetensors"), load_file(reference / "adapter_model.safetensors")
+    assert got.keys() == expected.keys() and len(got) > 0
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert json.loads((ckpt / "adapter_config.json").read_text()) == json.loads(
+        (reference / "adapter_config.json").read_text())
+    exported = export_checkpoint(ckpt, tmp_path / "adapter")
+    assert torch.equal(load_file(exported / "adapter_model.safetensors")[next(iter(got))], got[next(iter(got))])
+    live = load_file(run / "adapter" / "adapter_model.safetensors")  # export_adapter_at_end, gathered
+    assert live.keys() == got.keys() and all(torch.equal(live[k], got[k]) for k in got)
+    lines = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    reports = _reports(zero3_run)
+    assert "metrics.jsonl" in "\n".join(reports[0]["writes"])
+    for entry in reports[1]["writes"]:  # rank 1: its optimizer shards only
+        assert "/.tmp-checkpoint-" in entry and f"/{SHARD_DIR}" in entry, entry
+
+
+@pytest.mark.slow
+def test_zero3_resume_is_exact(tmp_path, zero3_run, tiny_model_dir):
+    """Resumed from the uninterrupted run's step-2 checkpoint (what a job preempted after that save
+    leaves), a new launch replays steps 3-4 bit for bit: the adapter scattered back from rank 0's
+    copy, each rank's fp32 master partition and Adam moments from its shard, every rank's RNG."""
+    out = tmp_path / "resumed"
+    shutil.copytree(zero3_run / "run" / "checkpoint-2", out / "run" / "checkpoint-2")
+    spec = {"model_dir": str(tiny_model_dir), "config": {**RUN_CONFIG, "output_dir": str(out / "run")}}
+    launch("train", out, {**spec, "resume": "latest"}, extra_env=_zero3_env(tmp_path))
+    assert [r["status"] for r in _reports(out)] == ["finished"] * WORLD
+    full = _stable_metrics(zero3_run / "run" / "metrics.jsonl")
+    resumed = _stable_metrics(out / "run" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [3, 4]
+    for a, b in zip(full[2:], resumed):
+        assert b["reward"] == a["reward"], a["step"]
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert b[key] == a[key], (a["step"], key)
+    expected = _weights(zero3_run, 0)
+    for rank in range(WORLD):
+        got = _weights(out, rank)
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), f"rank {rank}, {name}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,19 +287,31 @@ def _fake_deepspeed_accelerator(monkeypatch, zero_stage: int = 2, seen: dict[str
                 seen.update(kwargs)
                 raise _StopHere
             self.device = torch.device("cpu")
+            self.num_processes = 1
             self.distributed_type = DistributedType.DEEPSPEED
             self.state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage))
 
     monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
 
 
-def test_zero3_is_refused_clearly(monkeypatch, tmp_path, tiny_model_dir):
+def test_zero0_is_refused_clearly(monkeypatch, tmp_path, tiny_model_dir):
     from grpo_ascend.errors import ConfigError
+
+    _fake_deepspeed_accelerator(monkeypatch, zero_stage=0)
+    cfg = dist_worker.grads_config(str(tmp_path / "run"), 1)
+    with pytest.raises(ConfigError, match="zero_stage=0 is not supported.*deepspeed_zero2.yaml"):
+        dist_worker.make_trainer(str(tiny_model_dir), cfg)
+
+
+def test_full_fine_tuning_under_zero3_is_refused_clearly(monkeypatch, tmp_path, tiny_model_dir):
+    from grpo_ascend import GRPOTrainer
+    from grpo_ascend.errors import ConfigError
+    from grpo_ascend.synthetic import arithmetic_dataset
 
     _fake_deepspeed_accelerator(monkeypatch, zero_stage=3)
     cfg = dist_worker.grads_config(str(tmp_path / "run"), 1)
-    with pytest.raises(ConfigError, match="zero_stage=3 is not supported.*deepspeed_zero2.yaml"):
-        dist_worker.make_trainer(str(tiny_model_dir), cfg)
+    with pytest.raises(ConfigError, match="full fine-tuning.*ZeRO-3.*LoRA.*deepspeed_zero2.yaml"):
+        GRPOTrainer(str(tiny_model_dir), dist_worker.even_token_fraction, cfg, arithmetic_dataset(4))
 
 
 def test_ppo_under_deepspeed_is_refused_clearly(monkeypatch, tmp_path, tiny_model_dir):

@@ -39,6 +39,7 @@ from grpo_ascend.models import (
     trainable_parameters,
 )
 from grpo_ascend.tracking import RunTracker, truncate_metrics
+from grpo_ascend.trainers import zero3
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class RLTrainerBase:
             policy.config.use_cache = False
         self.policy = policy.to(self.device)
         self.is_peft = is_peft(self.policy)
+        self._check_zero3_model()
         trainable, total = count_parameters(self.policy)
         if trainable == 0:
             raise ConfigError("the model has no trainable parameters; pass a peft_config or a trainable model")
@@ -133,6 +135,8 @@ class RLTrainerBase:
         if self.is_deepspeed:
             self._configure_deepspeed()
         self.logprob_model, self.optimizer = self.accelerator.prepare(self.logprob_model, self.optimizer)
+        if self.is_zero3:
+            self._setup_zero3_forward()
 
         from grpo_ascend.rollout.engine import RolloutEngine
         from grpo_ascend.rollout.sampling import SamplingParams
@@ -216,6 +220,13 @@ class RLTrainerBase:
     def _decide_lora_merge(self) -> bool:
         """Whether rollouts run with LoRA folded into the weights (``rollout_merge_lora``)."""
         wanted = self.args.rollout_merge_lora
+        if self.is_zero3:
+            if wanted:
+                logger.warning("rollout_merge_lora is off under DeepSpeed ZeRO-3: the merge swaps the base weights' "
+                               "storage, which ZeRO-3 owns; generating with the adapters unmerged")
+            else:
+                logger.info("DeepSpeed ZeRO-3: rollouts run with the adapters unmerged")
+            return False
         extra = lora_merge_bytes(self.policy)
         if wanted is False or extra is None:
             if wanted and self.is_peft:
@@ -232,20 +243,19 @@ class RLTrainerBase:
 
     @property
     def is_deepspeed(self) -> bool:
-        """Whether accelerate runs the policy under a DeepSpeed engine (ZeRO-1/2)."""
+        """Whether accelerate runs the policy under a DeepSpeed engine (ZeRO-1/2/3)."""
         from accelerate.utils import DistributedType
 
         return self.accelerator.distributed_type == DistributedType.DEEPSPEED
 
     def _check_deepspeed(self, accelerator: Any) -> None:
-        """Refuse the DeepSpeed setups grpo-ascend cannot run correctly (ZeRO-3, PPO)."""
+        """Refuse the DeepSpeed setups grpo-ascend cannot run correctly (ZeRO-0, PPO)."""
         stage = int(accelerator.state.deepspeed_plugin.zero_stage)
-        if stage not in (1, 2):
+        if stage not in (1, 2, 3):
             raise ConfigError(
                 f"DeepSpeed zero_stage={stage} is not supported; use zero_stage 2 "
-                "(recipes/accelerate/deepspeed_zero2.yaml) or plain data parallelism. ZeRO-3 shards the weights, "
-                "while the rollout engine generates with the whole policy on every rank and checkpoints save it "
-                "from rank 0; ZeRO-0 adds nothing over plain data parallelism"
+                "(recipes/accelerate/deepspeed_zero2.yaml), 3 (deepspeed_zero3.yaml) or plain data parallelism: "
+                "ZeRO-0 adds nothing over plain data parallelism"
             )
         if not self._supports_deepspeed:
             raise ConfigError(
@@ -284,6 +294,41 @@ class RLTrainerBase:
                 "the DeepSpeed config defines an 'optimizer' or 'scheduler'; grpo-ascend builds its own AdamW and "
                 "LR schedule from the run config (learning_rate, lr_scheduler_type, ...): remove them"
             )
+
+    # ------------------------------------------------------------------------------ DeepSpeed ZeRO-3
+    @property
+    def is_zero3(self) -> bool:
+        """Whether DeepSpeed ZeRO-3 partitions the policy's parameters over the ranks (see trainers/zero3.py)."""
+        return self.is_deepspeed and zero3.zero_stage(self.accelerator) == 3
+
+    def _check_zero3_model(self) -> None:
+        """Refuse full fine-tuning under ZeRO-3: its reference policy is a frozen copy of the weights."""
+        if self.is_zero3 and not self.is_peft:
+            raise ConfigError(
+                "full fine-tuning (no peft_config) is not supported under DeepSpeed ZeRO-3: the reference policy "
+                "would be a deep copy of partitioned weights, and whole-model checkpoints are not gathered. Train a "
+                "LoRA adapter (peft_config / the recipe's lora section) under ZeRO-3, or fully fine-tune under "
+                "ZeRO-2 (recipes/accelerate/deepspeed_zero2.yaml)"
+            )
+
+    def _setup_zero3_forward(self) -> None:
+        """Make every rank issue the same ZeRO-3 gathers in the log-prob forward, whatever its batch holds."""
+        from grpo_ascend.models import backbone_and_head
+
+        module = self.accelerator.unwrap_model(self.logprob_model)
+        module.fixed_calls = True  # the decoder runs the same calls with or without repeated prompts
+        _, head = backbone_and_head(self.policy)
+        zero3.keep_gathered_per_forward(module, head.parameters())  # the head runs once per token chunk
+
+    def _whole_policy_for_rollout(self) -> contextlib.AbstractContextManager:
+        """ZeRO-3: the whole policy gathered on every rank for one generation round; else nothing to do."""
+        return zero3.whole_model_for_generation(self.logprob_model) if self.is_zero3 else contextlib.nullcontext()
+
+    def _gathered_trainable(self, modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
+        """ZeRO-3: the trainable parameters whole on every rank (all ranks must enter); else nothing to do."""
+        if not self.is_zero3:
+            return contextlib.nullcontext()
+        return zero3.gathered(trainable_parameters(self._trainable_module()), modifier_rank=modifier_rank)
 
     def _patch_for_device(self, model: nn.Module) -> None:
         from grpo_ascend.npu_patches import apply_npu_patches
@@ -350,7 +395,7 @@ class RLTrainerBase:
         start = time.perf_counter()
         self.policy.eval()
         merged = lora_merged(self.policy) if self.merge_lora_for_rollout else contextlib.nullcontext()
-        with torch.no_grad(), self._autocast(), merged:
+        with torch.no_grad(), self._autocast(), self._whole_policy_for_rollout(), merged:
             batch = self.engine.generate(prompts, generator=self.generator)
         start = self._timed(timings, "generation", start)
 
@@ -715,11 +760,13 @@ class RLTrainerBase:
     def _finish(self, first_reward: float | None, last: dict[str, float]) -> dict[str, Any]:
         args = self.args
         export_dir = None
-        if args.export_adapter_at_end and self.is_main_process:
+        if args.export_adapter_at_end:
             from grpo_ascend.export import export_checkpoint
 
-            export_dir = str(export_checkpoint(self.policy, Path(args.output_dir) / "adapter", tokenizer=self.tokenizer,
-                                               base_model=self.model_name))
+            with self._gathered_trainable():  # ZeRO-3: every rank gathers, the main rank writes
+                if self.is_main_process:
+                    export_dir = str(export_checkpoint(self.policy, Path(args.output_dir) / "adapter",
+                                                       tokenizer=self.tokenizer, base_model=self.model_name))
         self.accelerator.wait_for_everyone()
         assert self.tracker is not None
         summary = {
@@ -797,23 +844,24 @@ class RLTrainerBase:
             ckpt.write_optimizer_shard(staging, self.accelerator.process_index, self._deepspeed_optimizer_state())
             shards = self.accelerator.num_processes
             self.accelerator.wait_for_everyone()
-        if self.is_main_process:
-            ckpt.save_checkpoint(
-                self.args.output_dir,
-                self.step,
-                model=self._trainable_module(),
-                optimizer=None if self.is_deepspeed else self.optimizer.optimizer,
-                scheduler=self.scheduler,
-                scaler=self.accelerator.scaler,
-                trainer_state=self._trainer_state(),
-                config=self.args.to_dict(),
-                tokenizer=self.tokenizer,
-                extra_tensors={"sampling_generator": self.generator.get_state(), **per_rank},
-                rng_device=self.device,
-                save_total_limit=self.args.save_total_limit,
-                staging_dir=staging,
-                optimizer_shards=shards,
-            )
+        with self._gathered_trainable():  # ZeRO-3: every rank gathers, the main rank writes
+            if self.is_main_process:
+                ckpt.save_checkpoint(
+                    self.args.output_dir,
+                    self.step,
+                    model=self._trainable_module(),
+                    optimizer=None if self.is_deepspeed else self.optimizer.optimizer,
+                    scheduler=self.scheduler,
+                    scaler=self.accelerator.scaler,
+                    trainer_state=self._trainer_state(),
+                    config=self.args.to_dict(),
+                    tokenizer=self.tokenizer,
+                    extra_tensors={"sampling_generator": self.generator.get_state(), **per_rank},
+                    rng_device=self.device,
+                    save_total_limit=self.args.save_total_limit,
+                    staging_dir=staging,
+                    optimizer_shards=shards,
+                )
         self._last_saved_step = self.step
         self.accelerator.wait_for_everyone()
 
@@ -840,6 +888,7 @@ class RLTrainerBase:
         state = ckpt.load_optimizer_shard(path, rank, world)
         scaler_state = state.pop("loss_scaler_state", {})
         zero = self.optimizer.optimizer
+        state.setdefault("loss_scaler", zero.loss_scaler)  # ZeRO-3 reads it back; its values are set below
         # DeepSpeed indexes the list by data-parallel rank; only this rank's entry is read.
         zero.load_state_dict([state] * world, load_optimizer_states=True, load_from_fp32_weights=True)
         for key, value in scaler_state.items():
@@ -861,14 +910,15 @@ class RLTrainerBase:
     def _load(self, path: Path) -> None:
         from grpo_ascend import checkpoint as ckpt
 
-        loaded = ckpt.load_checkpoint(
-            path,
-            model=self._trainable_module(),
-            optimizer=None if self.is_deepspeed else self.optimizer.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.accelerator.scaler,
-            rng_device=self.device,
-        )
+        with self._gathered_trainable(modifier_rank=0):  # ZeRO-3: rank 0's loaded values are partitioned back
+            loaded = ckpt.load_checkpoint(
+                path,
+                model=self._trainable_module(),
+                optimizer=None if self.is_deepspeed else self.optimizer.optimizer,
+                scheduler=self.scheduler,
+                scaler=self.accelerator.scaler,
+                rng_device=self.device,
+            )
         if self.is_deepspeed:  # after the weights: each rank reads its own shard
             self._load_deepspeed_optimizer_state(path)
         state = loaded.trainer_state

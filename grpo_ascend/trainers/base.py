@@ -132,6 +132,9 @@ class RLTrainerBase:
         self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
         if self.is_deepspeed:
             self._configure_deepspeed()
+        self._unsharded_reference: nn.Module | None = None
+        if self.is_fsdp:
+            self._configure_fsdp()
         self.logprob_model, self.optimizer = self.accelerator.prepare(self.logprob_model, self.optimizer)
 
         from grpo_ascend.rollout.engine import RolloutEngine
@@ -200,13 +203,11 @@ class RLTrainerBase:
                 f"accelerate chose device {accelerator.device} but {args.device!r} was requested; "
                 "check the accelerate config (accelerate env) or the device setting"
             )
+        from grpo_ascend.trainers import fsdp
+
+        fsdp.enable_on_cpu(accelerator)
         if accelerator.distributed_type == DistributedType.FSDP:
-            raise ConfigError(
-                "accelerate is configured for FSDP, which grpo-ascend does not support: FSDP shards the weights "
-                "the rollout engine needs whole on every rank, and checkpoints would need its sharded optimizer "
-                "state. Use DeepSpeed ZeRO-2 (recipes/accelerate/deepspeed_zero2.yaml) or plain data parallelism "
-                "(distributed_type MULTI_NPU / MULTI_GPU, or grpo-ascend train --num_processes N)"
-            )
+            fsdp.check_fsdp(accelerator, type(self).__name__, self._supports_fsdp)
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
             self._check_deepspeed(accelerator)
         if args.report_to:
@@ -216,6 +217,10 @@ class RLTrainerBase:
     def _decide_lora_merge(self) -> bool:
         """Whether rollouts run with LoRA folded into the weights (``rollout_merge_lora``)."""
         wanted = self.args.rollout_merge_lora
+        if self.is_fsdp:
+            if wanted is not False and self.is_peft:
+                logger.info("rollouts keep LoRA unmerged under FSDP (merging into gathered weights is untested)")
+            return False
         extra = lora_merge_bytes(self.policy)
         if wanted is False or extra is None:
             if wanted and self.is_peft:
@@ -256,6 +261,34 @@ class RLTrainerBase:
 
     #: Whether the trainer drives its one prepared model through a DeepSpeed engine (GRPO does).
     _supports_deepspeed = True
+    #: Whether the trainer's one prepared model may be sharded by FSDP2 (GRPO: yes; PPO prepares two).
+    _supports_fsdp = True
+
+    @property
+    def is_fsdp(self) -> bool:
+        """Whether accelerate shards the policy with FSDP2 (see grpo_ascend/trainers/fsdp.py)."""
+        from accelerate.utils import DistributedType
+
+        return self.accelerator.distributed_type == DistributedType.FSDP
+
+    def _configure_fsdp(self) -> None:
+        """Before sharding: pick the sharding units and keep an unsharded reference for full fine-tuning."""
+        from grpo_ascend.models import frozen_copy
+        from grpo_ascend.trainers import fsdp
+
+        fsdp.configure_wrapping(self.accelerator, self.policy)
+        if not self.is_peft and getattr(self.args, "beta", 0.0) > 0:
+            logger.warning("FSDP with full fine-tuning and beta > 0: the reference model is a whole, unsharded "
+                           "copy on every rank")
+            self._unsharded_reference = frozen_copy(self.policy)
+
+    def _whole_weights(self) -> contextlib.AbstractContextManager:
+        """Gathered (unsharded) policy weights for generation under FSDP; nothing otherwise."""
+        if not self.is_fsdp:
+            return contextlib.nullcontext()
+        from grpo_ascend.trainers import fsdp
+
+        return fsdp.whole_weights(self.logprob_model)
 
     def _configure_deepspeed(self) -> None:
         """Fill the DeepSpeed config from this run's config: micro-batch, accumulation and clipping.
@@ -350,7 +383,7 @@ class RLTrainerBase:
         start = time.perf_counter()
         self.policy.eval()
         merged = lora_merged(self.policy) if self.merge_lora_for_rollout else contextlib.nullcontext()
-        with torch.no_grad(), self._autocast(), merged:
+        with torch.no_grad(), self._autocast(), self._whole_weights(), merged:
             batch = self.engine.generate(prompts, generator=self.generator)
         start = self._timed(timings, "generation", start)
 
@@ -443,7 +476,9 @@ class RLTrainerBase:
         else:
             from grpo_ascend.models import frozen_copy
 
-            ref = frozen_copy(self.accelerator.unwrap_model(self.logprob_model).model)
+            ref = self._unsharded_reference
+            if ref is None:
+                ref = frozen_copy(self.accelerator.unwrap_model(self.logprob_model).model)
             self.ref_logprob_model = CompletionLogprobs(
                 ref, self.args.logprob_chunk_size, self.args.share_prompt_prefill
             ).to(self.device)
@@ -580,6 +615,14 @@ class RLTrainerBase:
         max_norm = self.args.max_grad_norm
         if max_norm and max_norm > 0:
             grad_norm = self.accelerator.clip_grad_norm_(params, max_norm)
+            if self.is_fsdp:  # sharded gradients: the norm comes back as a DTensor
+                from grpo_ascend.trainers.fsdp import full_value
+
+                grad_norm = full_value(grad_norm)
+        elif self.is_fsdp:
+            from grpo_ascend.trainers.fsdp import total_grad_norm
+
+            grad_norm = total_grad_norm(params)
         else:
             grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
             grad_norm = torch.stack(grads).norm() if grads else torch.zeros((), device=self.device)
@@ -718,7 +761,9 @@ class RLTrainerBase:
         if args.export_adapter_at_end and self.is_main_process:
             from grpo_ascend.export import export_checkpoint
 
-            export_dir = str(export_checkpoint(self.policy, Path(args.output_dir) / "adapter", tokenizer=self.tokenizer,
+            # Under FSDP the live weights are sharded: export the final checkpoint (saved just before).
+            source = Path(args.output_dir) / f"checkpoint-{self.step}" if self.is_fsdp else self.policy
+            export_dir = str(export_checkpoint(source, Path(args.output_dir) / "adapter", tokenizer=self.tokenizer,
                                                base_model=self.model_name))
         self.accelerator.wait_for_everyone()
         assert self.tracker is not None
@@ -797,12 +842,17 @@ class RLTrainerBase:
             ckpt.write_optimizer_shard(staging, self.accelerator.process_index, self._deepspeed_optimizer_state())
             shards = self.accelerator.num_processes
             self.accelerator.wait_for_everyone()
+        gathered = None
+        if self.is_fsdp:  # every rank takes part in the gather; the main rank writes
+            from grpo_ascend.trainers.fsdp import gather_for_checkpoint
+
+            gathered = gather_for_checkpoint(self._trainable_module(), self.optimizer.optimizer, self.is_main_process)
         if self.is_main_process:
             ckpt.save_checkpoint(
                 self.args.output_dir,
                 self.step,
                 model=self._trainable_module(),
-                optimizer=None if self.is_deepspeed else self.optimizer.optimizer,
+                optimizer=None if self.is_deepspeed else gathered.optimizer if gathered else self.optimizer.optimizer,
                 scheduler=self.scheduler,
                 scaler=self.accelerator.scaler,
                 trainer_state=self._trainer_state(),
@@ -813,6 +863,7 @@ class RLTrainerBase:
                 save_total_limit=self.args.save_total_limit,
                 staging_dir=staging,
                 optimizer_shards=shards,
+                trainable_weights=gathered.weights if gathered else None,
             )
         self._last_saved_step = self.step
         self.accelerator.wait_for_everyone()
@@ -861,14 +912,20 @@ class RLTrainerBase:
     def _load(self, path: Path) -> None:
         from grpo_ascend import checkpoint as ckpt
 
-        loaded = ckpt.load_checkpoint(
-            path,
-            model=self._trainable_module(),
-            optimizer=None if self.is_deepspeed else self.optimizer.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.accelerator.scaler,
-            rng_device=self.device,
-        )
+        fsdp = None
+        if self.is_fsdp:
+            from grpo_ascend.trainers import fsdp
+        with fsdp.loading_whole_tensors() if fsdp else contextlib.nullcontext():
+            loaded = ckpt.load_checkpoint(
+                path,
+                model=self._trainable_module(),
+                optimizer=None if self.is_deepspeed else self.optimizer.optimizer,
+                scheduler=self.scheduler,
+                scaler=self.accelerator.scaler,
+                rng_device=self.device,
+            )
+        if fsdp:  # every rank read the whole Adam state: keep this rank's slices
+            fsdp.shard_optimizer_state(self.optimizer.optimizer)
         if self.is_deepspeed:  # after the weights: each rank reads its own shard
             self._load_deepspeed_optimizer_state(path)
         state = loaded.trainer_state

@@ -9,7 +9,8 @@ Modes:
   grads  one optimizer step per loss type on a fixed global batch (this rank's slice); saves the
          gradients after DDP averaging and the reported loss. With ``"real_step": true`` (DeepSpeed,
          whose ZeRO-2 gradients live in per-rank partitions) the step is taken at learning rate 0
-         and the reported loss and global gradient norm are saved instead.
+         and the reported loss and global gradient norm are saved instead (also used under FSDP,
+         with ``"max_grad_norm": 0`` to read the unclipped norm).
   train  a short GRPO run (optionally resumed, or preempted right after the save at some step;
          ``"lora": false`` fine-tunes the whole model); saves the trainable weights and every
          write this rank made under output_dir.
@@ -168,7 +169,10 @@ def make_trainer(model_dir: str, cfg: Any, dataset_size: int = 8, dataset_seed: 
 
 
 def run_grads(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
-    trainer = make_trainer(spec["model_dir"], grads_config(str(out / "unused"), world))
+    cfg = grads_config(str(out / "unused"), world)
+    if "max_grad_norm" in spec:
+        cfg = cfg.replace(max_grad_norm=spec["max_grad_norm"])
+    trainer = make_trainer(spec["model_dir"], cfg)
     deterministic_trainable_init(trainer.policy)
     zero = getattr(trainer.optimizer, "optimizer", None)
     if hasattr(zero, "_restore_from_bit16_weights"):

@@ -10,6 +10,7 @@ CPU processes' accelerate state to FSDP, so the same fully_shard wrapping runs h
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +33,8 @@ SAMPLED = ("reward", "reward_std", "completion_length/mean", "completion_length/
 def fsdp_run(tmp_path_factory, tiny_model_dir):
     """An uninterrupted 2-process FSDP2 run of 4 optimizer steps (checkpoints at 2 and 4)."""
     out = tmp_path_factory.mktemp("fsdp")
-    launch("train", out, {"model_dir": str(tiny_model_dir), "config": {"output_dir": str(out / "run")}},
+    launch("train", out, {"model_dir": str(tiny_model_dir),
+                          "config": {"output_dir": str(out / "run"), "export_adapter_at_end": True}},
            extra_env=FSDP_ENV)
     return out
 
@@ -90,6 +92,8 @@ def test_fsdp_only_rank_zero_writes_whole_weights(fsdp_run, tiny_model_dir, tmp_
     adapter = load_file(str(final / "adapter_model.safetensors"))
     trained = _weights(fsdp_run, 0)
     assert len(adapter) == len(trained)
+    exported = load_file(str(run / "adapter" / "adapter_model.safetensors"))  # export_adapter_at_end
+    assert exported.keys() == adapter.keys() and all(torch.equal(exported[k], adapter[k]) for k in adapter)
     # A single process (no FSDP) resumes it: same weights, whole Adam state of the right shapes.
     cfg = dist_worker.grads_config(str(tmp_path / "one"), 1)
     single = dist_worker.make_trainer(str(tiny_model_dir), cfg, dataset_size=12)
@@ -146,6 +150,29 @@ def test_fsdp_gradients_match_one_process(tmp_path, tiny_model_dir):
             for a, b in zip(got["grads"], expected):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=f"{loss_type}, rank {r}")
             assert got["loss"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7), loss_type
+
+
+def test_fsdp_grad_norm_and_nan_skip(tmp_path, tiny_model_dir):
+    """A real step (learning rate 0, no clipping): loss and the global norm of the sharded gradients
+    equal one process's; a NaN on one rank skips the step on both, weights untouched."""
+    out = tmp_path / "dist"
+    launch("grads", out, {"model_dir": str(tiny_model_dir), "loss_types": LOSS_TYPES, "real_step": True,
+                          "max_grad_norm": 0}, extra_env=FSDP_ENV)
+    ranks = [torch.load(out / f"grads_rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    single = dist_worker.make_trainer(str(tiny_model_dir), dist_worker.grads_config(str(tmp_path / "one"), 1))
+    dist_worker.deterministic_trainable_init(single.policy)
+    batch = dist_worker.fixed_global_batch()
+    for loss_type in LOSS_TYPES:
+        grads, loss = dist_worker.step_gradients(single, batch, loss_type)
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+        for r in range(WORLD):
+            got = ranks[r][loss_type]
+            assert got["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7), (loss_type, r)
+            assert got["grad_norm"] == pytest.approx(norm, rel=1e-5), (loss_type, r)
+    for r in range(WORLD):
+        nan = ranks[r]["nan_step"]
+        assert nan["skipped_steps"] == 1 and nan["untouched"] and nan["moved"] and nan["finite_after"], (r, nan)
+        assert not math.isfinite(nan["bad_grad_norm"]), (r, nan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,9 +241,10 @@ def test_fsdp_on_the_cpu_is_switched_on_only_when_requested(monkeypatch):
 
 @pytest.mark.slow
 def test_fsdp_full_finetuning_matches_plain_data_parallel(tmp_path, tiny_model_dir):
-    """Without LoRA every weight is trained and sharded; 2 steps (with a KL reference) end where DDP ends."""
+    """Without LoRA every weight is trained and sharded; 2 steps (with a KL reference and the model's
+    gradient checkpointing) end where DDP ends."""
     spec = {"model_dir": str(tiny_model_dir), "lora": False,
-            "config": {"max_steps": 2, "save_steps": 2, "learning_rate": 1e-4}}
+            "config": {"max_steps": 2, "save_steps": 2, "learning_rate": 1e-4, "gradient_checkpointing": True}}
     launch("train", tmp_path / "fsdp", {**spec, "config": {**spec["config"], "output_dir": str(tmp_path / "fsdp/run")}},
            extra_env=FSDP_ENV)
     launch("train", tmp_path / "ddp", {**spec, "config": {**spec["config"], "output_dir": str(tmp_path / "ddp/run")}})

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +93,9 @@ def check_fsdp(accelerator: Any, trainer_name: str, supported: bool) -> None:
             "fsdp_offload_params is not supported (untested with the rollout's whole-weight gather and the "
             "checkpoint gather); set it to false"
         )
+    # The log-prob wrapper returns views (a reshape of the chunked log-probs); FSDP2 warns because an
+    # in-place op on them would skip its pre-backward hook. The losses only read them out of place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPCompletionLogprobs\) returned a view")
     if plugin.cpu_ram_efficient_loading:
         # Every rank loads the model itself before accelerate sees it; moving it to the meta device
         # and broadcasting rank 0's copy would only add a round trip.

@@ -200,10 +200,15 @@ def _fake_fsdp_accelerator(monkeypatch, **plugin: Any) -> None:
 @pytest.mark.parametrize(("plugin", "match"), [
     ({"fsdp_version": 1}, "fsdp_version=1 is not supported; set fsdp_version: 2"),
     ({"activation_checkpointing": True}, "fsdp_activation_checkpointing is not supported.*gradient_checkpointing"),
+    ({"cpu_offload": "offload"}, "fsdp_offload_params is not supported"),
 ])
 def test_unsupported_fsdp_settings_are_refused(monkeypatch, tmp_path, tiny_model_dir, plugin, match):
     from grpo_ascend.errors import ConfigError
 
+    if plugin.get("cpu_offload") == "offload":
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        plugin = {"cpu_offload": CPUOffloadPolicy()}
     _fake_fsdp_accelerator(monkeypatch, **plugin)
     with pytest.raises(ConfigError, match=match):
         dist_worker.make_trainer(str(tiny_model_dir), dist_worker.grads_config(str(tmp_path / "run"), 1))
@@ -237,6 +242,9 @@ def test_fsdp_on_the_cpu_is_switched_on_only_when_requested(monkeypatch):
     assert enable_on_cpu(accelerator)
     assert accelerator.state.distributed_type == DistributedType.FSDP
     assert accelerator.state.fsdp_plugin.fsdp_version == 2
+    from accelerate.state import PartialState
+
+    assert PartialState().distributed_type != DistributedType.FSDP  # this process's own state is left alone
 
 
 @pytest.mark.slow

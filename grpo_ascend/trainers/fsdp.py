@@ -15,8 +15,9 @@ twice for a shared prompt prefix). What this module adds around that:
   resume without FSDP keep working); on resume every rank reads the whole tensors and keeps its
   shard (:func:`loading_whole_tensors`, :func:`shard_optimizer_state`).
 
-FSDP1 (``fsdp_version: 1``), accelerate's own activation checkpointing and the PPO trainer are
-refused with a ConfigError (:func:`check_fsdp`).
+FSDP1 (``fsdp_version: 1``), accelerate's own activation checkpointing, parameter offload and the
+PPO trainer are refused with a ConfigError (:func:`check_fsdp`). accelerate 1.15 enables FSDP only
+for accelerator processes; :func:`enable_on_cpu` does it for CPU (gloo) processes.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def enable_on_cpu(accelerator: Any) -> bool:
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
     # AcceleratorState copies PartialState's fields whenever it is instantiated again: set both.
-    PartialState().distributed_type = DistributedType.FSDP
+    process = PartialState()
+    if process.distributed_type == DistributedType.MULTI_CPU:
+        process.distributed_type = DistributedType.FSDP
     state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
     return True

@@ -249,10 +249,11 @@ def test_fsdp_on_the_cpu_is_switched_on_only_when_requested(monkeypatch):
 
 @pytest.mark.slow
 def test_fsdp_full_finetuning_matches_plain_data_parallel(tmp_path, tiny_model_dir):
-    """Without LoRA every weight is trained and sharded; 2 steps (with a KL reference and the model's
-    gradient checkpointing) end where DDP ends."""
+    """Without LoRA every weight is trained and sharded; 2 steps (with a KL reference, the model's
+    gradient checkpointing and bf16 autocast) end where DDP ends."""
     spec = {"model_dir": str(tiny_model_dir), "lora": False,
-            "config": {"max_steps": 2, "save_steps": 2, "learning_rate": 1e-4, "gradient_checkpointing": True}}
+            "config": {"max_steps": 2, "save_steps": 2, "learning_rate": 1e-4, "gradient_checkpointing": True,
+                       "bf16": True}}
     launch("train", tmp_path / "fsdp", {**spec, "config": {**spec["config"], "output_dir": str(tmp_path / "fsdp/run")}},
            extra_env=FSDP_ENV)
     launch("train", tmp_path / "ddp", {**spec, "config": {**spec["config"], "output_dir": str(tmp_path / "ddp/run")}})

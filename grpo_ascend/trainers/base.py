@@ -136,6 +136,10 @@ class RLTrainerBase:
         if self.is_fsdp:
             self._configure_fsdp()
         self.logprob_model, self.optimizer = self.accelerator.prepare(self.logprob_model, self.optimizer)
+        if self.is_fsdp and self.precision != "fp32":
+            from grpo_ascend.trainers.fsdp import autocast_forward
+
+            autocast_forward(self.logprob_model, self._autocast)
 
         from grpo_ascend.rollout.engine import RolloutEngine
         from grpo_ascend.rollout.sampling import SamplingParams
@@ -272,11 +276,11 @@ class RLTrainerBase:
         return self.accelerator.distributed_type == DistributedType.FSDP
 
     def _configure_fsdp(self) -> None:
-        """Before sharding: pick the sharding units and keep an unsharded reference for full fine-tuning."""
+        """Before sharding: units and mixed precision (fsdp.configure_plugin); an unsharded full-FT reference."""
         from grpo_ascend.models import frozen_copy
         from grpo_ascend.trainers import fsdp
 
-        fsdp.configure_wrapping(self.accelerator, self.policy)
+        fsdp.configure_plugin(self.accelerator, self.policy)
         if not self.is_peft and getattr(self.args, "beta", 0.0) > 0:
             logger.warning("FSDP with full fine-tuning and beta > 0: the reference model is a whole, unsharded "
                            "copy on every rank")

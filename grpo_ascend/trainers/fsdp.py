@@ -23,10 +23,11 @@ for accelerator processes; :func:`enable_on_cpu` does it for CPU (gloo) processe
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,15 +107,24 @@ def check_fsdp(accelerator: Any, trainer_name: str, supported: bool) -> None:
         plugin.cpu_ram_efficient_loading = False
 
 
-def configure_wrapping(accelerator: Any, model: nn.Module) -> None:
-    """Shard per decoder layer: fill ``transformer_cls_names_to_wrap`` from the model's ``_no_split_modules``.
+def configure_plugin(accelerator: Any, model: nn.Module) -> None:
+    """Before sharding: the sharding units and the mixed-precision policy.
 
-    accelerate reads ``_no_split_modules`` from the module it prepares, which here is the
-    log-prob wrapper around the model, so without this every weight would sit in the root unit.
+    Units: accelerate reads ``_no_split_modules`` from the module it prepares, which here is the
+    log-prob wrapper around the model, so ``transformer_cls_names_to_wrap`` is filled from the
+    model's own (one unit per decoder layer) when the config names none.
+
+    Mixed precision (bf16/fp16): accelerate's FSDP policy would cast the weights, the gradient
+    reduction and the wrapper's output (float32 log-probs on purpose) to the low dtype. grpo-ascend
+    instead does what it does without FSDP: weights stay in their loaded dtype (gathered as such),
+    gradients are reduced in it, and the forward runs under autocast (:func:`autocast_forward`).
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
     plugin = accelerator.state.fsdp_plugin
+    if plugin.mixed_precision_policy is not None:
+        plugin.mixed_precision_policy = MixedPrecisionPolicy()  # no casts; autocast_forward does the compute
     policy = plugin.auto_wrap_policy
     if getattr(policy, "func", policy) is not transformer_auto_wrap_policy or plugin.transformer_cls_names_to_wrap:
         return
@@ -124,6 +134,22 @@ def configure_wrapping(accelerator: Any, model: nn.Module) -> None:
     if names:
         plugin.transformer_cls_names_to_wrap = names
         logger.info("FSDP: sharding units %s (from the model's _no_split_modules)", ", ".join(names))
+
+
+def autocast_forward(model: nn.Module, autocast: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Run ``model``'s forward under ``autocast()``, as accelerate does for a data-parallel model.
+
+    accelerate leaves mixed precision under FSDP2 to its sharding policy (replaced by
+    :func:`configure_plugin`), so the prepared wrapper's forward gets the autocast here.
+    """
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with autocast():
+            return original(*args, **kwargs)
+
+    model.forward = forward
 
 
 def _fsdp_modules(root: nn.Module) -> list[nn.Module]:

@@ -171,21 +171,28 @@ def whole_weights(root: nn.Module) -> Iterator[None]:
         yield
         return
     # FSDP2 picks its root at the first forward it sees; rollouts run before any training forward
-    # and enter below the root, so initialise it from the real root first. (private API, torch 2.13)
-    root._get_fsdp_state()._lazy_init()
-    saved = []
-    for module in modules:
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            saved.append((group, group.post_forward_mesh_info))
-            group.post_forward_mesh_info = None  # = reshard_after_forward False
-        module.unshard()
+    # and enter below the root, so the real root is initialised first. Keeping the units gathered
+    # across forwards means switching off their reshard-after-forward; both use FSDP2 internals.
     try:
+        state = root._get_fsdp_state()
+        state._lazy_init()
+        groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
+        saved = [(g, g.post_forward_mesh_info, g._post_forward_indices) for g in groups]
+        order = state._comm_ctx.post_forward_order
+    except AttributeError as exc:
+        raise RuntimeError(f"torch {torch.__version__} changed the FSDP2 internals grpo-ascend uses to keep the "
+                           f"weights gathered during rollouts ({exc}); use torch 2.13") from exc
+    try:
+        for group, _, _ in saved:
+            group.post_forward_mesh_info = None  # = reshard_after_forward False
+        for module in modules:
+            module.unshard()
         yield
     finally:
-        for group, info in saved:
+        for group, info, indices in saved:
             group.post_forward_mesh_info = info
-            group._post_forward_indices.clear()  # forward records (prefetch order) from no-grad decoding
-        root._get_fsdp_state()._comm_ctx.post_forward_order.clear()
+            indices.clear()  # forward records (prefetch order) of the no-grad decoding steps
+        order.clear()
         for module in modules:
             module.reshard()
 

@@ -240,11 +240,13 @@ def _peft_adapter_names(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def _adapter_state(model: torch.nn.Module, adapter: str) -> dict[str, torch.Tensor]:
+def _adapter_state(
+    model: torch.nn.Module, adapter: str, weights: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     # save_embedding_layers=False: frozen base weights (embeddings included) come from the base model.
-    return get_peft_model_state_dict(model, adapter_name=adapter, save_embedding_layers=False)
+    return get_peft_model_state_dict(model, state_dict=weights, adapter_name=adapter, save_embedding_layers=False)
 
 
 def _adapter_config_dict(model: torch.nn.Module, adapter: str) -> dict[str, Any]:
@@ -261,14 +263,13 @@ def _adapter_config_dict(model: torch.nn.Module, adapter: str) -> dict[str, Any]
     return out
 
 
-def _non_adapter_trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _non_adapter_trainable(
+    model: torch.nn.Module, weights: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """Trainable parameters of a PeftModel that are not part of any adapter (e.g. a value head)."""
     adapters = set(model.peft_config)
-    return {
-        name: param
-        for name, param in model.named_parameters()
-        if param.requires_grad and not adapters.intersection(name.split("."))
-    }
+    source = weights.items() if weights is not None else _trainable_parameters(model).items()
+    return {name: param for name, param in source if not adapters.intersection(name.split("."))}
 
 
 def _trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -276,18 +277,24 @@ def _trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Paramete
     return {name: param for name, param in model.named_parameters() if param.requires_grad}
 
 
-def _write_weights(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
-    """Write the trainable weights into ``folder``; returns the manifest's description of them."""
+def _write_weights(
+    model: torch.nn.Module, folder: Path, weights: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, Any]:
+    """Write the trainable weights into ``folder``; returns the manifest's description of them.
+
+    ``weights``: the trainable parameters by name, given when the model's own are sharded (FSDP).
+    """
     if _is_peft(model):
         adapters = {}
         for index, adapter in enumerate(_peft_adapter_names(model)):
             sub = "" if index == 0 else adapter
             target = folder / sub if sub else folder
             target.mkdir(parents=True, exist_ok=True)
-            save_file(_cpu_tensors(_adapter_state(model, adapter)), str(target / ADAPTER_WEIGHTS_NAME), {"format": "pt"})
+            state = _adapter_state(model, adapter, weights)
+            save_file(_cpu_tensors(state), str(target / ADAPTER_WEIGHTS_NAME), {"format": "pt"})
             _write_json(target / ADAPTER_CONFIG_NAME, _adapter_config_dict(model, adapter), "the adapter config")
             adapters[adapter] = sub
-        extra = _non_adapter_trainable(model)
+        extra = _non_adapter_trainable(model, weights)
         if extra:
             save_file(_cpu_tensors(extra), str(folder / EXTRA_TRAINABLE_NAME), {"format": "pt"})
         base = model.get_base_model()
@@ -296,7 +303,7 @@ def _write_weights(model: torch.nn.Module, folder: Path) -> dict[str, Any]:
             "adapters": adapters,
             "base_model_name_or_path": getattr(base, "name_or_path", None) or None,
         }
-    params = _trainable_parameters(model)
+    params = dict(weights) if weights is not None else _trainable_parameters(model)
     if not params:
         raise CheckpointError(
             "the model has no trainable parameters (every requires_grad is False); nothing to checkpoint. "
@@ -645,6 +652,7 @@ def save_checkpoint(
     save_total_limit: int | None = None,
     staging_dir: str | os.PathLike | None = None,
     optimizer_shards: int | None = None,
+    trainable_weights: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``output_dir/checkpoint-{step}/`` atomically and return its path.
 
@@ -656,6 +664,8 @@ def save_checkpoint(
     beyond that number are deleted afterwards (never the one just written). Call on one process only.
     ``staging_dir`` (from :func:`make_staging_dir`) is the temporary folder to finish, into which
     ``optimizer_shards`` ranks already wrote their optimizer shards; the manifest covers them too.
+    ``trainable_weights`` (parameter name → whole tensor) replaces the model's trainable parameters when those
+    are sharded (FSDP gathers them first); the files are the same.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a non-negative int, got {step!r}")
@@ -682,7 +692,7 @@ def save_checkpoint(
             missing = [r for r in range(optimizer_shards) if not (tmp / _shard_name(r)).is_file()]
             if missing:
                 raise CheckpointError(f"optimizer shards of rank(s) {missing} are missing from {tmp}")
-        weights = _write_weights(model, tmp)
+        weights = _write_weights(model, tmp, trainable_weights)
         if optimizer_shards is not None:
             weights = {**weights, "optimizer_shards": optimizer_shards}
         if optimizer is not None:

@@ -9,10 +9,12 @@ Modes:
   grads  one optimizer step per loss type on a fixed global batch (this rank's slice); saves the
          gradients after DDP averaging and the reported loss. With ``"real_step": true`` (DeepSpeed,
          whose ZeRO-2 gradients live in per-rank partitions) the step is taken at learning rate 0
-         and the reported loss and global gradient norm are saved instead. Under ZeRO-3 the
-         (partitioned) trainable weights are gathered to be set or read.
-  train  a short GRPO run (optionally resumed, or preempted right after the save at some step);
-         saves the trainable weights and every write this rank made under output_dir.
+         and the reported loss and global gradient norm are saved instead (also used under FSDP,
+         with ``"max_grad_norm": 0`` to read the unclipped norm). Under ZeRO-3 the (partitioned)
+         trainable weights are gathered to be set or read.
+  train  a short GRPO run (optionally resumed, or preempted right after the save at some step;
+         ``"lora": false`` fine-tunes the whole model); saves the trainable weights and every
+         write this rank made under output_dir.
 """
 
 from __future__ import annotations
@@ -36,13 +38,25 @@ def even_token_fraction(prompts: list[Any], completions: list[Any], completion_i
     return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as a plain whole tensor: FSDP's sharded DTensors are all-gathered (every rank must call)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def deterministic_trainable_init(model: torch.nn.Module) -> None:
     """Set every trainable parameter from a generator seeded by its name (same in any process)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.requires_grad:
                 seed = sum(ord(c) * (i + 1) for i, c in enumerate(name)) % 100_003
-                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+                value = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.05
+                if isinstance(param, DTensor):  # FSDP: keep this rank's slice
+                    value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+                param.copy_(value)
 
 
 def fixed_global_batch(n: int = 16, prompt_len: int = 6, completion_len: int = 7) -> dict[str, torch.Tensor]:
@@ -76,7 +90,7 @@ def step_gradients(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: st
     captured: list[list[torch.Tensor]] = []
 
     def capture(params: list[torch.nn.Parameter], finite: torch.Tensor) -> tuple[float, bool]:
-        captured.append([p.grad.detach().clone() for p in params])
+        captured.append([whole(p.grad.detach()).clone() for p in params])
         trainer.optimizer.zero_grad(set_to_none=True)
         return 0.0, True
 
@@ -121,7 +135,7 @@ def nan_then_finite_step(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict
 
     def weights() -> list[torch.Tensor]:
         with trainer._gathered_trainable():  # ZeRO-3 partitions them
-            return [p.detach().clone() for p in trainer.policy.parameters() if p.requires_grad]
+            return [whole(p.detach()).clone() for p in trainer.policy.parameters() if p.requires_grad]
 
     before = weights()
     bad = step(poison=True)
@@ -149,17 +163,21 @@ def grads_config(output_dir: str, world_size: int) -> Any:
     )
 
 
-def make_trainer(model_dir: str, cfg: Any, dataset_size: int = 8, dataset_seed: int = 3) -> Any:
+def make_trainer(model_dir: str, cfg: Any, dataset_size: int = 8, dataset_seed: int = 3, lora: bool = True) -> Any:
+    """A GRPO trainer on the tiny model: LoRA rank 4, or full fine-tuning with ``lora=False``."""
     from grpo_ascend import GRPOTrainer
     from grpo_ascend.models import default_lora_config
     from grpo_ascend.synthetic import arithmetic_dataset
 
     return GRPOTrainer(model_dir, even_token_fraction, cfg, arithmetic_dataset(dataset_size, seed=dataset_seed),
-                       peft_config=default_lora_config(r=4))
+                       peft_config=default_lora_config(r=4) if lora else None)
 
 
 def run_grads(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
-    trainer = make_trainer(spec["model_dir"], grads_config(str(out / "unused"), world))
+    cfg = grads_config(str(out / "unused"), world)
+    if "max_grad_norm" in spec:
+        cfg = cfg.replace(max_grad_norm=spec["max_grad_norm"])
+    trainer = make_trainer(spec["model_dir"], cfg)
     with trainer._gathered_trainable(modifier_rank=0):  # ZeRO-3: rank 0's values are partitioned back
         deterministic_trainable_init(trainer.policy)
     zero = getattr(trainer.optimizer, "optimizer", None)
@@ -185,6 +203,7 @@ def run_grads(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
         results[loss_type] = {"grads": grads, "loss": loss}
     if spec.get("real_step"):
         results["nan_step"] = nan_then_finite_step(trainer, mine)
+    results["sharded"] = sharded(trainer)
     torch.save(results, out / f"grads_rank{rank}.pt")
 
 
@@ -223,6 +242,18 @@ class WriteAudit:
             self.writes.append(f"{event} {args[0]}")
 
 
+def sharded(trainer: Any) -> dict[str, Any]:
+    """How FSDP split the policy: the number of fully_shard units and whether the weights are DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return {"units": 0, "dtensor": False}
+    units = sum(isinstance(m, FSDPModule) for m in trainer.logprob_model.modules())
+    return {"units": units, "dtensor": any(isinstance(p, DTensor) for p in trainer.policy.parameters())}
+
+
 def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
     from grpo_ascend import GRPOConfig
 
@@ -235,7 +266,7 @@ def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
     }
     cfg = GRPOConfig(**settings)
     audit = WriteAudit(Path(cfg.output_dir))
-    trainer = make_trainer(spec["model_dir"], cfg, dataset_size=12)
+    trainer = make_trainer(spec["model_dir"], cfg, dataset_size=12, lora=spec.get("lora", True))
     stop_after = spec.get("stop_after_step")
     if stop_after is not None:
         original_save = trainer._save
@@ -253,13 +284,14 @@ def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
         status = "preempted"
     audit.active = False
     with trainer._gathered_trainable():  # ZeRO-3 partitions them; every rank takes part
-        weights = {k: v.detach().cpu().clone() for k, v in trainer.policy.named_parameters() if v.requires_grad}
+        weights = {k: whole(v.detach()).cpu().clone() for k, v in trainer.policy.named_parameters() if v.requires_grad}
     torch.save(weights, out / f"weights_rank{rank}.pt")
     # Parameters this rank holds only a slice of (DeepSpeed ZeRO-3 partitions; none otherwise).
     partitioned = [n for n, p in trainer.policy.named_parameters() if p.numel() < getattr(p, "ds_numel", p.numel())]
     report = {"status": status, "step": trainer.step, "world_size": trainer.accelerator.num_processes,
               "backend": trainer.accelerator.state.backend, "writes": audit.writes,
-              "partitioned": partitioned, "parameters": len(list(trainer.policy.parameters()))}
+              "partitioned": partitioned, "parameters": len(list(trainer.policy.parameters())),
+              "distributed_type": trainer.accelerator.distributed_type.value, "sharded": sharded(trainer)}
     (out / f"report_rank{rank}.json").write_text(json.dumps(report, indent=1))
 
 

@@ -283,7 +283,7 @@ def test_launch_command_runs_accelerate_then_the_cli(monkeypatch):
 def test_accelerate_configs_exist():
     names = {p.name for p in ACCELERATE_CONFIGS}
     assert {"npu_1node_8cards.yaml", "npu_2nodes_16cards.yaml", "deepspeed_zero2.yaml",
-            "deepspeed_zero3.yaml"} <= names
+            "deepspeed_zero3.yaml", "fsdp2_1node_8cards.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
@@ -307,6 +307,9 @@ def test_accelerate_config_parses_with_accelerate(path):
         ds = config.deepspeed_config
         assert ds.get("zero_stage") in (2, 3)
         assert "deepspeed_multinode_launcher" in ds or config.num_machines == 1
+    elif config.distributed_type == DistributedType.FSDP:
+        assert config.fsdp_config.get("fsdp_version") == 2  # grpo-ascend refuses FSDP1
+        assert not config.fsdp_config.get("fsdp_activation_checkpointing")
     else:
         assert config.distributed_type in (DistributedType.MULTI_NPU, DistributedType.MULTI_GPU)
         assert config.num_processes >= 2
@@ -319,7 +322,8 @@ def test_accelerate_config_parses_with_accelerate(path):
     assert launch_args.num_processes == config.num_processes
     assert launch_args.num_machines == config.num_machines
     assert launch_args.use_deepspeed == (config.distributed_type == DistributedType.DEEPSPEED)
-    assert launch_args.multi_gpu == (config.distributed_type != DistributedType.DEEPSPEED)
+    assert launch_args.use_fsdp == (config.distributed_type == DistributedType.FSDP)
+    assert launch_args.multi_gpu == (config.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP))
     assert launch_args.training_script == "grpo_ascend.cli" and launch_args.module
 
 
@@ -373,15 +377,3 @@ def test_process_group_gets_the_device_backend_and_ddp_timeout(monkeypatch, tmp_
         dist_worker.make_trainer(str(tiny_model_dir), cfg)
     assert "backend" not in seen["kwargs_handlers"][0].to_kwargs()
     assert seen["kwargs_handlers"][0].timeout == timedelta(seconds=123)
-
-
-def test_fsdp_is_refused_clearly(monkeypatch, tmp_path, tiny_model_dir):
-    """FSDP is refused; DeepSpeed ZeRO-2 runs (tests/test_deepspeed.py), ZeRO-3 is refused there."""
-    from accelerate.utils import DistributedType
-
-    from grpo_ascend.errors import ConfigError
-
-    _fake_accelerator(monkeypatch, distributed_type=DistributedType.FSDP)
-    cfg = dist_worker.grads_config(str(tmp_path / "run"), 1)
-    with pytest.raises(ConfigError, match="FSDP, which grpo-ascend does not support.*deepspeed_zero2.yaml"):
-        dist_worker.make_trainer(str(tiny_model_dir), cfg)

@@ -134,9 +134,16 @@ class RLTrainerBase:
         self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
         if self.is_deepspeed:
             self._configure_deepspeed()
+        self._unsharded_reference: nn.Module | None = None
+        if self.is_fsdp:
+            self._configure_fsdp()
         self.logprob_model, self.optimizer = self.accelerator.prepare(self.logprob_model, self.optimizer)
         if self.is_zero3:
             self._setup_zero3_forward()
+        if self.is_fsdp and self.precision != "fp32":
+            from grpo_ascend.trainers.fsdp import autocast_forward
+
+            autocast_forward(self.logprob_model, self._autocast)
 
         from grpo_ascend.rollout.engine import RolloutEngine
         from grpo_ascend.rollout.sampling import SamplingParams
@@ -204,13 +211,11 @@ class RLTrainerBase:
                 f"accelerate chose device {accelerator.device} but {args.device!r} was requested; "
                 "check the accelerate config (accelerate env) or the device setting"
             )
+        from grpo_ascend.trainers import fsdp
+
+        fsdp.enable_on_cpu(accelerator)
         if accelerator.distributed_type == DistributedType.FSDP:
-            raise ConfigError(
-                "accelerate is configured for FSDP, which grpo-ascend does not support: FSDP shards the weights "
-                "the rollout engine needs whole on every rank, and checkpoints would need its sharded optimizer "
-                "state. Use DeepSpeed ZeRO-2 (recipes/accelerate/deepspeed_zero2.yaml) or plain data parallelism "
-                "(distributed_type MULTI_NPU / MULTI_GPU, or grpo-ascend train --num_processes N)"
-            )
+            fsdp.check_fsdp(accelerator, type(self).__name__, self._supports_fsdp)
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
             self._check_deepspeed(accelerator)
         if args.report_to:
@@ -226,6 +231,10 @@ class RLTrainerBase:
                                "storage, which ZeRO-3 owns; generating with the adapters unmerged")
             else:
                 logger.info("DeepSpeed ZeRO-3: rollouts run with the adapters unmerged")
+            return False
+        if self.is_fsdp:
+            if wanted is not False and self.is_peft:
+                logger.info("rollouts keep LoRA unmerged under FSDP (merging into gathered weights is untested)")
             return False
         extra = lora_merge_bytes(self.policy)
         if wanted is False or extra is None:
@@ -266,6 +275,36 @@ class RLTrainerBase:
 
     #: Whether the trainer drives its one prepared model through a DeepSpeed engine (GRPO does).
     _supports_deepspeed = True
+    #: Whether the trainer's one prepared model may be sharded by FSDP2 (GRPO: yes; PPO prepares two).
+    _supports_fsdp = True
+
+    @property
+    def is_fsdp(self) -> bool:
+        """Whether accelerate shards the policy with FSDP2 (see grpo_ascend/trainers/fsdp.py)."""
+        from accelerate.utils import DistributedType
+
+        return self.accelerator.distributed_type == DistributedType.FSDP
+
+    def _configure_fsdp(self) -> None:
+        """Before sharding: units and mixed precision (fsdp.configure_plugin); an unsharded full-FT reference."""
+        from grpo_ascend.models import frozen_copy
+        from grpo_ascend.trainers import fsdp
+
+        fsdp.configure_plugin(self.accelerator, self.policy)
+        if not self.is_peft and getattr(self.args, "beta", 0.0) > 0:
+            logger.warning("FSDP with full fine-tuning and beta > 0: the reference model is a whole, unsharded "
+                           "copy on every rank")
+            self._unsharded_reference = frozen_copy(self.policy)
+
+    def _whole_weights(self) -> contextlib.AbstractContextManager:
+        """The whole policy on every rank for one generation round (FSDP, ZeRO-3); nothing otherwise."""
+        if self.is_zero3:
+            return zero3.whole_model_for_generation(self.logprob_model)
+        if not self.is_fsdp:
+            return contextlib.nullcontext()
+        from grpo_ascend.trainers import fsdp
+
+        return fsdp.whole_weights(self.logprob_model)
 
     def _configure_deepspeed(self) -> None:
         """Fill the DeepSpeed config from this run's config: micro-batch, accumulation and clipping.
@@ -319,10 +358,6 @@ class RLTrainerBase:
         module.fixed_calls = True  # the decoder runs the same calls with or without repeated prompts
         _, head = backbone_and_head(self.policy)
         zero3.keep_gathered_per_forward(module, head.parameters())  # the head runs once per token chunk
-
-    def _whole_policy_for_rollout(self) -> contextlib.AbstractContextManager:
-        """ZeRO-3: the whole policy gathered on every rank for one generation round; else nothing to do."""
-        return zero3.whole_model_for_generation(self.logprob_model) if self.is_zero3 else contextlib.nullcontext()
 
     def _gathered_trainable(self, modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
         """ZeRO-3: the trainable parameters whole on every rank (all ranks must enter); else nothing to do."""
@@ -395,7 +430,7 @@ class RLTrainerBase:
         start = time.perf_counter()
         self.policy.eval()
         merged = lora_merged(self.policy) if self.merge_lora_for_rollout else contextlib.nullcontext()
-        with torch.no_grad(), self._autocast(), self._whole_policy_for_rollout(), merged:
+        with torch.no_grad(), self._autocast(), self._whole_weights(), merged:
             batch = self.engine.generate(prompts, generator=self.generator)
         start = self._timed(timings, "generation", start)
 
@@ -488,7 +523,9 @@ class RLTrainerBase:
         else:
             from grpo_ascend.models import frozen_copy
 
-            ref = frozen_copy(self.accelerator.unwrap_model(self.logprob_model).model)
+            ref = self._unsharded_reference
+            if ref is None:
+                ref = frozen_copy(self.accelerator.unwrap_model(self.logprob_model).model)
             self.ref_logprob_model = CompletionLogprobs(
                 ref, self.args.logprob_chunk_size, self.args.share_prompt_prefill
             ).to(self.device)
@@ -625,6 +662,14 @@ class RLTrainerBase:
         max_norm = self.args.max_grad_norm
         if max_norm and max_norm > 0:
             grad_norm = self.accelerator.clip_grad_norm_(params, max_norm)
+            if self.is_fsdp:  # sharded gradients: the norm comes back as a DTensor
+                from grpo_ascend.trainers.fsdp import full_value
+
+                grad_norm = full_value(grad_norm)
+        elif self.is_fsdp:
+            from grpo_ascend.trainers.fsdp import total_grad_norm
+
+            grad_norm = total_grad_norm(params)
         else:
             grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
             grad_norm = torch.stack(grads).norm() if grads else torch.zeros((), device=self.device)
@@ -763,9 +808,11 @@ class RLTrainerBase:
         if args.export_adapter_at_end:
             from grpo_ascend.export import export_checkpoint
 
+            # Under FSDP the live weights are sharded: export the final checkpoint (saved just before).
+            source = Path(args.output_dir) / f"checkpoint-{self.step}" if self.is_fsdp else self.policy
             with self._gathered_trainable():  # ZeRO-3: every rank gathers, the main rank writes
                 if self.is_main_process:
-                    export_dir = str(export_checkpoint(self.policy, Path(args.output_dir) / "adapter",
+                    export_dir = str(export_checkpoint(source, Path(args.output_dir) / "adapter",
                                                        tokenizer=self.tokenizer, base_model=self.model_name))
         self.accelerator.wait_for_everyone()
         assert self.tracker is not None
@@ -844,13 +891,18 @@ class RLTrainerBase:
             ckpt.write_optimizer_shard(staging, self.accelerator.process_index, self._deepspeed_optimizer_state())
             shards = self.accelerator.num_processes
             self.accelerator.wait_for_everyone()
+        gathered = None
+        if self.is_fsdp:  # every rank takes part in the gather; the main rank writes
+            from grpo_ascend.trainers.fsdp import gather_for_checkpoint
+
+            gathered = gather_for_checkpoint(self._trainable_module(), self.optimizer.optimizer, self.is_main_process)
         with self._gathered_trainable():  # ZeRO-3: every rank gathers, the main rank writes
             if self.is_main_process:
                 ckpt.save_checkpoint(
                     self.args.output_dir,
                     self.step,
                     model=self._trainable_module(),
-                    optimizer=None if self.is_deepspeed else self.optimizer.optimizer,
+                    optimizer=None if self.is_deepspeed else gathered.optimizer if gathered else self.optimizer.optimizer,
                     scheduler=self.scheduler,
                     scaler=self.accelerator.scaler,
                     trainer_state=self._trainer_state(),
@@ -861,6 +913,7 @@ class RLTrainerBase:
                     save_total_limit=self.args.save_total_limit,
                     staging_dir=staging,
                     optimizer_shards=shards,
+                    trainable_weights=gathered.weights if gathered else None,
                 )
         self._last_saved_step = self.step
         self.accelerator.wait_for_everyone()
@@ -910,7 +963,12 @@ class RLTrainerBase:
     def _load(self, path: Path) -> None:
         from grpo_ascend import checkpoint as ckpt
 
-        with self._gathered_trainable(modifier_rank=0):  # ZeRO-3: rank 0's loaded values are partitioned back
+        fsdp_module = None
+        if self.is_fsdp:
+            from grpo_ascend.trainers import fsdp as fsdp_module
+        # FSDP: every rank loads whole tensors into its shards; ZeRO-3: rank 0's values are partitioned back.
+        whole = fsdp_module.loading_whole_tensors() if fsdp_module else self._gathered_trainable(modifier_rank=0)
+        with whole:
             loaded = ckpt.load_checkpoint(
                 path,
                 model=self._trainable_module(),
@@ -919,6 +977,8 @@ class RLTrainerBase:
                 scaler=self.accelerator.scaler,
                 rng_device=self.device,
             )
+        if fsdp_module:  # every rank read the whole Adam state: keep this rank's slices
+            fsdp_module.shard_optimizer_state(self.optimizer.optimizer)
         if self.is_deepspeed:  # after the weights: each rank reads its own shard
             self._load_deepspeed_optimizer_state(path)
         state = loaded.trainer_state

@@ -75,6 +75,7 @@ class PPOTrainer(RLTrainerBase):
     config_class = PPOConfig
     args: PPOConfig
     _supports_deepspeed = False  # two prepared models (policy, critic): accelerate gives DeepSpeed one engine each
+    _supports_fsdp = False  # likewise: accelerate's FSDP2 prepares one model
 
     def __init__(
         self,

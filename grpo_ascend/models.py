@@ -144,7 +144,8 @@ def completion_hidden_states(
     float rounding. Under activation checkpointing (which drops the cache) every row runs whole.
     ``fixed_calls``: take the cached two-call path even when no prompt repeats (each row its own
     run), so the decoder is called the same number of times whatever the batch holds -- under
-    DeepSpeed ZeRO-3 every call gathers weights collectively, and all ranks must make the same calls.
+    DeepSpeed ZeRO-3 and FSDP every call gathers weights collectively, and all ranks must make the
+    same calls.
     """
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
     positions = position_ids_from_mask(mask)
@@ -184,8 +185,8 @@ class CompletionLogprobs(nn.Module):
     runs in chunks and never materialises a [B, T, V] float32 tensor. ``share_prompts``: see
     :func:`completion_hidden_states` (a GRPO group's prompt runs once).
 
-    ``fixed_calls`` (set under DeepSpeed ZeRO-3, where each module call gathers its weights
-    collectively and DeepSpeed checks that every rank calls the same modules in the same order):
+    ``fixed_calls`` (set under DeepSpeed ZeRO-3 and FSDP, where each module call gathers its
+    weights collectively, so every rank must call the same modules in the same order):
     every rank makes the same calls whatever its batch holds -- the decoder takes the two-call
     path even without repeated prompts, and the completions are right-padded (masked) to the
     widest over all ranks, so the head runs the same number of chunks (one scalar all-reduce).

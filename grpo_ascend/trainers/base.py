@@ -140,6 +140,9 @@ class RLTrainerBase:
         self.logprob_model, self.optimizer = self.accelerator.prepare(self.logprob_model, self.optimizer)
         if self.is_zero3:
             self._setup_zero3_forward()
+        if self.is_fsdp:
+            # FSDP2 all-gathers a decoder layer at each call: every rank must make the same calls.
+            self.accelerator.unwrap_model(self.logprob_model).fixed_calls = True
         if self.is_fsdp and self.precision != "fp32":
             from grpo_ascend.trainers.fsdp import autocast_forward
 

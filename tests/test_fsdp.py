@@ -10,7 +10,6 @@ CPU processes' accelerate state to FSDP, so the same fully_shard wrapping runs h
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +21,15 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import dist_worker  # noqa: E402
-from test_distributed import LOSS_TYPES, WORLD, _reports, _stable_metrics, _weights, launch  # noqa: E402
+from test_distributed import (  # noqa: E402
+    LOSS_TYPES,
+    WORLD,
+    _reports,
+    _stable_metrics,
+    _weights,
+    assert_real_steps_match_one_process,
+    launch,
+)
 
 FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
 SAMPLED = ("reward", "reward_std", "completion_length/mean", "completion_length/min", "completion_length/max",
@@ -159,20 +166,7 @@ def test_fsdp_grad_norm_and_nan_skip(tmp_path, tiny_model_dir):
     launch("grads", out, {"model_dir": str(tiny_model_dir), "loss_types": LOSS_TYPES, "real_step": True,
                           "max_grad_norm": 0}, extra_env=FSDP_ENV)
     ranks = [torch.load(out / f"grads_rank{r}.pt", weights_only=True) for r in range(WORLD)]
-    single = dist_worker.make_trainer(str(tiny_model_dir), dist_worker.grads_config(str(tmp_path / "one"), 1))
-    dist_worker.deterministic_trainable_init(single.policy)
-    batch = dist_worker.fixed_global_batch()
-    for loss_type in LOSS_TYPES:
-        grads, loss = dist_worker.step_gradients(single, batch, loss_type)
-        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
-        for r in range(WORLD):
-            got = ranks[r][loss_type]
-            assert got["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7), (loss_type, r)
-            assert got["grad_norm"] == pytest.approx(norm, rel=1e-5), (loss_type, r)
-    for r in range(WORLD):
-        nan = ranks[r]["nan_step"]
-        assert nan["skipped_steps"] == 1 and nan["untouched"] and nan["moved"] and nan["finite_after"], (r, nan)
-        assert not math.isfinite(nan["bad_grad_norm"]), (r, nan)
+    assert_real_steps_match_one_process(ranks, tiny_model_dir, tmp_path, norm_rel=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import logging
 from collections.abc import Iterator
@@ -118,6 +119,12 @@ def shared_prompt_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor,
     return first, starts.long().cumsum(0) - 1
 
 
+@functools.cache
+def _cache_kwarg(decoder_class: type) -> str:
+    """The decoder forward's KV-cache argument: ``cache`` (newer transformers) or ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(decoder_class.forward).parameters else "past_key_values"
+
+
 def activation_checkpointing_on(model: nn.Module) -> bool:
     """Whether a transformers model recomputes activations in backward (the name changed in v5)."""
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
@@ -163,7 +170,7 @@ def completion_hidden_states(
     from transformers import DynamicCache
 
     first, row_run = runs
-    cache_kwarg = "cache" if "cache" in inspect.signature(type(backbone).forward).parameters else "past_key_values"
+    cache_kwarg = _cache_kwarg(type(backbone))
     cache = DynamicCache(config=backbone.config)
     prefill = backbone(
         input_ids=prompt_ids[first], attention_mask=prompt_mask[first], position_ids=positions[first, :width],

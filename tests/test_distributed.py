@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -91,6 +92,29 @@ def _stable_metrics(path: Path) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+# Per-step metrics that depend only on what was sampled (equal when a resumed run samples the same).
+SAMPLED = ("reward", "reward_std", "completion_length/mean", "completion_length/min", "completion_length/max",
+           "advantages/mean", "advantages/abs_max", "tokens_generated")
+
+
+def assert_resumed_run_matches(full: Path, resumed: Path, steps: list[int], rel: float, abs_: float,
+                               rtol: float, atol: float, sampled: tuple[str, ...] = SAMPLED) -> None:
+    """A resumed run's steps equal the uninterrupted run's: ``sampled`` metrics exactly, the loss
+    statistics to (rel, abs_), every rank's final trainable weights to (rtol, atol); zeros = exact."""
+    by_step = {r["step"]: r for r in _stable_metrics(full / "run" / "metrics.jsonl")}
+    got_metrics = _stable_metrics(resumed / "run" / "metrics.jsonl")
+    assert [r["step"] for r in got_metrics] == steps
+    for b in got_metrics:
+        a = by_step[b["step"]]
+        assert {k: a[k] for k in sampled} == {k: b[k] for k in sampled}, a["step"]
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=rel, abs=abs_), (a["step"], key)
+    expected = _weights(full, 0)
+    for rank in range(WORLD):
+        got = _weights(resumed, rank)
+        assert got.keys() == expected.keys()
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=rtol, atol=atol, msg=f"rank {rank}, {name}")
 
 
 def assert_real_steps_match_one_process(ranks: list[dict[str, Any]], model_dir: Path, tmp_path: Path,
@@ -199,23 +223,9 @@ def test_resume_from_a_two_process_checkpoint_is_exact(tmp_path, full_run, tiny_
     assert reports[1]["writes"] == []
     # The resumed ranks sample exactly what the uninterrupted ones did (each restored its own
     # generator): the sample statistics of every step match exactly ...
-    full = _stable_metrics(full_run / "run" / "metrics.jsonl")
-    resumed = _stable_metrics(out / "run" / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    sampled = ("reward", "reward_std", "completion_length/mean", "completion_length/min", "completion_length/max",
-               "advantages/mean", "advantages/abs_max", "tokens_generated")
-    for a, b in zip(full, resumed):
-        assert {k: a[k] for k in sampled} == {k: b[k] for k in sampled}, a["step"]
-        for key in ("loss", "grad_norm", "kl", "entropy"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (a["step"], key)
     # ... and so do the weights. (Runs in separate processes have been seen to differ in the last
     # bits of a loss value, so weights are compared closely rather than bit for bit.)
-    expected = _weights(full_run, 0)
-    for rank in range(WORLD):
-        got = _weights(out, rank)
-        assert got.keys() == expected.keys()
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=1e-3, atol=1e-5, msg=f"rank {rank}, {name}")
+    assert_resumed_run_matches(full_run, out, [1, 2, 3, 4], rel=1e-4, abs_=1e-7, rtol=1e-3, atol=1e-5)
 
 
 def test_per_rank_random_state_round_trips(tmp_path, tiny_model_dir):
@@ -359,8 +369,9 @@ class _StopHere(Exception):
     pass
 
 
-def _fake_accelerator(monkeypatch, distributed_type=None, seen=None):
-    """Replace accelerate.Accelerator: record its arguments, then stop or pretend a distributed type."""
+def _fake_accelerator(monkeypatch, distributed_type=None, seen=None, zero_stage: int | None = None):
+    """Replace accelerate.Accelerator: record its arguments, then stop or pretend a distributed type
+    (with ``zero_stage``: DeepSpeed at that ZeRO stage)."""
     import accelerate
     from accelerate.utils import DistributedType
 
@@ -370,7 +381,11 @@ def _fake_accelerator(monkeypatch, distributed_type=None, seen=None):
                 seen.update(kwargs)
                 raise _StopHere
             self.device = torch.device("cpu")
+            self.num_processes = 1
             self.distributed_type = distributed_type or DistributedType.NO
+            if zero_stage is not None:
+                self.distributed_type = DistributedType.DEEPSPEED
+                self.state = SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage))
 
     monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
 

@@ -23,17 +23,17 @@ sys.path.insert(0, str(HERE))
 import dist_worker  # noqa: E402
 from test_distributed import (  # noqa: E402
     LOSS_TYPES,
+    SAMPLED,
     WORLD,
     _reports,
     _stable_metrics,
     _weights,
     assert_real_steps_match_one_process,
+    assert_resumed_run_matches,
     launch,
 )
 
 FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
-SAMPLED = ("reward", "reward_std", "completion_length/mean", "completion_length/min", "completion_length/max",
-           "advantages/mean", "advantages/abs_max", "tokens_generated")
 
 
 @pytest.fixture(scope="module")
@@ -125,18 +125,7 @@ def test_fsdp_resume_is_exact(fsdp_run, tmp_path, tiny_model_dir):
     reports = _reports(out)
     assert [r["status"] for r in reports] == ["finished"] * WORLD
     assert reports[1]["writes"] == []
-    full = _stable_metrics(fsdp_run / "run" / "metrics.jsonl")
-    resumed = _stable_metrics(out / "run" / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    for a, b in zip(full, resumed):
-        assert {k: a[k] for k in SAMPLED} == {k: b[k] for k in SAMPLED}, a["step"]
-        for key in ("loss", "grad_norm", "kl", "entropy"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-8), (a["step"], key)
-    expected = _weights(fsdp_run, 0)
-    for rank in range(WORLD):
-        got = _weights(out, rank)
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=f"rank {rank}, {name}")
+    assert_resumed_run_matches(fsdp_run, out, [1, 2, 3, 4], rel=1e-5, abs_=1e-8, rtol=1e-5, atol=1e-7)
 
 
 def test_fsdp_gradients_match_one_process(tmp_path, tiny_model_dir):

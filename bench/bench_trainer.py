@@ -240,13 +240,34 @@ def _span_medians(spans: list[tuple[float, str, float]], ends: list[float], warm
     return {n: statistics.median(d.get(n, 0.0) for d in per_step[warmup:]) for n in names}
 
 
+def _measured_train(trainer: Any, device: Any, s: Settings, profile: str | None, ends: list[float],
+                    cpu_ends: list[float]) -> tuple[dict[str, Any], float, list[float]]:
+    """Run ``trainer.train()`` (under cProfile if asked) measuring peak memory and the step ends
+    that ``ends`` / ``cpu_ends`` collect; returns (memory and CPU-time result, warm-up s, step gaps)."""
+    from grpo_ascend import device as dev
+
+    rss_before, hwm_before = _status_kib("VmRSS"), _status_kib("VmHWM")
+    _reset_peak_rss()
+    dev.reset_peak_memory(device)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    if profile:
+        import cProfile
+
+        cProfile.runctx("trainer.train()", globals(), {"trainer": trainer}, profile)
+    else:
+        trainer.train()
+    result = _finish_memory(device, hwm_before, rss_before)
+    warmup, gaps = _intervals(t0, ends, s.warmup_steps)
+    result["cpu_step_s"] = _intervals(cpu0, cpu_ends, s.warmup_steps)[1]
+    return result, warmup, gaps
+
+
 def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
     """Train with grpo_ascend's GRPOTrainer; return timings, memory and the FLOP inputs."""
     device, model_dir, torch = _setup(s)
     from transformers import AutoTokenizer
 
     from grpo_ascend import GRPOConfig, GRPOTrainer
-    from grpo_ascend import device as dev
     from grpo_ascend.tracking import read_jsonl
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -273,19 +294,7 @@ def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
         return record
 
     trainer._log_step = timed_log_step  # type: ignore[method-assign]
-    rss_before, hwm_before = _status_kib("VmRSS"), _status_kib("VmHWM")
-    _reset_peak_rss()
-    dev.reset_peak_memory(device)
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    if profile:
-        import cProfile
-
-        cProfile.runctx("trainer.train()", globals(), {"trainer": trainer}, profile)
-    else:
-        trainer.train()
-    result = _finish_memory(device, hwm_before, rss_before)
-    warmup, gaps = _intervals(t0, ends, s.warmup_steps)
-    result["cpu_step_s"] = _intervals(cpu0, cpu_ends, s.warmup_steps)[1]
+    result, warmup, gaps = _measured_train(trainer, device, s, profile, ends, cpu_ends)
     records = read_jsonl(out_dir / "metrics.jsonl")[s.warmup_steps:]
     phases = {}
     for key in ("time/step", "time/generation", "time/reward", "time/reference", "time/training"):
@@ -349,19 +358,7 @@ def run_trl(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
     timer = StepEnds()
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[rule_reward], args=cfg, train_dataset=ds,
                           processing_class=tokenizer, peft_config=lora_config(s), callbacks=[timer])
-    rss_before, hwm_before = _status_kib("VmRSS"), _status_kib("VmHWM")
-    _reset_peak_rss()
-    dev.reset_peak_memory(device)
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    if profile:
-        import cProfile
-
-        cProfile.runctx("trainer.train()", globals(), {"trainer": trainer}, profile)
-    else:
-        trainer.train()
-    result = _finish_memory(device, hwm_before, rss_before)
-    warmup, gaps = _intervals(t0, timer.ends, s.warmup_steps)
-    result["cpu_step_s"] = _intervals(cpu0, timer.cpu_ends, s.warmup_steps)[1]
+    result, warmup, gaps = _measured_train(trainer, device, s, profile, timer.ends, timer.cpu_ends)
     logs = [r for r in trainer.state.log_history if "completions/mean_length" in r][s.warmup_steps:]
     result.update(
         warmup_s=warmup, step_s=gaps, phases=_span_medians(spans, timer.ends, s.warmup_steps),

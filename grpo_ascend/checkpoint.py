@@ -6,7 +6,7 @@ parameters of a fully fine-tuned model), the optimizer, LR scheduler and grad sc
 RNG state, the trainer state (step, data position, metrics history), the trainer config, the
 tokenizer and any extra tensors the trainer needs (a sampling generator's state, pending buffers).
 
-With an optimizer sharded over the ranks (DeepSpeed ZeRO-1/2) every rank writes its own shard
+With an optimizer sharded over the ranks (ZeRO-1/2) every rank writes its own shard
 (``optimizer_shards/rank{R}.pt``) into the same temporary folder — :func:`make_staging_dir` on the
 main rank, :func:`write_optimizer_shard` on each rank, a barrier — before the main rank finishes
 the checkpoint with ``save_checkpoint(..., staging_dir=..., optimizer_shards=N)``; each rank reads
@@ -282,7 +282,7 @@ def _write_weights(
 ) -> dict[str, Any]:
     """Write the trainable weights into ``folder``; returns the manifest's description of them.
 
-    ``weights``: the trainable parameters by name, given when the model's own are sharded (FSDP).
+    ``weights``: the trainable parameters by name, given when the model's own are sharded.
     """
     if _is_peft(model):
         adapters = {}
@@ -601,7 +601,7 @@ def load_optimizer_shard(path: str | os.PathLike, rank: int, world_size: int) ->
     if saved is None:
         raise CheckpointError(
             f"{folder} holds one whole optimizer state, not per-rank shards: it was written without a sharded "
-            "optimizer (no DeepSpeed ZeRO); resume it the way it was trained"
+            "optimizer (no ZeRO); resume it the way it was trained"
         )
     if int(saved) != world_size:
         raise CheckpointError(
@@ -665,7 +665,7 @@ def save_checkpoint(
     ``staging_dir`` (from :func:`make_staging_dir`) is the temporary folder to finish, into which
     ``optimizer_shards`` ranks already wrote their optimizer shards; the manifest covers them too.
     ``trainable_weights`` (parameter name → whole tensor) replaces the model's trainable parameters when those
-    are sharded (FSDP gathers them first); the files are the same.
+    are sharded (the strategy gathers them first); the files are the same.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a non-negative int, got {step!r}")
@@ -813,8 +813,8 @@ def load_checkpoint(
     if optimizer is not None:
         if "optimizer_shards" in manifest and OPTIMIZER_NAME not in manifest["files"]:
             raise CheckpointError(
-                f"{folder} holds an optimizer sharded over {manifest['optimizer_shards']} ranks (DeepSpeed ZeRO), "
-                f"not one optimizer state: resume it under the same DeepSpeed ZeRO config with "
+                f"{folder} holds an optimizer sharded over {manifest['optimizer_shards']} ranks (ZeRO optimizer shards), "
+                f"not one optimizer state: resume it under the same ZeRO config with "
                 f"{manifest['optimizer_shards']} processes"
             )
         opt_path = _require(folder, manifest, OPTIMIZER_NAME, "an optimizer")

@@ -294,17 +294,15 @@ def test_deepspeed_launch_does_not_force_accelerate_onto_cpu_mode(monkeypatch, t
 
 def test_deepspeed_config_is_filled_from_the_run_config(caplog):
     from grpo_ascend.config import GRPOConfig
+    from grpo_ascend.dist.deepspeed import fill_config
     from grpo_ascend.errors import ConfigError
-    from grpo_ascend.trainers.base import RLTrainerBase
 
     args = GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=3, steps_per_generation=3, num_generations=2,
                       max_grad_norm=0.5)
     ds_config: dict[str, Any] = {"gradient_accumulation_steps": 1, "gradient_clipping": "auto",
                                  "train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}}
-    fake = SimpleNamespace(args=args, plan=args.batch_plan(2), accelerator=SimpleNamespace(
-        num_processes=2, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=ds_config))))
     with caplog.at_level("WARNING"):
-        RLTrainerBase._configure_deepspeed(fake)
+        fill_config(ds_config, args, args.batch_plan(2), world_size=2)
     assert ds_config["train_micro_batch_size_per_gpu"] == 4
     assert ds_config["gradient_accumulation_steps"] == 3
     assert ds_config["train_batch_size"] == 4 * 3 * 2
@@ -312,7 +310,7 @@ def test_deepspeed_config_is_filled_from_the_run_config(caplog):
     assert "gradient_accumulation_steps=1 replaced by 3" in caplog.text
     ds_config["optimizer"] = {"type": "Adam"}
     with pytest.raises(ConfigError, match="remove them"):
-        RLTrainerBase._configure_deepspeed(fake)
+        fill_config(ds_config, args, args.batch_plan(2), world_size=2)
 
 
 def test_optimizer_shards_round_trip_and_refuse_another_world_size(tmp_path, tiny_model):
@@ -333,7 +331,7 @@ def test_optimizer_shards_round_trip_and_refuse_another_world_size(tmp_path, tin
     with pytest.raises(CheckpointError, match="shards of 2 ranks but this run has 4"):
         ckpt.load_optimizer_shard(path, 0, 4)
     optimizer = torch.optim.AdamW([p for p in model.parameters()][:1])
-    with pytest.raises(CheckpointError, match="sharded over 2 ranks.*DeepSpeed"):
+    with pytest.raises(CheckpointError, match="sharded over 2 ranks.*ZeRO"):
         ckpt.load_checkpoint(path, model=model, optimizer=optimizer)
     # A save whose shards did not all arrive never becomes a checkpoint.
     staging = ckpt.make_staging_dir(tmp_path, 4)

@@ -3,7 +3,7 @@
 The multi-process tests start tests/dist_worker.py once per rank with the environment
 ``accelerate launch --config_file recipes/accelerate/fsdp2_1node_8cards.yaml`` sets
 (ACCELERATE_USE_FSDP, FSDP_VERSION=2, FSDP_AUTO_WRAP_POLICY=TRANSFORMER_BASED_WRAP). accelerate
-1.15 enables its FSDP plugin only for accelerator processes; grpo_ascend.trainers.fsdp switches the
+1.15 enables its FSDP plugin only for accelerator processes; grpo_ascend.dist.compat_accelerate switches the
 CPU processes' accelerate state to FSDP, so the same fully_shard wrapping runs here.
 """
 
@@ -213,7 +213,7 @@ def test_ppo_under_fsdp_is_refused(monkeypatch, tmp_path, tiny_model_dir):
 def test_fsdp_on_the_cpu_is_switched_on_only_when_requested(monkeypatch):
     from accelerate.utils import DistributedType
 
-    from grpo_ascend.trainers.fsdp import enable_on_cpu
+    from grpo_ascend.dist.compat_accelerate import switch_cpu_processes_to_fsdp as enable_on_cpu
 
     accelerator = SimpleNamespace(state=SimpleNamespace(distributed_type=DistributedType.MULTI_CPU,
                                                         mixed_precision="no"))

@@ -74,8 +74,7 @@ class PPOTrainer(RLTrainerBase):
 
     config_class = PPOConfig
     args: PPOConfig
-    _supports_deepspeed = False  # two prepared models (policy, critic): accelerate gives DeepSpeed one engine each
-    _supports_fsdp = False  # likewise: accelerate's FSDP2 prepares one model
+    prepared_models = 2  # policy and critic: engines that take one model per run refuse PPO
 
     def __init__(
         self,
@@ -303,7 +302,7 @@ class PPOTrainer(RLTrainerBase):
                 values = self.critic_model(*inputs)
                 v_loss, v_stats = ppo_value_loss(values, data["values"][m], data["returns"][m], loss_mask[m],
                                                  args.cliprange_value, normaliser)
-                self.accelerator.backward(args.vf_coef * v_loss)
+                self._backward(args.vf_coef * v_loss, self.critic_model)
             with self._no_sync(self.logprob_model, last):
                 logps, entropies = self.logprob_model(*inputs, temperature=args.temperature, with_entropy=True)
                 if entropies is not None and not args.entropy_coef:
@@ -311,7 +310,7 @@ class PPOTrainer(RLTrainerBase):
                 batch = PolicyLossBatch(logps=logps, advantages=data["advantages"][m], mask=loss_mask[m],
                                         old_logps=data["old_logps"][m], entropies=entropies)
                 pg_loss, stats = policy_loss(args.loss_type, batch, self.loss_settings, normaliser)
-                self.accelerator.backward(pg_loss)
+                self._backward(pg_loss)
             self._accumulate(sums, {"policy_loss": pg_loss, "value_loss": v_loss,
                                     "value_clipped": v_stats["value_clipped"], **stats})
         total = sums["policy_loss"] + args.vf_coef * sums["value_loss"]

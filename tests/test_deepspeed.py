@@ -16,7 +16,6 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest

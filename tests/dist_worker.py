@@ -12,6 +12,8 @@ Modes:
          and the reported loss and global gradient norm are saved instead (also used under FSDP,
          with ``"max_grad_norm": 0`` to read the unclipped norm). Under ZeRO-3 the (partitioned)
          trainable weights are gathered to be set or read.
+  contract  the strategy contract (tests/test_strategy_contract.py): gradients, real steps, the NaN
+         skip and a checkpoint round trip, in one launch.
   train  a short GRPO run (optionally resumed, or preempted right after the save at some step;
          ``"lora": false`` fine-tunes the whole model); saves the trainable weights and every
          write this rank made under output_dir.
@@ -133,15 +135,11 @@ def nan_then_finite_step(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict
         rnd = Round(t, ["p"] * n, ["c"] * n)
         return trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
 
-    def weights() -> list[torch.Tensor]:
-        with trainer._gathered_trainable():  # ZeRO-3 partitions them
-            return [whole(p.detach()).clone() for p in trainer.policy.parameters() if p.requires_grad]
-
-    before = weights()
+    before = trainable_weights(trainer)
     bad = step(poison=True)
-    after_bad = weights()
+    after_bad = trainable_weights(trainer)
     step(poison=False)
-    after_good = weights()
+    after_good = trainable_weights(trainer)
     return {
         "skipped_steps": trainer.skipped_steps,
         "bad_grad_norm": bad["grad_norm"],
@@ -149,6 +147,78 @@ def nan_then_finite_step(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict
         "moved": any(not torch.equal(a, b) for a, b in zip(after_bad, after_good)),
         "finite_after": all(bool(torch.isfinite(w).all()) for w in after_good),
     }
+
+
+def trainable_weights(trainer: Any) -> list[torch.Tensor]:
+    """Whole copies of the trainable parameters (every rank must call: partitions are gathered)."""
+    with trainer._gathered_trainable():
+        return [whole(p.detach()).clone() for p in trainer.policy.parameters() if p.requires_grad]
+
+
+def _max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
+
+
+def checkpoint_round_trip(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Save, take a step, load the save back, take the same step again: the load restores the saved
+    weights and the replayed step (weights, optimizer state, loss, grad norm) equals the first."""
+    from grpo_ascend.trainers.base import Round
+
+    n = tensors["completion_ids"].shape[0]
+
+    def step() -> dict[str, float]:
+        rnd = Round(dict(tensors), ["p"] * n, ["c"] * n)
+        metrics = trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
+        return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+
+    trainer.step = 7
+    trainer._save()
+    saved = trainable_weights(trainer)
+    first = step()
+    after_first = trainable_weights(trainer)
+    trainer._load(Path(trainer.args.output_dir) / "checkpoint-7")
+    restored = trainable_weights(trainer)
+    second = step()
+    after_second = trainable_weights(trainer)
+    return {"restored_diff": _max_difference(saved, restored), "replayed_diff": _max_difference(after_first, after_second),
+            "moved": _max_difference(saved, after_first), "first": first, "second": second, "step": trainer.step}
+
+
+def run_contract(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
+    """The strategy contract on one launch: elementwise gradients (where the engine keeps them whole),
+    loss and global gradient norm of real steps, the NaN skip, and a checkpoint round trip."""
+    cfg = grads_config(str(out / "run"), world)
+    if "max_grad_norm" in spec:
+        cfg = cfg.replace(max_grad_norm=spec["max_grad_norm"])
+    trainer = make_trainer(spec["model_dir"], cfg)
+    with trainer._gathered_trainable(modifier_rank=0):  # ZeRO-3: rank 0's values are partitioned back
+        deterministic_trainable_init(trainer.policy)
+    zero = getattr(trainer.optimizer, "optimizer", None)
+    if hasattr(zero, "_restore_from_bit16_weights"):  # ZeRO's fp32 master copy of the re-initialised weights
+        zero._restore_from_bit16_weights()
+    mine = rank_slice(fixed_global_batch(), rank, world)
+    results: dict[str, Any] = {"strategy": trainer.strategy.name, "sharded": sharded(trainer)}
+    if spec.get("elementwise"):
+        for loss_type in spec["loss_types"]:
+            grads, loss = step_gradients(trainer, mine, loss_type)
+            results[f"grads/{loss_type}"] = {"grads": grads, "loss": loss}
+        del trainer._clip_and_step  # back to the real step
+    for loss_type in spec["loss_types"]:
+        results[loss_type] = step_loss_and_norm(trainer, mine, loss_type)
+    results["nan_step"] = nan_then_finite_step(trainer, mine)
+    results["round_trip"] = checkpoint_round_trip(trainer, mine)
+    torch.save(results, out / f"contract_rank{rank}.pt")
+
+
+def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's rows of the global batch, its completions as wide as its longest (as a rollout pads)."""
+    per_rank = batch["completion_ids"].shape[0] // world
+    mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
+    # The ranks then differ in width, in head chunks (logprob_chunk_size=8) and in prompt sharing, and
+    # must still agree (ZeRO-3 and FSDP gather weights collectively at every module call).
+    width = int(mine["completion_mask"].sum(1).max())
+    return {k: v[:, :width] if k in ("completion_ids", "completion_mask", "loss_mask", "old_logps", "ref_logps")
+            else v for k, v in mine.items()}
 
 
 def grads_config(output_dir: str, world_size: int) -> Any:
@@ -185,15 +255,7 @@ def run_grads(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
         # DeepSpeed ZeRO copied the weights into its fp32 master partitions at start-up and writes
         # those back after every step: refresh them from the re-initialised weights.
         zero._restore_from_bit16_weights()
-    batch = fixed_global_batch()
-    per_rank = batch["completion_ids"].shape[0] // world
-    mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
-    # Each rank's completions as wide as its longest (as a rollout would pad them): the ranks then
-    # differ in width, in head chunks (logprob_chunk_size=8) and in prompt sharing, and must still
-    # agree (ZeRO-3 gathers weights collectively at every module call).
-    width = int(mine["completion_mask"].sum(1).max())
-    mine = {k: v[:, :width] if k in ("completion_ids", "completion_mask", "loss_mask", "old_logps", "ref_logps")
-            else v for k, v in mine.items()}
+    mine = rank_slice(fixed_global_batch(), rank, world)
     results = {}
     for loss_type in spec["loss_types"]:
         if spec.get("real_step"):
@@ -304,6 +366,8 @@ def main() -> int:
         run_grads(out, spec, rank, world)
     elif mode == "train":
         run_train(out, spec, rank)
+    elif mode == "contract":
+        run_contract(out, spec, rank, world)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     if torch.distributed.is_initialized():

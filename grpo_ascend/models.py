@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from grpo_ascend.adapters import is_peft
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.logprobs import token_logprobs_from_hidden
 
@@ -77,10 +78,6 @@ def apply_peft(model: nn.Module, peft_config: Any | None) -> nn.Module:
     from peft import get_peft_model
 
     return get_peft_model(model, peft_config)
-
-
-def is_peft(model: nn.Module) -> bool:
-    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
 
 
 def hf_model(model: nn.Module) -> nn.Module:

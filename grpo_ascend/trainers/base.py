@@ -775,23 +775,20 @@ class RLTrainerBase:
             gathered = gather_for_checkpoint(self._trainable_module(), self.optimizer.optimizer, self.is_main_process)
         with self._gathered_trainable():  # ZeRO-3: every rank gathers, the main rank writes
             if self.is_main_process:
-                ckpt.save_checkpoint(
-                    self.args.output_dir,
-                    self.step,
+                contents = ckpt.CheckpointContents(
                     model=self._trainable_module(),
+                    trainer_state=self._trainer_state(),
                     optimizer=None if self.is_deepspeed else gathered.optimizer if gathered else self.optimizer.optimizer,
                     scheduler=self.scheduler,
                     scaler=self.accelerator.scaler,
-                    trainer_state=self._trainer_state(),
                     config=self.args.to_dict(),
                     tokenizer=self.tokenizer,
                     extra_tensors={"sampling_generator": self.generator.get_state(), **per_rank},
                     rng_device=self.device,
-                    save_total_limit=self.args.save_total_limit,
-                    staging_dir=staging,
-                    optimizer_shards=shards,
                     trainable_weights=gathered.weights if gathered else None,
                 )
+                ckpt.save_checkpoint(self.args.output_dir, self.step, contents, save_total_limit=self.args.save_total_limit,
+                                     staging_dir=staging, optimizer_shards=shards)
         self._last_saved_step = self.step
         self.accelerator.wait_for_everyone()
 

@@ -280,7 +280,7 @@ def export_checkpoint(
     if isinstance(checkpoint_or_model, torch.nn.Module):
         model = unwrap_model(checkpoint_or_model)
         _check_out_dir(out, [])
-        with io.AtomicFolder(out) as tmp:
+        with io.AtomicFolder(out.resolve()) as tmp:
             if is_peft(model):
                 config, tensors = _live_adapter(model)
                 base = base_override or config.get("base_model_name_or_path")
@@ -305,7 +305,7 @@ def export_checkpoint(
     manifest = ckpt.read_manifest(folder, verify_hashes=True)
     kind = manifest.get("kind")
     _check_out_dir(out, [folder])
-    with io.AtomicFolder(out) as tmp:
+    with io.AtomicFolder(out.resolve()) as tmp:
         if kind == "lora":
             config, tensors = stored.read_top_adapter(folder)
             base = base_override or config.get("base_model_name_or_path") or manifest.get("base_model_name_or_path")

@@ -236,13 +236,14 @@ class BaseRLConfig(_Validated):
             "max_completion_length",
             "max_prompt_length",
             "num_train_epochs",
-            "learning_rate",
             "logprob_chunk_size",
             "steps_per_generation",
             "generation_batch_size",
             "reward_timeout",
             "ddp_timeout",
         )
+        if self.learning_rate < 0:
+            raise ConfigError(f"learning_rate must be >= 0 (0 = a control run that never moves), got {self.learning_rate}")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"max_steps must be a positive number of optimizer steps or -1, got {self.max_steps}")
         if self.num_generations < 2:

@@ -97,10 +97,15 @@ class RunTracker:
             for s in samples:
                 f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in s.items()}}) + "\n")
 
-    def close(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Close the bar, write summary.json and print a short run summary."""
+    def close_bar(self) -> None:
+        """End the progress bar's line (so an error printed next starts on a line of its own)."""
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
+
+    def close(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Close the bar, write summary.json and print a short run summary."""
+        self.close_bar()
         summary = dict(summary or {})
         summary.setdefault("wall_time_s", round(time.time() - self.started, 2))
         if self.enabled:

@@ -587,13 +587,18 @@ class RLTrainerBase:
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, Any]:
         """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True."""
         self._begin(resume_from_checkpoint)
-        while self.step < self.max_steps:
-            self._train_round()
-            self.round_index += 1
-            if self._should_save():
+        try:
+            while self.step < self.max_steps:
+                self._train_round()
+                self.round_index += 1
+                if self._should_save():
+                    self._save()
+            if self._last_saved_step != self.step:
                 self._save()
-        if self._last_saved_step != self.step:
-            self._save()
+        except BaseException:
+            assert self.tracker is not None
+            self.tracker.close_bar()
+            raise
         return self._finish()
 
     def _begin(self, resume_from_checkpoint: str | bool | None) -> None:

@@ -8,6 +8,7 @@ import os
 import random
 import sys
 import types
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -589,3 +590,85 @@ def test_rotary_kernel_is_skipped_for_scaled_rope(monkeypatch, rotary_restored):
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
     assert counts["rotary"] == 0
     assert rotary_scaling(_qwen2()) == 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# collective timeouts against torch_npu's watchdog rule, per release
+# --------------------------------------------------------------------------------------------
+
+DEFAULT_TIMEOUT_MS = 30 * 60 * 1000  # ProcessGroupHCCL.hpp
+
+
+def torch_npu_watchdog(pg_timeout_ms: float, env: dict, release: str) -> tuple[float, bool]:
+    """(watchdog ms, warned) as ProcessGroupHCCL's constructor sets them (HCCL_ASYNC_ERROR_HANDLING on).
+
+    release '7.0': torch_npu v7.0.0 (2.5.1, 2.4.0.post4, ...); '7.1': v7.1.0 and later (2.5.1.post1, 2.6.0, 2.8.0).
+    """
+    exec_timeout = int(env["HCCL_EXEC_TIMEOUT"]) if "HCCL_EXEC_TIMEOUT" in env else -1  # GetHCCLExecTimeout
+    if release == "7.0":
+        if exec_timeout > 0:
+            return pg_timeout_ms, exec_timeout * 1000 > pg_timeout_ms
+        if exec_timeout == 0:
+            return pg_timeout_ms, True
+        if pg_timeout_ms == DEFAULT_TIMEOUT_MS:
+            return DEFAULT_TIMEOUT_MS * 2, False
+        return pg_timeout_ms, pg_timeout_ms < DEFAULT_TIMEOUT_MS
+    if exec_timeout < 0:
+        exec_timeout = 1836  # defaultExecTimeout
+    if pg_timeout_ms != DEFAULT_TIMEOUT_MS:
+        return pg_timeout_ms, pg_timeout_ms <= exec_timeout * 1000 or exec_timeout == 0
+    return (float("inf") if exec_timeout == 0 else (exec_timeout + 1800) * 1000), False
+
+
+RELEASES = {"2.4.0.post4": "7.0", "2.5.1": "7.0", "2.5.1.post1": "7.1", "2.6.0": "7.1", "2.8.0": "7.1", "2.9.0.post1": "7.1"}
+
+
+def test_the_naive_settings_disagree_with_the_watchdog():
+    # what the issue found: 7.0 aborts at 1800 s despite HCCL_EXEC_TIMEOUT=3600 (and warns); 7.1+ ignores 1800 s
+    assert torch_npu_watchdog(1800_000, {"HCCL_EXEC_TIMEOUT": "3600"}, "7.0") == (1800_000, True)
+    assert torch_npu_watchdog(1800_000, {"HCCL_EXEC_TIMEOUT": "3600"}, "7.1") == (5400_000, False)
+    assert [dev.watchdog_follows_exec_timeout(v) for v in RELEASES] == [r == "7.1" for r in RELEASES.values()]
+
+
+@pytest.mark.parametrize("version", list(RELEASES))
+@pytest.mark.parametrize("ddp_timeout", [128, 600, 1800, 3600])
+def test_watchdog_fires_at_ddp_timeout_after_hccl(version, ddp_timeout):
+    timeouts = dev.collective_timeouts("npu", ddp_timeout, {}, version)
+    env = {"HCCL_EXEC_TIMEOUT": str(timeouts.exec_timeout_s)}
+    watchdog_ms, warned = torch_npu_watchdog(timeouts.process_group.total_seconds() * 1000, env, RELEASES[version])
+    assert watchdog_ms == pytest.approx(ddp_timeout * 1000, abs=1) and not warned
+    assert timeouts.exec_timeout_s == ddp_timeout - 60 and timeouts.watchdog_s == pytest.approx(ddp_timeout, abs=1e-3)
+
+
+def test_exported_exec_timeout_must_fit_ddp_timeout():
+    kept = dev.collective_timeouts("npu:0", 1800, {"HCCL_EXEC_TIMEOUT": "1200"}, "2.8.0")
+    assert kept.exec_timeout_s == 1200 and kept.exec_source == "exported"
+    for bad in ("3600", "0", "1800"):
+        with pytest.raises(ConfigError, match=rf"HCCL_EXEC_TIMEOUT={bad} does not fit ddp_timeout=1800.*Unset"):
+            dev.collective_timeouts("npu", 1800, {"HCCL_EXEC_TIMEOUT": bad}, "2.8.0")
+    with pytest.raises(ConfigError, match="ddp_timeout=100 is too short on Ascend.*128"):
+        dev.collective_timeouts("npu", 100, {}, "2.8.0")
+    off = dev.collective_timeouts("cpu", 100, {"HCCL_EXEC_TIMEOUT": "3600"})
+    assert off.process_group == timedelta(seconds=100) and off.exec_timeout_s is None
+
+
+def test_effective_exec_timeout_per_chip():
+    assert dev.effective_exec_timeout(1740, "training") == 1700  # rounded down to 25 x 68 s
+    assert dev.effective_exec_timeout(50, "inference") == 68
+    assert dev.effective_exec_timeout(1740, "A2", {}) == 1740
+    assert dev.effective_exec_timeout(1740, "A3", {"HCCL_OP_EXPANSION_MODE": "AIV"}) == 1091
+
+
+def test_npu_run_exports_the_derived_exec_timeout(fake_npu, monkeypatch):
+    group = dev.apply_collective_timeouts("npu:0", 1800)
+    assert os.environ["HCCL_EXEC_TIMEOUT"] == "1740"
+    assert group == timedelta(seconds=1800, milliseconds=1)  # torch_npu 2.5.1.post1 would replace exactly 1800 s
+    fake_npu.soc = "Ascend910ProB"
+    assert dev.timeout_facts("npu:0", 1800) == {
+        "ddp_timeout": "1800 s (process-group timeout)",
+        "HCCL_EXEC_TIMEOUT": "1740 s (exported, 1700 s on this chip)",
+        "HCCL watchdog": "1800 s (torch_npu 2.5.1.post1)",
+    }
+    monkeypatch.delenv("HCCL_EXEC_TIMEOUT")
+    assert dev.timeout_facts("npu:0", 600)["HCCL_EXEC_TIMEOUT"] == "540 s (derived from ddp_timeout, 476 s on this chip)"
+    assert dev.pending_runtime_defaults(600, {})["HCCL_EXEC_TIMEOUT"] == "540"

@@ -864,7 +864,7 @@ def timeout_facts(device: torch.device | str, ddp_timeout: int, env: Mapping[str
     family = chip_family(soc_name(device))
     effective = effective_exec_timeout(timeouts.exec_timeout_s, family, env)
     note = "" if effective == timeouts.exec_timeout_s else f", {effective} s on this chip"
-    facts["HCCL_EXEC_TIMEOUT"] = f"{timeouts.exec_timeout_s} s ({timeouts.exec_source}{note})"
+    facts["HCCL exec timeout"] = f"{timeouts.exec_timeout_s} s ({timeouts.exec_source}{note})"
     version = _npu_version() or "unknown"
     if env.get("HCCL_ASYNC_ERROR_HANDLING") == "0" or env.get("HCCL_BLOCKING_WAIT") == "1":
         facts["HCCL watchdog"] = "off (HCCL_ASYNC_ERROR_HANDLING=0 or HCCL_BLOCKING_WAIT=1)"

@@ -666,9 +666,9 @@ def test_npu_run_exports_the_derived_exec_timeout(fake_npu, monkeypatch):
     fake_npu.soc = "Ascend910ProB"
     assert dev.timeout_facts("npu:0", 1800) == {
         "ddp_timeout": "1800 s (process-group timeout)",
-        "HCCL_EXEC_TIMEOUT": "1740 s (exported, 1700 s on this chip)",
+        "HCCL exec timeout": "1740 s (exported, 1700 s on this chip)",
         "HCCL watchdog": "1800 s (torch_npu 2.5.1.post1)",
     }
     monkeypatch.delenv("HCCL_EXEC_TIMEOUT")
-    assert dev.timeout_facts("npu:0", 600)["HCCL_EXEC_TIMEOUT"] == "540 s (derived from ddp_timeout, 476 s on this chip)"
+    assert dev.timeout_facts("npu:0", 600)["HCCL exec timeout"] == "540 s (derived from ddp_timeout, 476 s on this chip)"
     assert dev.pending_runtime_defaults(600, {})["HCCL_EXEC_TIMEOUT"] == "540"

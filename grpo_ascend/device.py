@@ -759,6 +759,9 @@ def collective_timeouts(
     return CollectiveTimeouts(group, exec_timeout, source, group.total_seconds())
 
 
+_derived_here: dict[str, str] = {}  # what apply_collective_timeouts exported in this process
+
+
 def apply_collective_timeouts(device: torch.device | str, ddp_timeout: int,
                               env: MutableMapping[str, str] = os.environ) -> timedelta:
     """Export the derived HCCL_EXEC_TIMEOUT on NPU and return the process-group timeout to pass.
@@ -766,9 +769,11 @@ def apply_collective_timeouts(device: torch.device | str, ddp_timeout: int,
     Call before the process group is created (HCCL and torch_npu read the variable then).
     """
     version = _npu_version() if device_type(device) == "npu" else None
+    if env.get("HCCL_EXEC_TIMEOUT") and env.get("HCCL_EXEC_TIMEOUT") == _derived_here.get("HCCL_EXEC_TIMEOUT"):
+        del env["HCCL_EXEC_TIMEOUT"]  # derived for an earlier run in this process, not exported by the user
     timeouts = collective_timeouts(device, ddp_timeout, env, version)
     if timeouts.exec_timeout_s is not None and timeouts.exec_source != "exported":
-        env["HCCL_EXEC_TIMEOUT"] = str(timeouts.exec_timeout_s)
+        env["HCCL_EXEC_TIMEOUT"] = _derived_here["HCCL_EXEC_TIMEOUT"] = str(timeouts.exec_timeout_s)
         logger.info("HCCL_EXEC_TIMEOUT=%d (ddp_timeout %d s - %d s)", timeouts.exec_timeout_s, ddp_timeout,
                     HCCL_EXEC_MARGIN_S)
     return timeouts.process_group

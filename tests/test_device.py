@@ -660,9 +660,15 @@ def test_effective_exec_timeout_per_chip():
 
 
 def test_npu_run_exports_the_derived_exec_timeout(fake_npu, monkeypatch):
-    group = dev.apply_collective_timeouts("npu:0", 1800)
+    assert dev.apply_collective_timeouts("npu:0", 600) == timedelta(seconds=600)
+    assert os.environ["HCCL_EXEC_TIMEOUT"] == "540"
+    group = dev.apply_collective_timeouts("npu:0", 1800)  # a later run in the process derives again
     assert os.environ["HCCL_EXEC_TIMEOUT"] == "1740"
     assert group == timedelta(seconds=1800, milliseconds=1)  # torch_npu 2.5.1.post1 would replace exactly 1800 s
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1000")  # exported by the user: kept
+    dev.apply_collective_timeouts("npu:0", 1800)
+    assert os.environ["HCCL_EXEC_TIMEOUT"] == "1000"
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1740")
     fake_npu.soc = "Ascend910ProB"
     assert dev.timeout_facts("npu:0", 1800) == {
         "ddp_timeout": "1800 s (process-group timeout)",

@@ -221,3 +221,12 @@ def test_doctor_explains_import_torch_failing_on_an_autoloaded_backend(tmp_path)
     off = _doctor_subprocess(tmp_path, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     assert off.returncode == 0, off.stderr
     assert "import failed: OSError: libascendcl.so" in off.stdout and "warning: torch_npu is installed but unusable" in off.stdout
+
+
+def test_doctor_ddp_timeout_default_is_the_config_default():
+    from grpo_ascend import doctor
+    from grpo_ascend.config import GRPOConfig
+
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    assert parser.parse_args([]).ddp_timeout == GRPOConfig().ddp_timeout

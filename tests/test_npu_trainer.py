@@ -80,7 +80,7 @@ def _trainer_until_optimizer(monkeypatch, tmp_path, model, tokenizer):
     return built["trainer"], built["params"]
 
 
-def test_kernels_go_into_the_placed_policy_and_not_into_a_cpu_model(monkeypatch, tmp_path, tiny_model_dir):
+def test_kernels_go_into_the_placed_policy_and_not_into_a_cpu_model(monkeypatch, tmp_path, tiny_model_dir, caplog):
     model = load_causal_lm(str(tiny_model_dir))
     tokenizer = load_tokenizer(str(tiny_model_dir))
     cpu_model = load_causal_lm(str(tiny_model_dir)).eval()  # same family, same process, stays on the CPU
@@ -89,7 +89,11 @@ def test_kernels_go_into_the_placed_policy_and_not_into_a_cpu_model(monkeypatch,
         expected = cpu_model(ids).logits
 
     calls = install(monkeypatch, soc="Ascend910B2", npu_devices=False)
-    trainer, params = _trainer_until_optimizer(monkeypatch, tmp_path, model, tokenizer)
+    with caplog.at_level("INFO", logger="grpo_ascend.npu_patches"):
+        trainer, params = _trainer_until_optimizer(monkeypatch, tmp_path, model, tokenizer)
+    layers = len(cpu_model.model.layers)
+    assert (f"fused kernels on Ascend910B2 (A2): npu_rms_norm: {2 * layers + 1} x Qwen2RMSNorm; "
+            f"npu_swiglu: {layers} x Qwen2MLP; npu_rotary_mul: {layers} x Qwen2Attention") in caplog.text
     assert str(trainer.device) == "npu:0" and trainer.policy.placed_on == "npu:0"
     trained = {id(p) for p in trainer.policy.parameters() if p.requires_grad}
     assert {id(p) for p in params} == trained  # the patched policy is the one the optimizer trains
@@ -97,7 +101,6 @@ def test_kernels_go_into_the_placed_policy_and_not_into_a_cpu_model(monkeypatch,
     trainer.policy.eval()
     with torch.no_grad():
         actual = trainer.policy(ids).logits
-    layers = len(cpu_model.model.layers)
     # 2 norms per layer + the final norm; one MLP per layer; q and k per layer
     assert calls == {"rms_norm": 2 * layers + 1, "swiglu": layers, "rotary": 2 * layers}
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)  # LoRA B starts at zero

@@ -367,12 +367,10 @@ class RLTrainerBase:
         return zero3.gathered(trainable_parameters(self._trainable_module()), modifier_rank=modifier_rank)
 
     def _patch_for_device(self, model: nn.Module) -> None:
-        """Fused device kernels for the placed ``model``, chosen from the resolved device and its chip."""
+        """Fused device kernels for the placed ``model``, chosen from the resolved device and its chip (logged)."""
         from grpo_ascend.npu_patches import apply_npu_patches
 
-        patched = apply_npu_patches(model, device=self.device)
-        if patched:
-            logger.info("fused device kernels: %s", ", ".join(patched))
+        apply_npu_patches(model, device=self.device)
 
     def _extra_trainable_parameters(self) -> list[nn.Parameter]:
         """Parameters beyond the policy's (PPO's value head)."""

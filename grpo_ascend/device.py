@@ -656,7 +656,7 @@ def soc_name(device: torch.device | str | None = None) -> str | None:
         return None
     try:
         name = torch.npu.get_device_name(None if device is None else _index(device))
-    except Exception:  # a driver error: the family stays unknown and only safe kernels are used
+    except Exception:  # a driver error: the family stays unknown and the eager code runs
         return None
     return str(name) or None
 
@@ -667,8 +667,6 @@ def soc_name(device: torch.device | str | None = None) -> str | None:
 
 #: torch_npu's default process-group timeout (DEFAULT_TIMEOUT in ProcessGroupHCCL.hpp), in seconds.
 HCCL_WATCHDOG_DEFAULT_S = 1800
-#: CANN's default HCCL_EXEC_TIMEOUT (and torch_npu's defaultExecTimeout from 7.1 on), in seconds.
-HCCL_EXEC_DEFAULT_S = 1836
 #: HCCL_EXEC_TIMEOUT = ddp_timeout - this margin, so HCCL reports a stuck collective (and writes its
 #: plog) before torch_npu's watchdog tears the process group down at ddp_timeout.
 HCCL_EXEC_MARGIN_S = 60
@@ -676,25 +674,6 @@ HCCL_EXEC_MARGIN_S = 60
 HCCL_EXEC_STEP_S = 68
 #: A2/A3 with HCCL_OP_EXPANSION_MODE=AIV: HCCL_EXEC_TIMEOUT is capped at 1091 s (0 also means 1091).
 HCCL_EXEC_AIV_CAP_S = 1091
-#: First torch_npu release (Ascend Extension for PyTorch 7.1.0) whose watchdog treats a 1800 s
-#: process-group timeout as unset and uses HCCL_EXEC_TIMEOUT + 1800 s instead.
-_WATCHDOG_RULE_71 = "2.5.1.post1"
-
-
-def watchdog_follows_exec_timeout(torch_npu_version: str | None) -> bool:
-    """Whether this torch_npu (7.1 and later) replaces a 1800 s process-group timeout by HCCL_EXEC_TIMEOUT + 1800 s.
-
-    torch_npu 7.0 and older (2.5.1, 2.4.0.post4, ...) use the process-group timeout as given when
-    HCCL_EXEC_TIMEOUT is set, and double a 1800 s one only when it is unset.
-    """
-    from packaging.version import InvalidVersion, Version
-
-    if not torch_npu_version:
-        return True  # unknown: assume a current release
-    try:
-        return Version(torch_npu_version) >= Version(_WATCHDOG_RULE_71)
-    except InvalidVersion:
-        return True
 
 
 @dataclass(frozen=True)
@@ -718,19 +697,15 @@ def derived_exec_timeout(ddp_timeout: int) -> int:
     return ddp_timeout - HCCL_EXEC_MARGIN_S
 
 
-def collective_timeouts(
-    device: torch.device | str,
-    ddp_timeout: int,
-    env: Mapping[str, str] = os.environ,
-    torch_npu_version: str | None = None,
-) -> CollectiveTimeouts:
+def collective_timeouts(device: torch.device | str, ddp_timeout: int, env: Mapping[str, str] = os.environ) -> CollectiveTimeouts:
     """Consistent collective timeouts for a run whose process-group timeout is ``ddp_timeout`` seconds.
 
     Off NPU the process group simply gets ``ddp_timeout``. On NPU HCCL_EXEC_TIMEOUT is derived
-    (``ddp_timeout - 60`` s) unless exported, and an exported value must be below ``ddp_timeout``;
-    torch_npu 7.1+ would turn a process-group timeout of exactly 1800 s into HCCL_EXEC_TIMEOUT +
-    1800 s, so that one is passed as 1800.001 s, which its watchdog takes as given. The watchdog
-    then fires at ``ddp_timeout`` on every torch_npu version. Pure: see apply_collective_timeouts.
+    (``ddp_timeout - 60`` s) unless exported, and an exported value must be below ``ddp_timeout``.
+    torch_npu's watchdog then uses the process-group timeout as given, on every release, except
+    that from 7.1 on (pip 2.1.0.post13, 2.5.1.post1, 2.6.0, ...) exactly 1800 s counts as unset and
+    becomes HCCL_EXEC_TIMEOUT + 1800 s; so 1800 s is passed as 1800.001 s (harmless before 7.1,
+    where a set HCCL_EXEC_TIMEOUT leaves the timeout as given). Pure: see apply_collective_timeouts.
     """
     if ddp_timeout <= 0:
         raise ConfigError(f"ddp_timeout must be a positive number of seconds, got {ddp_timeout}")
@@ -754,7 +729,7 @@ def collective_timeouts(
     else:
         exec_timeout, source = derived_exec_timeout(ddp_timeout), "derived from ddp_timeout"
     group = timedelta(seconds=ddp_timeout)
-    if ddp_timeout == HCCL_WATCHDOG_DEFAULT_S and watchdog_follows_exec_timeout(torch_npu_version):
+    if ddp_timeout == HCCL_WATCHDOG_DEFAULT_S:
         group += timedelta(milliseconds=1)  # not the sentinel value torch_npu 7.1+ replaces
     return CollectiveTimeouts(group, exec_timeout, source, group.total_seconds())
 
@@ -768,10 +743,9 @@ def apply_collective_timeouts(device: torch.device | str, ddp_timeout: int,
 
     Call before the process group is created (HCCL and torch_npu read the variable then).
     """
-    version = _npu_version() if device_type(device) == "npu" else None
     if env.get("HCCL_EXEC_TIMEOUT") and env.get("HCCL_EXEC_TIMEOUT") == _derived_here.get("HCCL_EXEC_TIMEOUT"):
         del env["HCCL_EXEC_TIMEOUT"]  # derived for an earlier run in this process, not exported by the user
-    timeouts = collective_timeouts(device, ddp_timeout, env, version)
+    timeouts = collective_timeouts(device, ddp_timeout, env)
     if timeouts.exec_timeout_s is not None and timeouts.exec_source != "exported":
         env["HCCL_EXEC_TIMEOUT"] = _derived_here["HCCL_EXEC_TIMEOUT"] = str(timeouts.exec_timeout_s)
         logger.info("HCCL_EXEC_TIMEOUT=%d (ddp_timeout %d s - %d s)", timeouts.exec_timeout_s, ddp_timeout,
@@ -860,7 +834,7 @@ def device_facts(device: torch.device | str | None = None) -> dict[str, Any]:
 def timeout_facts(device: torch.device | str, ddp_timeout: int, env: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The effective collective timeouts of a run with ``ddp_timeout`` on ``device``, keyed by display label."""
     try:
-        timeouts = collective_timeouts(device, ddp_timeout, env, _npu_version())
+        timeouts = collective_timeouts(device, ddp_timeout, env)
     except ConfigError as exc:
         return {"ddp_timeout": f"{ddp_timeout} s", "problem": str(exc)}
     facts = {"ddp_timeout": f"{ddp_timeout} s (process-group timeout)"}

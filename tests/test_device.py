@@ -620,34 +620,35 @@ def torch_npu_watchdog(pg_timeout_ms: float, env: dict, release: str) -> tuple[f
     return (float("inf") if exec_timeout == 0 else (exec_timeout + 1800) * 1000), False
 
 
-RELEASES = {"2.4.0.post4": "7.0", "2.5.1": "7.0", "2.5.1.post1": "7.1", "2.6.0": "7.1", "2.8.0": "7.1", "2.9.0.post1": "7.1"}
+#: torch_npu pip version -> Ascend Extension for PyTorch release (version.txt / setup.py at each tag)
+RELEASES = {"2.1.0.post12": "7.0", "2.1.0.post13": "7.1", "2.4.0.post4": "7.0", "2.5.1": "7.0", "2.5.1.post1": "7.1",
+            "2.6.0": "7.1", "2.8.0": "7.1", "2.9.0.post1": "7.1"}
 
 
 def test_the_naive_settings_disagree_with_the_watchdog():
     # what the issue found: 7.0 aborts at 1800 s despite HCCL_EXEC_TIMEOUT=3600 (and warns); 7.1+ ignores 1800 s
     assert torch_npu_watchdog(1800_000, {"HCCL_EXEC_TIMEOUT": "3600"}, "7.0") == (1800_000, True)
     assert torch_npu_watchdog(1800_000, {"HCCL_EXEC_TIMEOUT": "3600"}, "7.1") == (5400_000, False)
-    assert [dev.watchdog_follows_exec_timeout(v) for v in RELEASES] == [r == "7.1" for r in RELEASES.values()]
 
 
-@pytest.mark.parametrize("version", list(RELEASES))
 @pytest.mark.parametrize("ddp_timeout", [128, 600, 1800, 3600])
-def test_watchdog_fires_at_ddp_timeout_after_hccl(version, ddp_timeout):
-    timeouts = dev.collective_timeouts("npu", ddp_timeout, {}, version)
+def test_watchdog_fires_at_ddp_timeout_after_hccl_on_every_release(ddp_timeout):
+    timeouts = dev.collective_timeouts("npu", ddp_timeout, {})
     env = {"HCCL_EXEC_TIMEOUT": str(timeouts.exec_timeout_s)}
-    watchdog_ms, warned = torch_npu_watchdog(timeouts.process_group.total_seconds() * 1000, env, RELEASES[version])
-    assert watchdog_ms == pytest.approx(ddp_timeout * 1000, abs=1) and not warned
     assert timeouts.exec_timeout_s == ddp_timeout - 60 and timeouts.watchdog_s == pytest.approx(ddp_timeout, abs=1e-3)
+    for version, release in RELEASES.items():
+        watchdog_ms, warned = torch_npu_watchdog(timeouts.process_group.total_seconds() * 1000, env, release)
+        assert watchdog_ms == pytest.approx(ddp_timeout * 1000, abs=1) and not warned, version
 
 
 def test_exported_exec_timeout_must_fit_ddp_timeout():
-    kept = dev.collective_timeouts("npu:0", 1800, {"HCCL_EXEC_TIMEOUT": "1200"}, "2.8.0")
+    kept = dev.collective_timeouts("npu:0", 1800, {"HCCL_EXEC_TIMEOUT": "1200"})
     assert kept.exec_timeout_s == 1200 and kept.exec_source == "exported"
     for bad in ("3600", "0", "1800"):
         with pytest.raises(ConfigError, match=rf"HCCL_EXEC_TIMEOUT={bad} does not fit ddp_timeout=1800.*Unset"):
-            dev.collective_timeouts("npu", 1800, {"HCCL_EXEC_TIMEOUT": bad}, "2.8.0")
+            dev.collective_timeouts("npu", 1800, {"HCCL_EXEC_TIMEOUT": bad})
     with pytest.raises(ConfigError, match="ddp_timeout=100 is too short on Ascend.*128"):
-        dev.collective_timeouts("npu", 100, {}, "2.8.0")
+        dev.collective_timeouts("npu", 100, {})
     off = dev.collective_timeouts("cpu", 100, {"HCCL_EXEC_TIMEOUT": "3600"})
     assert off.process_group == timedelta(seconds=100) and off.exec_timeout_s is None
 
@@ -664,7 +665,7 @@ def test_npu_run_exports_the_derived_exec_timeout(fake_npu, monkeypatch):
     assert os.environ["HCCL_EXEC_TIMEOUT"] == "540"
     group = dev.apply_collective_timeouts("npu:0", 1800)  # a later run in the process derives again
     assert os.environ["HCCL_EXEC_TIMEOUT"] == "1740"
-    assert group == timedelta(seconds=1800, milliseconds=1)  # torch_npu 2.5.1.post1 would replace exactly 1800 s
+    assert group == timedelta(seconds=1800, milliseconds=1)  # torch_npu 7.1+ would replace exactly 1800 s
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1000")  # exported by the user: kept
     dev.apply_collective_timeouts("npu:0", 1800)
     assert os.environ["HCCL_EXEC_TIMEOUT"] == "1000"

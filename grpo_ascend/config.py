@@ -225,7 +225,8 @@ class BaseRLConfig(_Validated):
     # --- multi-process ---
     ddp_timeout: int = _f(
         1800, "Seconds a rank waits in a collective for the others (process-group timeout under accelerate "
-        "launch); raise it when ranks' rollouts or checkpoint saves take longer."
+        "launch); raise it when ranks' rollouts or checkpoint saves take longer. On Ascend HCCL_EXEC_TIMEOUT "
+        "is derived from it (ddp_timeout - 60 s; at least 128 there)."
     )
 
     def __post_init__(self) -> None:

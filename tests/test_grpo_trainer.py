@@ -6,7 +6,13 @@ import json
 
 import pytest
 import torch
-from helpers import SMALL_RUN, first_digit_is_one, make_experience, one_round_gradients
+from helpers import (
+    SMALL_RUN,
+    first_digit_is_one,
+    late_rewards_vs_control,
+    make_experience,
+    one_round_gradients,
+)
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.models import (
@@ -77,15 +83,22 @@ def test_gradient_accumulation_is_exact(tmp_path, tiny_model_dir, loss_type):
 
 @pytest.mark.slow
 def test_reward_rises_on_a_learnable_pattern(tmp_path, tiny_warm_model_dir):
-    cfg = _config(tmp_path, max_steps=30, per_device_train_batch_size=32, num_generations=8, learning_rate=2e-3,
-                  max_completion_length=8, temperature=1.0)
-    trainer = GRPOTrainer(str(tiny_warm_model_dir), first_digit_is_one, cfg, arithmetic_dataset(400, seed=5),
-                          peft_config=default_lora_config(r=8))
-    trainer.train()
-    rewards = [json.loads(line)["reward"] for line in open(tmp_path / "run" / "metrics.jsonl")]
-    assert len(rewards) == 30
-    early, late = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert late > early + 0.25, (early, late)
+    """The trained policy ends far above a control run at learning rate 0 (same seed and prompts).
+
+    Measured: 0.97 vs 0.27 (warm seed 0), 0.93 vs 0.24 (warm seed 1); with the advantages' sign
+    flipped the trained run falls to 0.0 and this fails.
+    """
+
+    def train(lr, name):
+        cfg = _config(tmp_path, output_dir=str(tmp_path / name), max_steps=30, per_device_train_batch_size=32,
+                      num_generations=8, learning_rate=2e-3 if lr is None else lr, max_completion_length=8,
+                      temperature=1.0)
+        GRPOTrainer(str(tiny_warm_model_dir), first_digit_is_one, cfg, arithmetic_dataset(400, seed=5),
+                    peft_config=default_lora_config(r=8)).train()
+        return tmp_path / name
+
+    trained, control = late_rewards_vs_control(train, steps=8)
+    assert trained > control + 0.3, (trained, control)
 
 
 def _weights(trainer):

@@ -30,6 +30,19 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+#: Settings that were removed, with why; a config naming one gets this instead of "unknown key".
+REMOVED_KEYS = {
+    "rollout_buffer_size": "LM PPO trains on each rollout batch as it is made, so a buffer capacity changed "
+    "nothing; remove the key",
+}
+
+
+def _unknown_key(source: str, key: str, names: Any) -> ConfigError:
+    if key in REMOVED_KEYS:
+        return ConfigError(f"{source}: {key!r} was removed: {REMOVED_KEYS[key]}")
+    return ConfigError(f"{source}: unknown key {key!r}{closest(key, names)}")
+
+
 class _Validated:
     """Mixin: typed construction from dicts and YAML with helpful errors."""
 
@@ -47,7 +60,7 @@ class _Validated:
         kwargs = {}
         for key, value in values.items():
             if key not in names:
-                raise ConfigError(f"{source}: unknown key {key!r}{closest(key, names)}")
+                raise _unknown_key(source, key, names)
             kwargs[key] = _coerce(value, hints[key], f"{source}: {key}")
         return cls(**kwargs)
 
@@ -321,6 +334,11 @@ class BatchPlan:
         return self.completions_per_generation // self.num_generations
 
     @property
+    def prompts_per_rank(self) -> int:
+        """Prompts of one generation round on each process (its slice of the global draw)."""
+        return self.prompts_per_generation // self.world_size
+
+    @property
     def completions_per_step(self) -> int:
         return self.micro_batch * self.grad_accum * self.world_size
 
@@ -412,7 +430,6 @@ class PPOConfig(BaseRLConfig):
         "policy", "Critic backbone: the policy's frozen base with its own LoRA, or a reward model path."
     )
     critic_model: str | None = _f(None, "Reward-model path for critic_init='reward_model'.")
-    rollout_buffer_size: int | None = _f(None, "On-device rollout buffer capacity in completions (default: one round).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -425,8 +442,6 @@ class PPOConfig(BaseRLConfig):
             raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.critic_init == "reward_model" and not self.critic_model:
             raise ConfigError("critic_init='reward_model' needs critic_model: the reward model's path")
-        if self.rollout_buffer_size is not None and self.rollout_buffer_size < 1:
-            raise ConfigError(f"rollout_buffer_size must be >= 1 or null, got {self.rollout_buffer_size}")
 
     @property
     def num_iterations(self) -> int:
@@ -524,8 +539,7 @@ def load_recipe(path: str | Path | None, overrides: dict[str, Any] | None = None
     trainer_keys = set(trainer_cls.field_names())
     unknown = [k for k in values if k not in recipe_keys | trainer_keys]
     if unknown:
-        key = unknown[0]
-        raise ConfigError(f"{source}: unknown key {key!r}{closest(key, recipe_keys | trainer_keys)}")
+        raise _unknown_key(source, unknown[0], recipe_keys | trainer_keys)
     recipe = RecipeConfig.from_dict({k: v for k, v in values.items() if k in recipe_keys}, source)
     trainer = trainer_cls.from_dict({k: v for k, v in values.items() if k in trainer_keys}, source)
     return recipe, trainer

@@ -243,11 +243,30 @@ class CompletionLogprobs(nn.Module):
 
 
 @contextlib.contextmanager
+def preserve_requires_grad(model: nn.Module) -> Iterator[None]:
+    """Restore every parameter's ``requires_grad`` on exit.
+
+    peft flips these flags as a side effect: ``set_adapter`` leaves only the active adapter
+    trainable, and leaving ``disable_adapter()`` (the reference forward) re-applies that, which
+    would silently freeze a second adapter such as PPO's critic.
+    """
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+@contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """Run the base model of a PeftModel (the reference policy) without a second copy in memory."""
+    """Run the base model of a PeftModel (the reference policy) without a second copy in memory.
+
+    Every parameter's ``requires_grad`` is kept as it was (see :func:`preserve_requires_grad`).
+    """
     if not is_peft(model):
         raise ConfigError("adapters_disabled needs a PEFT model")
-    with model.disable_adapter():
+    with preserve_requires_grad(model), model.disable_adapter():
         yield
 
 

@@ -26,10 +26,11 @@ def test_every_recipe_loads_and_validates(recipe):
     cfg.batch_plan()
 
 
-def test_readme_config_reference_is_current():
-    from grpo_ascend.config_docs import update_readme
+def test_config_reference_page_is_current():
+    from grpo_ascend.config_docs import DEFAULT_PATH, update_config_reference
 
-    assert update_readme(ROOT / "README.md", check=True), "run: python -m grpo_ascend.config_docs"
+    assert DEFAULT_PATH == ROOT / "docs" / "configuration.md"
+    assert update_config_reference(DEFAULT_PATH, check=True), "run: python -m grpo_ascend.config_docs"
 
 
 def _write(tmp_path, name, text):
@@ -102,11 +103,11 @@ def test_train_plot_export_end_to_end(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_readme_python_example_runs(tmp_path, monkeypatch):
-    """The README's Python API example runs as written (in a scratch folder)."""
-    text = (ROOT / "README.md").read_text()
-    example = text.split("## Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+def test_docs_python_api_example_runs(tmp_path, monkeypatch):
+    """The Python API example of docs/trainer.md runs as written (in a scratch folder)."""
+    page = ROOT / "docs" / "trainer.md"
+    example = page.read_text().split("## Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(tmp_path)
-    exec(compile(example, "README.md", "exec"), {"__name__": "readme_example"})  # noqa: S102 - our own docs
+    exec(compile(example, str(page), "exec"), {"__name__": "docs_example"})  # noqa: S102 - our own docs
     summary = json.loads((tmp_path / "outputs" / "api" / "summary.json").read_text())
     assert summary["steps"] == 10

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import SMALL_RUN, first_digit_is_one
+from helpers import SMALL_RUN, first_digit_is_one, make_experience, one_round_gradients
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.models import (
@@ -17,7 +17,6 @@ from grpo_ascend.models import (
     load_causal_lm,
 )
 from grpo_ascend.synthetic import arithmetic_dataset
-from grpo_ascend.trainers.base import Round
 
 
 def _config(tmp_path, **kw):
@@ -46,7 +45,7 @@ def test_reference_is_base_with_adapters_disabled(tiny_model_dir):
     assert (adapted - expected).abs().max() > 1e-3
 
 
-def _fixed_round(trainer, n=8, lp=6, lc=5):
+def fixed_experience(n=8, lp=6, lc=5, G=2):
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(5, 500, (n, lp), generator=g)
     pm = torch.ones_like(prompt)
@@ -55,12 +54,8 @@ def _fixed_round(trainer, n=8, lp=6, lc=5):
     cm = torch.ones_like(comp)
     cm[1, 3:] = 0
     cm[4, 1:] = 0
-    tensors = {
-        "prompt_ids": prompt, "prompt_mask": pm, "completion_ids": comp, "completion_mask": cm,
-        "advantages": torch.randn(n, generator=g), "loss_mask": cm.float(),
-        "old_logps": -3 - torch.rand(n, lc, generator=g), "ref_logps": -3 - torch.rand(n, lc, generator=g),
-    }
-    return Round(tensors, ["p"] * n, ["c"] * n)
+    return make_experience(prompt, pm, comp, cm, rewards=torch.randn(n, generator=g),
+                           old_logps=-3 - torch.rand(n, lc, generator=g), ref_logps=-3 - torch.rand(n, lc, generator=g))
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
@@ -74,18 +69,10 @@ def test_gradient_accumulation_is_exact(tmp_path, tiny_model_dir, loss_type):
         for name, p in trainer.policy.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(hash(name) % 1000))
-        captured = []
-
-        def capture(params, finite, captured=captured):
-            captured.append([p.grad.clone() for p in params])
-            return 0.0, True
-
-        trainer._clip_and_step = capture
-        rnd = _fixed_round(trainer)
-        trainer._optimizer_step(rnd, torch.arange(8), trainer._round_context(rnd))
-        grads.append(captured[0])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        grads.append(one_round_gradients(trainer, fixed_experience())[0])
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -220,7 +220,11 @@ class BaseRLConfig(_Validated):
     logging_steps: int = _f(1, "Write metrics every N optimizer steps.")
     log_completions_steps: int = _f(10, "Write sample completions with rewards to samples.jsonl every N steps; 0 = off.")
     num_completions_to_print: int = _f(4, "Completions written per sampling of samples.jsonl.")
-    report_to: list[str] = _f([], "Extra trackers, e.g. ['tensorboard'] (needs the tensorboard package).")
+    report_to: list[str] = _f(
+        [], "Trackers besides metrics.jsonl/samples.jsonl ('jsonl', always on): tensorboard, wandb, swanlab, trackio "
+        "(each needs its extra, e.g. pip install 'grpo-ascend[wandb]'); they get the config, the metrics and "
+        "tables of sample completions."
+    )
     disable_tqdm: bool = _f(False, "Hide the progress bar.")
     # --- multi-process ---
     ddp_timeout: int = _f(
@@ -270,6 +274,9 @@ class BaseRLConfig(_Validated):
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be >= 1 or null, got {self.save_total_limit}")
+        from grpo_ascend.trackers import check_report_to
+
+        check_report_to(self.report_to)
         self.batch_plan(int(os.environ.get("WORLD_SIZE", "1")))
         if self.resume_from_checkpoint is True:
             self.resume_from_checkpoint = "latest"

@@ -220,10 +220,10 @@ class BaseRLConfig(_Validated):
     logging_steps: int = _f(1, "Write metrics every N optimizer steps.")
     log_completions_steps: int = _f(10, "Write sample completions with rewards to samples.jsonl every N steps; 0 = off.")
     num_completions_to_print: int = _f(4, "Completions written per sampling of samples.jsonl.")
-    report_to: list[str] = _f(
+    report_to: list[str] | str = _f(
         [], "Trackers besides metrics.jsonl/samples.jsonl ('jsonl', always on): tensorboard, wandb, swanlab, trackio "
         "(each needs its extra, e.g. pip install 'grpo-ascend[wandb]'); they get the config, the metrics and "
-        "tables of sample completions."
+        "tables of sample completions. One name is a list of one; 'none' = no tracker; 'all' = every installed one."
     )
     disable_tqdm: bool = _f(False, "Hide the progress bar.")
     # --- multi-process ---
@@ -274,9 +274,11 @@ class BaseRLConfig(_Validated):
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be >= 1 or null, got {self.save_total_limit}")
-        from grpo_ascend.trackers import check_report_to
+        from grpo_ascend.trackers import check_report_to, installed_trackers
 
-        check_report_to(self.report_to)
+        if isinstance(self.report_to, str):  # TRL style: one name, "none" or "all"
+            self.report_to = installed_trackers() if self.report_to == "all" else [self.report_to]
+        self.report_to = check_report_to(self.report_to)
         self.batch_plan(int(os.environ.get("WORLD_SIZE", "1")))
         if self.resume_from_checkpoint is True:
             self.resume_from_checkpoint = "latest"

@@ -199,6 +199,12 @@ def check_report_to(report_to: list[str]) -> list[str]:
     return names
 
 
+def installed_trackers() -> list[str]:
+    """Every tracker whose package is installed (``report_to: all``)."""
+    return [name for name, (package, _) in TRACKERS.items()
+            if package is None or importlib.util.find_spec(package) is not None]
+
+
 def make_tracker(name: str, output_dir: str | Path, run_name: str | None = None) -> Tracker:
     """Start the tracker registered as ``name``; ConfigError naming the extra when its package is missing."""
     check_report_to([name])

@@ -113,3 +113,8 @@ def test_unknown_names_are_refused():
     with pytest.raises(ConfigError, match=r"unknown tracker 'wandbb' \(did you mean 'wandb'\?\); valid: jsonl, tensorboard"):
         GRPOConfig(report_to=["wandbb"])
     assert trackers.check_report_to(["none", "jsonl", "jsonl"]) == ["jsonl"]
+    # TRL style: one name, "none", "all" (every installed tracker).
+    assert GRPOConfig(report_to="wandb").report_to == ["wandb"]
+    assert GRPOConfig(report_to="none").report_to == []
+    assert GRPOConfig(report_to="all").report_to == trackers.installed_trackers()
+    assert "jsonl" in trackers.installed_trackers()

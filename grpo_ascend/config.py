@@ -229,7 +229,8 @@ class BaseRLConfig(_Validated):
     # --- multi-process ---
     ddp_timeout: int = _f(
         1800, "Seconds a rank waits in a collective for the others (process-group timeout under accelerate "
-        "launch); raise it when ranks' rollouts or checkpoint saves take longer."
+        "launch); raise it when ranks' rollouts or checkpoint saves take longer. On Ascend HCCL_EXEC_TIMEOUT "
+        "is derived from it (ddp_timeout - 60 s; at least 128 there)."
     )
 
     def __post_init__(self) -> None:
@@ -240,13 +241,14 @@ class BaseRLConfig(_Validated):
             "max_completion_length",
             "max_prompt_length",
             "num_train_epochs",
-            "learning_rate",
             "logprob_chunk_size",
             "steps_per_generation",
             "generation_batch_size",
             "reward_timeout",
             "ddp_timeout",
         )
+        if self.learning_rate < 0:
+            raise ConfigError(f"learning_rate must be >= 0 (0 = a control run that never moves), got {self.learning_rate}")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"max_steps must be a positive number of optimizer steps or -1, got {self.max_steps}")
         if self.num_generations < 2:

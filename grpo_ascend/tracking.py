@@ -121,10 +121,15 @@ class RunTracker:
         for tracker in self.trackers:
             tracker.log_table(SAMPLES_TABLE, rows, step)
 
-    def close(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Close the bar and the trackers, write summary.json and print a short run summary."""
+    def close_bar(self) -> None:
+        """End the progress bar's line (so an error printed next starts on a line of its own)."""
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
+
+    def close(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Close the bar and the trackers, write summary.json and print a short run summary."""
+        self.close_bar()
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []

@@ -15,7 +15,6 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +100,6 @@ class RLTrainerBase:
         policy = load_causal_lm(model)
         self.tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class)
         policy = apply_peft(policy, peft_config)
-        self._patch_for_device(policy)
         if args.gradient_checkpointing:
             if hasattr(policy, "activation_checkpointing_enable"):  # the name since transformers 5
                 policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -109,6 +107,7 @@ class RLTrainerBase:
                 policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             policy.config.use_cache = False
         self.policy = policy.to(self.device)
+        self._patch_for_device(self.policy)  # after placement: the kernels depend on the device it runs on
         self.is_peft = is_peft(self.policy)
         self._check_zero3_model()
         trainable, total = count_parameters(self.policy)
@@ -195,7 +194,7 @@ class RLTrainerBase:
         # The collective backend comes from the device layer; accelerate would pick the same one on
         # accelerators, but on the CPU it prefers MPI when torch has it. It may only be named when a
         # launcher started several processes (accelerate refuses a backend for a single process).
-        group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
+        group = InitProcessGroupKwargs(timeout=dev.apply_collective_timeouts(requested, args.ddp_timeout))
         if _launched_distributed(on_cpu):
             group.backend = dev.dist_backend(requested)
         kwargs: dict[str, Any] = {
@@ -364,11 +363,10 @@ class RLTrainerBase:
         return zero3.gathered(trainable_parameters(self._trainable_module()), modifier_rank=modifier_rank)
 
     def _patch_for_device(self, model: nn.Module) -> None:
+        """Fused device kernels for the placed ``model``, chosen from the resolved device and its chip (logged)."""
         from grpo_ascend.npu_patches import apply_npu_patches
 
-        patched = apply_npu_patches(model)
-        if patched:
-            logger.info("fused device kernels: %s", ", ".join(patched))
+        apply_npu_patches(model, device=self.device)
 
     def _extra_trainable_parameters(self) -> list[nn.Parameter]:
         """Parameters beyond the policy's (PPO's value head)."""
@@ -583,13 +581,18 @@ class RLTrainerBase:
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, Any]:
         """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True."""
         self._begin(resume_from_checkpoint)
-        while self.step < self.max_steps:
-            self._train_round()
-            self.round_index += 1
-            if self._should_save():
+        try:
+            while self.step < self.max_steps:
+                self._train_round()
+                self.round_index += 1
+                if self._should_save():
+                    self._save()
+            if self._last_saved_step != self.step:
                 self._save()
-        if self._last_saved_step != self.step:
-            self._save()
+        except BaseException:
+            assert self.tracker is not None
+            self.tracker.close_bar()
+            raise
         return self._finish()
 
     def _begin(self, resume_from_checkpoint: str | bool | None) -> None:

@@ -9,8 +9,9 @@ import torch
 
 from grpo_ascend.algorithms.importance_sampling import (
     ImportanceSamplingSettings,
+    importance_sampling_metrics,
     importance_sampling_weights,
-    summarize,
+    reduce_stats,
 )
 from grpo_ascend.algorithms.losses import PolicyLossBatch, PolicyLossSettings, policy_loss
 from grpo_ascend.errors import ConfigError, DataError
@@ -57,7 +58,7 @@ def test_sequence_truncate_and_mask():
 
 def test_metrics_are_exact():
     out = weights("token_truncate")
-    m = summarize(out.stats)
+    m = importance_sampling_metrics(out.stats)
     valid = [0.1, -0.2, 1.5, -1.0, -0.6]
     kl = sum(math.exp(x) - 1 - x for x in valid) / 5
     assert m["sampling/kl"] == pytest.approx(kl)
@@ -70,6 +71,27 @@ def test_metrics_are_exact():
     assert m["sampling/importance_sampling_clipped_fraction"] == pytest.approx(2 / 5)
 
 
+def test_stats_reduce_over_ranks_like_one_process():
+    """Two 'ranks' holding rows 0 and 1 give the metrics of one process holding both."""
+    settings = ImportanceSamplingSettings("token_truncate", 2.0, 0.5)
+    parts = [importance_sampling_weights(SAMPLER[i : i + 1], TRAINER[i : i + 1], MASK[i : i + 1], settings).stats
+             for i in (0, 1)]
+
+    def two_ranks(values, op):  # what Ranks.sum_scalars does across processes
+        combine = sum if op == "sum" else max
+        return {k: float(combine(float(p[k] if k in p else 0) for p in rank_values(values))) for k in values}
+
+    def rank_values(values):
+        signs = {k: (-1.0 if k.endswith("_min") else 1.0) if k.endswith(("_max", "_min")) else 1.0 for k in values}
+        return [{k: part[k] * signs[k] for k in values} for part in parts]
+
+    whole = importance_sampling_weights(SAMPLER[:2], TRAINER[:2], MASK[:2], settings).stats
+    reduced = reduce_stats(parts[0], two_ranks)
+    assert reduced.keys() == whole.keys()
+    for key in whole:
+        assert reduced[key] == pytest.approx(float(whole[key])), key
+
+
 def test_unscored_tokens_count_as_ratio_one():
     sampler = SAMPLER.clone()
     sampler[0, 2] = float("nan")
@@ -77,7 +99,7 @@ def test_unscored_tokens_count_as_ratio_one():
     assert out.weights[0, 2].item() == 1.0
     seq = importance_sampling_weights(sampler, TRAINER, MASK, ImportanceSamplingSettings("sequence_truncate"))
     assert seq.weights[0, 0].item() == pytest.approx(math.exp(-0.1))
-    assert all(math.isfinite(v) for v in summarize(out.stats).values())
+    assert all(math.isfinite(v) for v in importance_sampling_metrics(out.stats).values())
 
 
 def test_weights_enter_the_loss_as_multipliers():

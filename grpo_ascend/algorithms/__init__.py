@@ -14,7 +14,9 @@ from grpo_ascend.algorithms.importance_sampling import (
     IMPORTANCE_SAMPLING_MODES,
     ImportanceSamplingSettings,
     ImportanceWeights,
+    importance_sampling_metrics,
     importance_sampling_weights,
+    reduce_stats,
 )
 from grpo_ascend.algorithms.kl import KL_ESTIMATORS, per_token_kl
 from grpo_ascend.algorithms.losses import (
@@ -35,7 +37,9 @@ __all__ = [
     "KL_ESTIMATORS",
     "ImportanceSamplingSettings",
     "ImportanceWeights",
+    "importance_sampling_metrics",
     "importance_sampling_weights",
+    "reduce_stats",
     "per_token_kl",
     "POLICY_LOSSES",
     "AdvantageOutput",

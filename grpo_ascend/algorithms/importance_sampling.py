@@ -18,6 +18,7 @@ token's policy-gradient term.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +68,8 @@ class ImportanceWeights:
     """Per-token weights ``[B, T]`` (no grad) and detached stat tensors for the mismatch metrics.
 
     ``stats`` are reducible over micro-batches and ranks: keys ending in ``_sum``/``_count`` add,
-    ``_max`` takes the maximum and ``_min`` the minimum. ``summarize`` turns them into metrics.
+    ``_max`` takes the maximum and ``_min`` the minimum (``reduce_stats``); ``importance_sampling_metrics``
+    turns them into metrics.
     """
 
     weights: Tensor
@@ -131,7 +133,20 @@ def importance_sampling_weights(
     return ImportanceWeights(weights=weights, stats=stats)
 
 
-def summarize(stats: dict[str, Tensor | float]) -> dict[str, float]:
+def reduce_stats(
+    stats: dict[str, Tensor], reduce: Callable[[dict[str, Tensor], str], dict[str, float]]
+) -> dict[str, float]:
+    """Combine the stats of all ranks with ``reduce(values, op)`` (e.g. ``Ranks.sum_scalars``): sums and
+    counts add, ``_max`` keys take the maximum and ``_min`` keys the minimum (as a max of negatives)."""
+    extreme = ("_max", "_min")
+    out = reduce({k: v for k, v in stats.items() if not k.endswith(extreme)}, "sum")
+    signs = {k: -1.0 if k.endswith("_min") else 1.0 for k in stats if k.endswith(extreme)}
+    largest = reduce({k: stats[k] * sign for k, sign in signs.items()}, "max")
+    out.update({k: largest[k] * sign for k, sign in signs.items()})
+    return out
+
+
+def importance_sampling_metrics(stats: dict[str, Tensor | float]) -> dict[str, float]:
     """Mismatch metrics (TRL's ``sampling/*`` names where TRL has them) from summed/reduced stats."""
     value = {k: float(v) for k, v in stats.items()}
     tokens, units = max(value["token_count"], 1.0), max(value["unit_count"], 1.0)

@@ -204,8 +204,6 @@ class RLTrainerBase:
             "cpu": on_cpu and not (_deepspeed_requested() and _launched_distributed(on_cpu)),
             "kwargs_handlers": [group],
         }
-        if args.report_to:
-            kwargs.update(log_with=list(args.report_to), project_dir=args.output_dir)
         accelerator = Accelerator(**kwargs)
         if dev.device_type(accelerator.device) != dev.device_type(requested):
             raise ConfigError(
@@ -219,8 +217,6 @@ class RLTrainerBase:
             fsdp.check_fsdp(accelerator, type(self).__name__, self._supports_fsdp)
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
             self._check_deepspeed(accelerator)
-        if args.report_to:
-            accelerator.init_trackers(Path(args.output_dir).name or "run")
         return accelerator
 
     def _decide_lora_merge(self) -> bool:
@@ -613,7 +609,8 @@ class RLTrainerBase:
             truncate_metrics(args.output_dir, self.step)
             print(self.plan.describe() + f"; {self.max_steps} optimizer steps", flush=True)
         self.tracker = RunTracker(args.output_dir, self.max_steps, enabled=self.is_main_process,
-                                  start_step=self.step, disable_tqdm=args.disable_tqdm, accelerator=self.accelerator)
+                                  start_step=self.step, disable_tqdm=args.disable_tqdm,
+                                  report_to=args.report_to, config=args.to_dict())
         self._first_reward: float | None = None
         self._last_record: dict[str, float] = {}
         self._peak_gb = 0.0
@@ -707,8 +704,6 @@ class RLTrainerBase:
         if export_dir:
             summary["adapter"] = export_dir
         out = self.tracker.close(summary)
-        if self.accelerator.trackers:
-            self.accelerator.end_training()
         return out
 
     def _restore_rank_random_state(self, extra: dict[str, Tensor], saved_world_size: int) -> None:

@@ -59,6 +59,10 @@ class GRPOTrainer(RLTrainerBase):
             entropy_coef=cfg.entropy_coef,
             importance_sampling_level=cfg.importance_sampling_level,
             max_completion_length=cfg.max_completion_length,
+            kl_estimator=cfg.kl_estimator,
+            use_bias_correction_kl=cfg.use_bias_correction_kl,
+            sapo_temperature_pos=cfg.sapo_temperature_pos,
+            sapo_temperature_neg=cfg.sapo_temperature_neg,
         )
         super().__init__(model, reward_funcs, cfg, train_dataset, processing_class, peft_config)
         if self.args.beta > 0:

@@ -127,12 +127,20 @@ class RunTracker:
             self._bar.close()
             self._bar = None
 
-    def close(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Close the bar and the trackers, write summary.json and print a short run summary."""
+    def abort(self) -> None:
+        """After a failure: end the bar's line and finish the trackers' runs (no summary)."""
         self.close_bar()
+        self._close_trackers()
+
+    def _close_trackers(self) -> None:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
+
+    def close(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Close the bar and the trackers, write summary.json and print a short run summary."""
+        self.close_bar()
+        self._close_trackers()
         summary = dict(summary or {})
         summary.setdefault("wall_time_s", round(time.time() - self.started, 2))
         if self.enabled:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_ascend import device as dev
+from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSettings
 from grpo_ascend.algorithms.losses import LossNormaliser
 from grpo_ascend.config import BaseRLConfig, BatchPlan
 from grpo_ascend.data import PromptSampler
@@ -413,7 +414,8 @@ class RLTrainerBase:
             stack.enter_context(lora_merged(self.policy))
         return stack
 
-    def _make_experience_maker(self, reference: bool, mask_truncated_completions: bool = False) -> ExperienceMaker:
+    def _make_experience_maker(self, reference: bool, mask_truncated_completions: bool = False,
+                               importance_sampling: ImportanceSamplingSettings | None = None) -> ExperienceMaker:
         """The round's experience pipeline over this trainer's sampler, engine, rewards and forwards."""
         args = self.args
         return ExperienceMaker(
@@ -424,6 +426,7 @@ class RLTrainerBase:
             reference_logprobs=self._reference_logprobs if reference else None,
             exact_sampling_logps=self.precision == "fp32",  # the engine's log-probs are the training forward's
             mask_truncated_completions=mask_truncated_completions,
+            importance_sampling=importance_sampling,
         )
 
     def _trainer_state_for_rewards(self) -> dict[str, Any]:
@@ -591,7 +594,7 @@ class RLTrainerBase:
                 self._save()
         except BaseException:
             assert self.tracker is not None
-            self.tracker.close_bar()
+            self.tracker.abort()
             raise
         return self._finish()
 

@@ -7,6 +7,7 @@ import copy
 import functools
 import inspect
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,12 +73,18 @@ def default_lora_config(
 
 
 def apply_peft(model: nn.Module, peft_config: Any | None) -> nn.Module:
-    """Wrap ``model`` with LoRA (``peft_config``); None keeps full fine-tuning."""
+    """Wrap ``model`` with LoRA (``peft_config``); None keeps full fine-tuning.
+
+    peft reads transformers' deprecated ``is_gradient_checkpointing`` while wrapping; that
+    FutureWarning says nothing the user can act on, so it is silenced here (and only here).
+    """
     if peft_config is None:
         return model
     from peft import get_peft_model
 
-    return get_peft_model(model, peft_config)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, peft_config)
 
 
 def hf_model(model: nn.Module) -> nn.Module:

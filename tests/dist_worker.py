@@ -12,6 +12,8 @@ Modes:
          and the reported loss and global gradient norm are saved instead (also used under FSDP,
          with ``"max_grad_norm": 0`` to read the unclipped norm). Under ZeRO-3 the (partitioned)
          trainable weights are gathered to be set or read.
+  draws  a short GRPO or PPO run (``"algorithm"``) whose reward records the dataset rows it scores;
+         saves those row ids per round and the logged epochs.
   contract  the strategy contract (tests/test_strategy_contract.py): gradients, real steps, the NaN
          skip and a checkpoint round trip, in one launch.
   train  a short GRPO run (optionally resumed, or preempted right after the save at some step;
@@ -78,16 +80,21 @@ def fixed_global_batch(n: int = 16, prompt_len: int = 6, completion_len: int = 7
         "prompt_mask": prompt_mask,
         "completion_ids": completion,
         "completion_mask": completion_mask,
-        "advantages": torch.randn(n, generator=g),
-        "loss_mask": completion_mask.float(),
+        "rewards": torch.randn(n, generator=g),
         "old_logps": -3 - torch.rand(n, completion_len, generator=g),
         "ref_logps": -3 - torch.rand(n, completion_len, generator=g),
     }
 
 
+def _experience(tensors: dict[str, torch.Tensor]) -> Any:
+    from helpers import make_experience
+
+    return make_experience(**tensors)
+
+
 def step_gradients(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: str) -> tuple[list[torch.Tensor], float]:
     """Gradients of one optimizer step over all rows of ``tensors`` (the step itself is not taken)."""
-    from grpo_ascend.trainers.base import Round
+    from helpers import run_round
 
     captured: list[list[torch.Tensor]] = []
 
@@ -98,42 +105,39 @@ def step_gradients(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: st
 
     trainer._clip_and_step = capture
     trainer.args.loss_type = loss_type
-    n = tensors["completion_ids"].shape[0]
-    rnd = Round(dict(tensors), ["p"] * n, ["c"] * n)
-    metrics = trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
-    return captured[0], metrics["loss"]
+    trainer.max_steps = trainer.step + 1
+    record = run_round(trainer, _experience(tensors))
+    return captured[0], record["loss"]
 
 
 def step_loss_and_norm(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: str) -> dict[str, float]:
     """Loss and pre-clipping global gradient norm of one real optimizer step (taken at learning rate 0)."""
-    from grpo_ascend.trainers.base import Round
+    from helpers import run_round
 
     trainer.scheduler.base_lrs = [0.0] * len(trainer.scheduler.base_lrs)
     for group in trainer.optimizer.param_groups:
         group["lr"] = 0.0
     trainer.args.loss_type = loss_type
-    n = tensors["completion_ids"].shape[0]
-    rnd = Round(dict(tensors), ["p"] * n, ["c"] * n)
-    metrics = trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
-    return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+    trainer.max_steps = trainer.step + 1
+    record = run_round(trainer, _experience(tensors))
+    return {"loss": record["loss"], "grad_norm": record["grad_norm"]}
 
 
 def nan_then_finite_step(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """A step whose gradient is NaN on this rank only (rank 0), then a finite one, at a real learning rate."""
-    from grpo_ascend.trainers.base import Round
+    from helpers import run_round
 
     trainer.scheduler.base_lrs = [1e-2] * len(trainer.scheduler.base_lrs)
     for group in trainer.optimizer.param_groups:
         group["lr"] = 1e-2
-    n = tensors["completion_ids"].shape[0]
+    trainer.max_steps = trainer.step + 2
 
     def step(poison: bool) -> dict[str, float]:
         t = dict(tensors)
         if poison and int(os.environ["RANK"]) == 0:
-            t["advantages"] = t["advantages"].clone()
-            t["advantages"][0] = float("nan")
-        rnd = Round(t, ["p"] * n, ["c"] * n)
-        return trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
+            t["rewards"] = t["rewards"].clone()
+            t["rewards"][0] = float("nan")
+        return run_round(trainer, _experience(t))
 
     before = trainable_weights(trainer)
     bad = step(poison=True)
@@ -162,30 +166,43 @@ def _max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def checkpoint_round_trip(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Save, take a step, load the save back, take the same step again: the load restores the saved
     weights and the replayed step (weights, optimizer state, loss, grad norm) equals the first."""
-    from grpo_ascend.trainers.base import Round
-
-    n = tensors["completion_ids"].shape[0]
+    from helpers import run_round
 
     def step() -> dict[str, float]:
-        rnd = Round(dict(tensors), ["p"] * n, ["c"] * n)
-        metrics = trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
-        return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+        trainer.max_steps = trainer.step + 1
+        record = run_round(trainer, _experience(tensors))
+        return {"loss": record["loss"], "grad_norm": record["grad_norm"]}
 
-    trainer.step = 7
     trainer._save()
+    saved_step = trainer.step
     saved = trainable_weights(trainer)
     first = step()
     after_first = trainable_weights(trainer)
-    trainer._load(Path(trainer.args.output_dir) / "checkpoint-7")
+    trainer._load(Path(trainer.args.output_dir) / f"checkpoint-{saved_step}")
     restored = trainable_weights(trainer)
+    loaded_step = trainer.step
     second = step()
     after_second = trainable_weights(trainer)
     return {"restored_diff": _max_difference(saved, restored), "replayed_diff": _max_difference(after_first, after_second),
-            "moved": _max_difference(saved, after_first), "first": first, "second": second, "step": trainer.step}
+            "moved": _max_difference(saved, after_first), "first": first, "second": second,
+            "saved_step": saved_step, "loaded_step": loaded_step}
+
+
+def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's rows of the global batch, its completions as wide as its longest (as a rollout pads).
+
+    The ranks then differ in width, in head chunks (logprob_chunk_size=8) and in prompt sharing, and
+    must still agree (ZeRO-3 and FSDP gather weights collectively at every module call).
+    """
+    per_rank = batch["completion_ids"].shape[0] // world
+    mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
+    width = int(mine["completion_mask"].sum(1).max())
+    return {k: v[:, :width] if k in ("completion_ids", "completion_mask", "old_logps", "ref_logps")
+            else v for k, v in mine.items()}
 
 
 def run_contract(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
-    """The strategy contract on one launch: elementwise gradients (where the engine keeps them whole),
+    """The strategy contract in one launch: elementwise gradients (where the engine keeps them whole),
     loss and global gradient norm of real steps, the NaN skip, and a checkpoint round trip."""
     cfg = grads_config(str(out / "run"), world)
     if "max_grad_norm" in spec:
@@ -202,23 +219,12 @@ def run_contract(out: Path, spec: dict[str, Any], rank: int, world: int) -> None
         for loss_type in spec["loss_types"]:
             grads, loss = step_gradients(trainer, mine, loss_type)
             results[f"grads/{loss_type}"] = {"grads": grads, "loss": loss}
-        del trainer._clip_and_step  # back to the real step
+        del trainer._clip_and_step  # back to the strategy's step
     for loss_type in spec["loss_types"]:
         results[loss_type] = step_loss_and_norm(trainer, mine, loss_type)
     results["nan_step"] = nan_then_finite_step(trainer, mine)
     results["round_trip"] = checkpoint_round_trip(trainer, mine)
     torch.save(results, out / f"contract_rank{rank}.pt")
-
-
-def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
-    """This rank's rows of the global batch, its completions as wide as its longest (as a rollout pads)."""
-    per_rank = batch["completion_ids"].shape[0] // world
-    mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
-    # The ranks then differ in width, in head chunks (logprob_chunk_size=8) and in prompt sharing, and
-    # must still agree (ZeRO-3 and FSDP gather weights collectively at every module call).
-    width = int(mine["completion_mask"].sum(1).max())
-    return {k: v[:, :width] if k in ("completion_ids", "completion_mask", "loss_mask", "old_logps", "ref_logps")
-            else v for k, v in mine.items()}
 
 
 def grads_config(output_dir: str, world_size: int) -> Any:
@@ -357,6 +363,38 @@ def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
     (out / f"report_rank{rank}.json").write_text(json.dumps(report, indent=1))
 
 
+def recording_trainer(model_dir: str, algorithm: str, output_dir: str, world: int) -> tuple[Any, list[list[int]]]:
+    """A GRPO or PPO trainer over 10 numbered prompts (4 per round in total, whatever ``world``) whose
+    reward records the row ids it scores, one list per round."""
+    from grpo_ascend import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+    from grpo_ascend.models import default_lora_config
+    from grpo_ascend.synthetic import arithmetic_dataset
+
+    seen: list[list[int]] = []
+
+    def record(completions: list[Any], row_id: list[int], **kwargs: Any) -> list[float]:
+        seen.append(sorted(row_id[::2]))  # one id per group of num_generations=2
+        return [0.0] * len(completions)
+
+    common = dict(output_dir=output_dir, num_generations=2, per_device_train_batch_size=8 // world, max_steps=3,
+                  max_completion_length=4, max_prompt_length=96, save_steps=0, disable_tqdm=True,
+                  log_completions_steps=0, seed=0, length_bucket=16)
+    dataset = arithmetic_dataset(10, seed=3)
+    dataset = dataset.add_column("row_id", list(range(len(dataset))))
+    if algorithm == "ppo":
+        cls, cfg = PPOTrainer, PPOConfig(**common, ppo_epochs=1, num_mini_batches=1)
+    else:
+        cls, cfg = GRPOTrainer, GRPOConfig(**common)
+    return cls(model_dir, record, cfg, dataset, peft_config=default_lora_config(r=4)), seen
+
+
+def run_draws(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
+    trainer, seen = recording_trainer(spec["model_dir"], spec["algorithm"], str(out / f"run_rank{rank}"), world)
+    trainer.train()
+    epochs = [record["epoch"] for record in trainer.tracker.history]
+    (out / f"draws_rank{rank}.json").write_text(json.dumps({"rounds": seen, "epochs": epochs}))
+
+
 def main() -> int:
     mode, out, spec = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     torch.set_num_threads(1)
@@ -368,6 +406,8 @@ def main() -> int:
         run_train(out, spec, rank)
     elif mode == "contract":
         run_contract(out, spec, rank, world)
+    elif mode == "draws":
+        run_draws(out, spec, rank, world)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     if torch.distributed.is_initialized():

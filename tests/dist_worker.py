@@ -173,6 +173,11 @@ def checkpoint_round_trip(trainer: Any, tensors: dict[str, torch.Tensor]) -> dic
         record = run_round(trainer, _experience(tensors))
         return {"loss": record["loss"], "grad_norm": record["grad_norm"]}
 
+    # A constant learning rate (the run's schedule has ended at max_steps; functions are not checkpointed).
+    trainer.scheduler.lr_lambdas = [lambda _: 1.0] * len(trainer.scheduler.lr_lambdas)
+    trainer.scheduler.base_lrs = [1e-2] * len(trainer.scheduler.base_lrs)
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = 1e-2
     trainer._save()
     saved_step = trainer.step
     saved = trainable_weights(trainer)
@@ -186,6 +191,23 @@ def checkpoint_round_trip(trainer: Any, tensors: dict[str, torch.Tensor]) -> dic
     return {"restored_diff": _max_difference(saved, restored), "replayed_diff": _max_difference(after_first, after_second),
             "moved": _max_difference(saved, after_first), "first": first, "second": second,
             "saved_step": saved_step, "loaded_step": loaded_step}
+
+
+def unsynced_micro_batch(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Forward and backward of this rank's rows inside the strategy's ``no_sync`` for a micro-batch that is
+    not the step's last; reports what each engine shows of an unreduced gradient (run last: the
+    accumulated gradient is left in place)."""
+    model = trainer.logprob_model
+    inputs = [tensors[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+    trainer.policy.train()
+    with trainer._no_sync(model, last=False):
+        logps, _ = model(*inputs, temperature=1.0)
+        trainer._backward((logps * tensors["completion_mask"]).sum(), model)
+    boundary = getattr(model, "is_gradient_accumulation_boundary", None)
+    params = [p for p in trainer.policy.parameters() if p.requires_grad]
+    return {"boundary": boundary() if callable(boundary) else None,
+            "grads_present": sum(p.grad is not None for p in params),
+            "grad_norms": [float(p.grad.norm()) for p in params if p.grad is not None]}
 
 
 def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -224,6 +246,7 @@ def run_contract(out: Path, spec: dict[str, Any], rank: int, world: int) -> None
         results[loss_type] = step_loss_and_norm(trainer, mine, loss_type)
     results["nan_step"] = nan_then_finite_step(trainer, mine)
     results["round_trip"] = checkpoint_round_trip(trainer, mine)
+    results["no_sync"] = unsynced_micro_batch(trainer, mine)
     torch.save(results, out / f"contract_rank{rank}.pt")
 
 

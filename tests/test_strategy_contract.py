@@ -10,7 +10,9 @@ counts, with 2 accumulated micro-batches per rank (the strategy's no-sync on the
 - NaN skip: a NaN gradient on one rank skips the step on every rank, weights untouched, and the
   next finite step is taken;
 - checkpoint round trip: a save, a step, the load of that save and the same step again restore
-  the saved weights exactly and replay the step (weights, loss, grad norm).
+  the saved weights exactly and replay the step (weights, loss, grad norm);
+- no-sync: a micro-batch that is not the step's last leaves its gradient unreduced (DDP: each
+  rank's own; FSDP2: no reduce-scatter yet; DeepSpeed: not an accumulation boundary).
 
 The one-process reference is computed once for all strategies.
 """
@@ -103,3 +105,13 @@ def test_strategy_contract(name, one_process, tmp_path, tiny_model_dir):
         assert trip["loaded_step"] == trip["saved_step"] and trip["moved"] > 0, (r, trip)
         assert trip["restored_diff"] == 0, (r, trip)
         assert trip["replayed_diff"] == 0 and trip["first"] == trip["second"], (r, trip)
+
+    # no-sync: a micro-batch that is not the step's last leaves its gradient unreduced
+    unsynced = [got["no_sync"] for got in ranks]
+    if name == "plain":  # each rank holds its own local gradient, not the average
+        assert all(u["grads_present"] > 0 for u in unsynced)
+        assert unsynced[0]["grad_norms"] != unsynced[1]["grad_norms"]
+    elif name == "fsdp":  # no reduce-scatter yet: the sharded gradients are not there
+        assert all(u["grads_present"] == 0 for u in unsynced)
+    else:  # the engine was told this is not an accumulation boundary
+        assert all(u["boundary"] is False for u in unsynced)

@@ -6,16 +6,12 @@ in a gloo process group on the CPU. Each rank writes its results to ``OUT_DIR/<n
 (never into the trainer's output_dir, whose writers the ``train`` mode audits).
 
 Modes:
-  grads  one optimizer step per loss type on a fixed global batch (this rank's slice); saves the
-         gradients after DDP averaging and the reported loss. With ``"real_step": true`` (DeepSpeed,
-         whose ZeRO-2 gradients live in per-rank partitions) the step is taken at learning rate 0
-         and the reported loss and global gradient norm are saved instead (also used under FSDP,
-         with ``"max_grad_norm": 0`` to read the unclipped norm). Under ZeRO-3 the (partitioned)
-         trainable weights are gathered to be set or read.
   draws  a short GRPO or PPO run (``"algorithm"``) whose reward records the dataset rows it scores;
          saves those row ids per round and the logged epochs.
-  contract  the strategy contract (tests/test_strategy_contract.py): gradients, real steps, the NaN
-         skip and a checkpoint round trip, in one launch.
+  contract  the strategy contract (tests/test_strategy_contract.py) on a fixed global batch (this
+         rank's slice): gradients (where whole), loss and global gradient norm of real steps at
+         learning rate 0, the NaN skip, a checkpoint round trip and a no-sync micro-batch, in one
+         launch. Under ZeRO-3 the (partitioned) trainable weights are gathered to be set or read.
   train  a short GRPO run (optionally resumed, or preempted right after the save at some step;
          ``"lora": false`` fine-tunes the whole model); saves the trainable weights and every
          write this rank made under output_dir.
@@ -272,32 +268,6 @@ def make_trainer(model_dir: str, cfg: Any, dataset_size: int = 8, dataset_seed: 
                        peft_config=default_lora_config(r=4) if lora else None)
 
 
-def run_grads(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
-    cfg = grads_config(str(out / "unused"), world)
-    if "max_grad_norm" in spec:
-        cfg = cfg.replace(max_grad_norm=spec["max_grad_norm"])
-    trainer = make_trainer(spec["model_dir"], cfg)
-    with trainer._gathered_trainable(modifier_rank=0):  # ZeRO-3: rank 0's values are partitioned back
-        deterministic_trainable_init(trainer.policy)
-    zero = getattr(trainer.optimizer, "optimizer", None)
-    if hasattr(zero, "_restore_from_bit16_weights"):
-        # DeepSpeed ZeRO copied the weights into its fp32 master partitions at start-up and writes
-        # those back after every step: refresh them from the re-initialised weights.
-        zero._restore_from_bit16_weights()
-    mine = rank_slice(fixed_global_batch(), rank, world)
-    results = {}
-    for loss_type in spec["loss_types"]:
-        if spec.get("real_step"):
-            results[loss_type] = step_loss_and_norm(trainer, mine, loss_type)
-            continue
-        grads, loss = step_gradients(trainer, mine, loss_type)
-        results[loss_type] = {"grads": grads, "loss": loss}
-    if spec.get("real_step"):
-        results["nan_step"] = nan_then_finite_step(trainer, mine)
-    results["sharded"] = sharded(trainer)
-    torch.save(results, out / f"grads_rank{rank}.pt")
-
-
 class WriteAudit:
     """Records every write-like file operation under ``root`` (an audit hook; see sys.addaudithook)."""
 
@@ -423,9 +393,7 @@ def main() -> int:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out.mkdir(parents=True, exist_ok=True)
-    if mode == "grads":
-        run_grads(out, spec, rank, world)
-    elif mode == "train":
+    if mode == "train":
         run_train(out, spec, rank)
     elif mode == "contract":
         run_contract(out, spec, rank, world)

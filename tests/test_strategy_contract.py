@@ -48,6 +48,8 @@ STRATEGIES: dict[str, tuple[Any, bool, dict[str, Any], float]] = {
     "fsdp": (lambda folder: FSDP_ENV, True, {"max_grad_norm": 0}, 1e-5),
 }
 NEEDS_DEEPSPEED = {"deepspeed-zero2", "deepspeed-zero3"}
+# DeepSpeed start-up is slow (~10 s per launch here): those two are deselected by scripts/test.sh --fast.
+PARAMS = [pytest.param(name, marks=[pytest.mark.slow] if name in NEEDS_DEEPSPEED else []) for name in STRATEGIES]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +69,7 @@ def one_process(tmp_path_factory, tiny_model_dir) -> dict[str, Any]:
     return reference
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", PARAMS)
 def test_strategy_contract(name, one_process, tmp_path, tiny_model_dir):
     if name in NEEDS_DEEPSPEED:
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'grpo-ascend[deepspeed]')")

@@ -10,7 +10,13 @@ from grpo_ascend.tools.environments import (
     environment_toolset,
     load_environment_factory,
 )
-from grpo_ascend.tools.execution import FAILURE_REASONS, ToolExecutor, ToolResult, check_arguments, tool_metrics
+from grpo_ascend.tools.execution import (
+    FAILURE_REASONS,
+    ToolExecutor,
+    ToolResult,
+    check_arguments,
+    tool_metrics,
+)
 from grpo_ascend.tools.parsing import (
     TOOL_CALL_PARSERS,
     MalformedCall,
@@ -22,7 +28,14 @@ from grpo_ascend.tools.parsing import (
 )
 from grpo_ascend.tools.render import render_tool_suffix, render_tool_suffix_text
 from grpo_ascend.tools.sandbox import SandboxLimits, SandboxResult, make_python_tool, run_python
-from grpo_ascend.tools.toolset import BUILTIN_TOOLS, Tool, Toolset, load_tool, load_toolset, tool_from_function
+from grpo_ascend.tools.toolset import (
+    BUILTIN_TOOLS,
+    Tool,
+    Toolset,
+    load_tool,
+    load_toolset,
+    tool_from_function,
+)
 
 __all__ = [
     "BUILTIN_TOOLS",

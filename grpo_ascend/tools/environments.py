@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo_ascend.errors import ConfigError, DataError, closest
-from grpo_ascend.tools.toolset import Toolset, ToolFunction
+from grpo_ascend.tools.toolset import ToolFunction, Toolset
 
 EnvironmentFactory = Callable[[], Any]
 
@@ -94,7 +94,7 @@ class EnvironmentPool:
         self.tools = tools if tools is not None else Toolset()
         self._pool: dict[str | None, list[Any]] = {}
         self.reward_classes: list[type] = []
-        for name, factory in factories.items():
+        for name in factories:
             instance = self._create(name)
             self._pool[name] = [instance]
             environment_toolset(instance, self.tools)

@@ -21,16 +21,48 @@ from grpo_ascend.synthetic import arithmetic_problems, conversation
 
 logger = logging.getLogger(__name__)
 
-BUILD_VERSION = 2
+# Version 3: tool-calling tokens and a chat template that renders tools (new vocabulary, new weights).
+BUILD_VERSION = 3
 VOCAB_SIZE = 1024
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
+#: Qwen-style tool tags, one token each; not "special", so decoding with skip_special_tokens keeps them.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# Qwen2.5-style: with ``tools`` the system turn lists their JSON schemas; assistant ``tool_calls``
+# render as <tool_call> JSON blocks; consecutive ``tool`` messages form one user turn of
+# <tool_response> blocks. Without tools it renders exactly as the plain ChatML template.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if call.get('function') %}{%- set call = call['function'] %}{%- endif %}"
+    "{%- if not loop.first or message['content'] %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + call['name'] + '\\\", \\\"arguments\\\": ' }}"
+    "{%- if call['arguments'] is string %}{{- call['arguments'] }}{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 
@@ -75,7 +107,7 @@ def _tokenizer_corpus(seed: int = 0, n: int = 4000) -> list[str]:
 
 def build_tokenizer(vocab_size: int = VOCAB_SIZE, seed: int = 0):
     """Train the byte-level BPE tokenizer (digits split one per token) and wrap it for transformers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -85,11 +117,12 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE, seed: int = 0):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + TOOL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_tokenizer_corpus(seed), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, padding_side="left"
     )

@@ -53,7 +53,9 @@ def append_observation(prompt: Any, observation: str | None) -> Any:
     if observation is None:
         return prompt
     if not isinstance(observation, str):
-        raise DataError(f"an environment's reset() must return None or a string; got {type(observation).__name__}")
+        raise DataError(
+            f"an environment's reset() must return None or a string; got {type(observation).__name__}"
+        )
     if isinstance(prompt, str):
         return prompt + observation
     messages = list(prompt)
@@ -82,14 +84,20 @@ class EnvironmentPool:
     probed once at construction to check that its instances have ``reset`` and valid tool methods.
     """
 
-    def __init__(self, environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory], tools: Toolset | None = None):
+    def __init__(
+        self,
+        environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory],
+        tools: Toolset | None = None,
+    ):
         self.multi = isinstance(environment_factory, Mapping)
         factories = dict(environment_factory) if self.multi else {None: environment_factory}
         if not factories:
             raise ConfigError("environment_factory is an empty dict; give at least one {name: factory}")
         for name, factory in factories.items():
             if not callable(factory):
-                raise ConfigError(f"environment {name!r}: the factory must be callable (a class or function); got {factory!r}")
+                raise ConfigError(
+                    f"environment {name!r}: the factory must be callable (a class or function); got {factory!r}"
+                )
         self.factories: dict[str | None, EnvironmentFactory] = factories
         self.tools = tools if tools is not None else Toolset()
         self._pool: dict[str | None, list[Any]] = {}
@@ -105,7 +113,9 @@ class EnvironmentPool:
         instance = self.factories[name]()
         if not callable(getattr(instance, "reset", None)):
             label = type(instance).__name__ if name is None else f"{name!r} ({type(instance).__name__})"
-            raise ConfigError(f"environment {label} has no reset() method; every environment must define reset()")
+            raise ConfigError(
+                f"environment {label} has no reset() method; every environment must define reset()"
+            )
         return instance
 
     def names_for(self, rows: Sequence[Mapping[str, Any]]) -> list[str | None]:
@@ -148,7 +158,9 @@ class EnvironmentPool:
                     f"{type(instance).__name__}.reset() returned a {type(observation).__name__}; "
                     "it must return None or a string (appended to the last user message)"
                 )
-            out.append(RolloutEnvironment(name, instance, environment_toolset(instance, self.tools), observation))
+            out.append(
+                RolloutEnvironment(name, instance, environment_toolset(instance, self.tools), observation)
+            )
         return out
 
     def reward_functions(self) -> list[Callable[..., Any]]:
@@ -164,7 +176,9 @@ def _environment_reward(cls: type) -> Callable[..., Any]:
     if inspect.iscoroutinefunction(cls.get_reward):
 
         async def reward(prompts=None, completions=None, completion_ids=None, *, environments, **kwargs):
-            return [await _instance(e).get_reward() if type(_instance(e)) is cls else None for e in environments]
+            return [
+                await _instance(e).get_reward() if type(_instance(e)) is cls else None for e in environments
+            ]
 
     else:
 
@@ -172,7 +186,9 @@ def _environment_reward(cls: type) -> Callable[..., Any]:
             return [_instance(e).get_reward() if type(_instance(e)) is cls else None for e in environments]
 
     reward.__name__ = reward.__qualname__ = cls.__name__
-    reward.__doc__ = f"{cls.__name__}.get_reward() of each rollout's environment (None for other environments)."
+    reward.__doc__ = (
+        f"{cls.__name__}.get_reward() of each rollout's environment (None for other environments)."
+    )
     return reward
 
 

@@ -115,7 +115,9 @@ class ToolExecutor:
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpo-tool-loop", daemon=True)
         self._thread.start()
 
-    def run(self, turns: Sequence[ParsedTurn], toolsets: Toolset | Sequence[Toolset]) -> list[list[ToolResult]]:
+    def run(
+        self, turns: Sequence[ParsedTurn], toolsets: Toolset | Sequence[Toolset]
+    ) -> list[list[ToolResult]]:
         """The results of every call of every row, in call order: ``results[row][call]``.
 
         ``toolsets`` is one toolset for all rows or one per row (per-rollout environments).
@@ -127,7 +129,9 @@ class ToolExecutor:
         future = asyncio.run_coroutine_threadsafe(self._run_all(turns, toolsets), self._loop)
         return future.result()
 
-    async def _run_all(self, turns: Sequence[ParsedTurn], toolsets: Sequence[Toolset]) -> list[list[ToolResult]]:
+    async def _run_all(
+        self, turns: Sequence[ParsedTurn], toolsets: Sequence[Toolset]
+    ) -> list[list[ToolResult]]:
         jobs = [
             [self._run_one(call, toolset) for call in turn.calls] for turn, toolset in zip(turns, toolsets)
         ]
@@ -152,16 +156,23 @@ class ToolExecutor:
             if tool.is_async:
                 awaitable = tool.function(**call.arguments)
             else:
-                awaitable = self._loop.run_in_executor(self._pool, functools.partial(tool.function, **call.arguments))
+                awaitable = self._loop.run_in_executor(
+                    self._pool, functools.partial(tool.function, **call.arguments)
+                )
             value = await asyncio.wait_for(awaitable, self.timeout)
         except (asyncio.TimeoutError, TimeoutError):
             return ToolResult(
-                call.name, f"Error: {call.name} timed out after {self.timeout:g} s", "timeout", time.perf_counter() - start
+                call.name,
+                f"Error: {call.name} timed out after {self.timeout:g} s",
+                "timeout",
+                time.perf_counter() - start,
             )
         except Exception as exc:  # noqa: BLE001 - a tool's exception is reported to the model, never raised
             message = f"Error: {call.name} raised {type(exc).__name__}: {exc}"
             return ToolResult(call.name, message, "exception", time.perf_counter() - start)
-        content, truncated = truncate_output(value if isinstance(value, str) else str(value), self.max_output_chars)
+        content, truncated = truncate_output(
+            value if isinstance(value, str) else str(value), self.max_output_chars
+        )
         return ToolResult(call.name, content, None, time.perf_counter() - start, truncated)
 
     def close(self) -> None:

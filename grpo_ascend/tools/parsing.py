@@ -114,7 +114,10 @@ def _tagged_blocks(text: str) -> tuple[str, list[tuple[str, bool]]]:
 
 def _call_from_object(obj: Any, raw: str, decode: Callable[[str], Any]) -> ToolCall | MalformedCall:
     if not isinstance(obj, dict):
-        return MalformedCall(raw, f'a tool call must be an object {{"name": ..., "arguments": {{...}}}}; got {type(obj).__name__}')
+        return MalformedCall(
+            raw,
+            f'a tool call must be an object {{"name": ..., "arguments": {{...}}}}; got {type(obj).__name__}',
+        )
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return MalformedCall(raw, 'the tool call has no "name" string')
@@ -123,11 +126,15 @@ def _call_from_object(obj: Any, raw: str, decode: Callable[[str], Any]) -> ToolC
         try:
             arguments = decode(arguments) if arguments.strip() else {}
         except Exception as exc:  # noqa: BLE001 - any decoding failure is the model's, reported back to it
-            return MalformedCall(raw, f'"arguments" of {name!r} is a string that is not a JSON object ({exc})', name)
+            return MalformedCall(
+                raw, f'"arguments" of {name!r} is a string that is not a JSON object ({exc})', name
+            )
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
-        return MalformedCall(raw, f'"arguments" of {name!r} must be an object; got {type(arguments).__name__}', name)
+        return MalformedCall(
+            raw, f'"arguments" of {name!r} must be an object; got {type(arguments).__name__}', name
+        )
     return ToolCall(name, arguments, raw)
 
 

@@ -30,7 +30,9 @@ def render_tool_suffix(
     if not results:
         raise ValueError("render_tool_suffix needs at least one tool result")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ConfigError("the tokenizer has no chat template; tool responses are rendered with it (role 'tool')")
+        raise ConfigError(
+            "the tokenizer has no chat template; tool responses are rendered with it (role 'tool')"
+        )
     tool_messages = _messages(results)
     kwargs = dict(chat_template_kwargs or {})
     dummy_calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
@@ -39,7 +41,11 @@ def render_tool_suffix(
         {"role": "assistant", "content": "", "tool_calls": dummy_calls},
     ]
     prefix = _ids(tokenizer.apply_chat_template(head, tokenize=True, add_generation_prompt=False, **kwargs))
-    full = _ids(tokenizer.apply_chat_template(head + tool_messages, tokenize=True, add_generation_prompt=True, **kwargs))
+    full = _ids(
+        tokenizer.apply_chat_template(
+            head + tool_messages, tokenize=True, add_generation_prompt=True, **kwargs
+        )
+    )
     eos = tokenizer.eos_token_id
     ends = [i for i, t in enumerate(prefix) if t == eos]
     if ends:
@@ -53,10 +59,14 @@ def render_tool_suffix(
 
 
 def render_tool_suffix_text(
-    tokenizer: Any, results: Sequence[ToolResult | Mapping[str, Any]], chat_template_kwargs: Mapping[str, Any] | None = None
+    tokenizer: Any,
+    results: Sequence[ToolResult | Mapping[str, Any]],
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """The text of :func:`render_tool_suffix` (for logs and samples)."""
-    return tokenizer.decode(render_tool_suffix(tokenizer, results, chat_template_kwargs), skip_special_tokens=False)
+    return tokenizer.decode(
+        render_tool_suffix(tokenizer, results, chat_template_kwargs), skip_special_tokens=False
+    )
 
 
 def _ids(rendered: Any) -> list[int]:

@@ -68,7 +68,15 @@ class SandboxLimits:
     interpreter: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("timeout", "cpu_seconds", "memory_bytes", "file_size_bytes", "max_processes", "max_output_bytes", "output_kill_bytes"):
+        for name in (
+            "timeout",
+            "cpu_seconds",
+            "memory_bytes",
+            "file_size_bytes",
+            "max_processes",
+            "max_output_bytes",
+            "output_kill_bytes",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"sandbox limit {name} must be a positive number; got {value!r}")
@@ -190,13 +198,17 @@ def _interpreter(configured: str | None, uid: int | None) -> str | None:
     (e.g. a virtualenv under /root), in which case the run keeps root's uid and says so."""
     if uid is None:
         return configured or sys.executable
-    candidates = [configured] if configured else [sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]
+    candidates = (
+        [configured] if configured else [sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]
+    )
     for path in candidates:
         with _USABLE_LOCK:
             if path not in _USABLE:
                 _USABLE[path] = os.path.exists(path) and _probe(path, uid)
                 if not _USABLE[path]:
-                    logger.warning("sandbox: %s cannot be run by an unprivileged uid; trying the next interpreter", path)
+                    logger.warning(
+                        "sandbox: %s cannot be run by an unprivileged uid; trying the next interpreter", path
+                    )
             if _USABLE[path]:
                 return path
     logger.warning("sandbox: no interpreter runs under an unprivileged uid; sandboxed code keeps root's uid")
@@ -332,7 +344,9 @@ def _supervise(
             stream.close()
         os.close(status_r)
     duration = time.monotonic() - start
-    reports = [json.loads(line) for line in kept["status"].decode(errors="replace").splitlines() if line.strip()]
+    reports = [
+        json.loads(line) for line in kept["status"].decode(errors="replace").splitlines() if line.strip()
+    ]
     isolation = reports[0] if reports else {}
     finished = reports[1] if len(reports) > 1 else None
     if uid is not None and finished is None:

@@ -148,7 +148,9 @@ def load_tool(spec: str | Mapping[str, Any] | ToolFunction, **options: Any) -> T
     forms = _TOOL_FORMS.format(names=", ".join(sorted(BUILTIN_TOOLS)))
     if isinstance(spec, Mapping):
         if "name" not in spec:
-            raise ConfigError(f"a tool given as a mapping needs a 'name' key ({forms}); got keys {sorted(spec)}")
+            raise ConfigError(
+                f"a tool given as a mapping needs a 'name' key ({forms}); got keys {sorted(spec)}"
+            )
         merged = {k: v for k, v in spec.items() if k != "name"}
         merged.update(options)
         return load_tool(spec["name"], **merged)

@@ -64,6 +64,7 @@ def _limit(which, value, hard_extra=0):
 
 def _child(config):
     limits = config["limits"]
+    os.setpgid(0, 0)  # the program's own process group, so the supervisor can kill it and survive
     _limit(resource.RLIMIT_CORE, 0)
     # Soft limit sends SIGXCPU (reported as the CPU limit); the hard one a second later, SIGKILL.
     _limit(resource.RLIMIT_CPU, int(limits["cpu_seconds"]), hard_extra=1)
@@ -94,15 +95,17 @@ def _wait(pid, timeout):
         time.sleep(0.01)
 
 
-def _reap(block):
-    """Collect exited descendants; blocking only when all of them were just killed."""
-    while True:
+def _reap(grace):
+    """Collect exited descendants (orphans come here: this is their subreaper) for up to ``grace``
+    seconds; processes that left the program's group and are still running are not waited for."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
         try:
-            pid, _ = os.waitpid(-1, 0 if block else os.WNOHANG)
+            pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
-            return
+            time.sleep(0.01)
 
 
 def main():
@@ -133,14 +136,24 @@ def main():
             sys.stderr.write(f"sandbox: could not start Python: {type(exc).__name__}: {exc}\n")
             sys.stderr.flush()
         os._exit(127)
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass  # the child did it first (or already exited)
+    status.write(json.dumps({"child": pid}) + "\n")
+    status.flush()
     wait_status, stopped = _wait(pid, config["timeout"])
+    try:
+        os.killpg(pid, signal.SIGKILL)  # what the program left running in its group
+    except OSError:
+        pass
     if uid is not None:
         # Every process of the sandbox uid but this one: children that escaped the process group.
         try:
             os.kill(-1, signal.SIGKILL)
         except OSError:
             pass
-    _reap(block=uid is not None)
+    _reap(grace=2.0 if uid is not None else 0.5)
     if stopped is not None:
         status.write(json.dumps({"stopped": stopped}) + "\n")
     elif os.WIFSIGNALED(wait_status):

@@ -348,7 +348,10 @@ def _supervise(
         json.loads(line) for line in kept["status"].decode(errors="replace").splitlines() if line.strip()
     ]
     isolation = reports[0] if reports else {}
-    finished = reports[1] if len(reports) > 1 else None
+    child = next((r["child"] for r in reports if "child" in r), None)
+    finished = next((r for r in reports if {"exit_code", "signal", "stopped"} & set(r)), None)
+    if finished is None and child is not None:
+        _kill_group(child)  # the supervisor died before killing the program's group
     if uid is not None and finished is None:
         _sweep_uid(uid)  # the supervisor died before it could kill the uid's leftovers
     exit_code = finished.get("exit_code") if finished else None

@@ -17,10 +17,12 @@ from grpo_ascend.tools import (
     ToolResult,
     Toolset,
     append_observation,
+    check_tool_chat_template,
     load_environment_factory,
     load_toolset,
     parse_tool_calls,
     render_tool_suffix,
+    run_tool_step,
     tool_metrics,
 )
 
@@ -432,3 +434,37 @@ def test_render_tool_suffix_continues_the_conversation_exactly(tokenizer):
         return_dict=False,
     )
     assert head_ids + suffix == list(whole)
+
+
+def test_run_tool_step_parses_runs_and_renders_per_row(tokenizer):
+    texts = [
+        '<tool_call>\n{"name": "add", "arguments": {"a": 20, "b": 22}}\n</tool_call>',
+        "The answer is 42.",
+        "<tool_call>\n{oops}\n</tool_call>",
+    ]
+    with ToolExecutor() as executor:
+        steps = run_tool_step(texts, Toolset([add]), executor, tokenizer, parser="qwen")
+    assert [s.continues for s in steps] == [True, False, True]
+    assert tokenizer.decode(steps[0].suffix_ids) == (
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert steps[1].results == [] and steps[1].suffix_ids == []
+    assert steps[2].results[0].failure == "malformed"
+    assert "Error: malformed tool call" in tokenizer.decode(steps[2].suffix_ids)
+    assert steps[0].messages() == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "add", "arguments": {"a": 20, "b": 22}}}
+            ],
+        },
+        {"role": "tool", "name": "add", "content": "42"},
+    ]
+
+
+def test_check_tool_chat_template(tokenizer):
+    check_tool_chat_template(tokenizer)
+    plain = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    with pytest.raises(ConfigError, match="does not render tool schemas, tool calls"):
+        check_tool_chat_template(tokenizer, {"chat_template": plain})

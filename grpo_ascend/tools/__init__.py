@@ -1,6 +1,6 @@
 """Tool calling: tools and environments, parsing calls from model output, running them, rendering
 their responses, and the sandboxed ``python`` tool. The multi-turn rollout loop uses these as
-``parse_tool_calls`` → ``ToolExecutor.run`` → ``render_tool_suffix``."""
+``parse_tool_calls`` → ``ToolExecutor.run`` → ``render_tool_suffix``, together :func:`run_tool_step`."""
 
 from grpo_ascend.tools.environments import (
     EnvironmentPool,
@@ -36,6 +36,7 @@ from grpo_ascend.tools.toolset import (
     load_toolset,
     tool_from_function,
 )
+from grpo_ascend.tools.turns import ToolStep, check_tool_chat_template, run_tool_step
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -51,9 +52,11 @@ __all__ = [
     "ToolCall",
     "ToolExecutor",
     "ToolResult",
+    "ToolStep",
     "Toolset",
     "append_observation",
     "check_arguments",
+    "check_tool_chat_template",
     "environment_methods",
     "environment_toolset",
     "get_tool_call_parser",
@@ -66,6 +69,7 @@ __all__ = [
     "render_tool_suffix",
     "render_tool_suffix_text",
     "run_python",
+    "run_tool_step",
     "tool_from_function",
     "tool_metrics",
 ]

@@ -76,16 +76,21 @@ def fixed_global_batch(n: int = 16, prompt_len: int = 6, completion_len: int = 7
         "prompt_mask": prompt_mask,
         "completion_ids": completion,
         "completion_mask": completion_mask,
-        "advantages": torch.randn(n, generator=g),
-        "loss_mask": completion_mask.float(),
+        "rewards": torch.randn(n, generator=g),
         "old_logps": -3 - torch.rand(n, completion_len, generator=g),
         "ref_logps": -3 - torch.rand(n, completion_len, generator=g),
     }
 
 
+def _experience(tensors: dict[str, torch.Tensor]) -> Any:
+    from helpers import make_experience
+
+    return make_experience(**tensors)
+
+
 def step_gradients(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: str) -> tuple[list[torch.Tensor], float]:
     """Gradients of one optimizer step over all rows of ``tensors`` (the step itself is not taken)."""
-    from grpo_ascend.trainers.base import Round
+    from helpers import run_round
 
     captured: list[list[torch.Tensor]] = []
 
@@ -96,42 +101,39 @@ def step_gradients(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: st
 
     trainer._clip_and_step = capture
     trainer.args.loss_type = loss_type
-    n = tensors["completion_ids"].shape[0]
-    rnd = Round(dict(tensors), ["p"] * n, ["c"] * n)
-    metrics = trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
-    return captured[0], metrics["loss"]
+    trainer.max_steps = trainer.step + 1
+    record = run_round(trainer, _experience(tensors))
+    return captured[0], record["loss"]
 
 
 def step_loss_and_norm(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: str) -> dict[str, float]:
     """Loss and pre-clipping global gradient norm of one real optimizer step (taken at learning rate 0)."""
-    from grpo_ascend.trainers.base import Round
+    from helpers import run_round
 
     trainer.scheduler.base_lrs = [0.0] * len(trainer.scheduler.base_lrs)
     for group in trainer.optimizer.param_groups:
         group["lr"] = 0.0
     trainer.args.loss_type = loss_type
-    n = tensors["completion_ids"].shape[0]
-    rnd = Round(dict(tensors), ["p"] * n, ["c"] * n)
-    metrics = trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
-    return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+    trainer.max_steps = trainer.step + 1
+    record = run_round(trainer, _experience(tensors))
+    return {"loss": record["loss"], "grad_norm": record["grad_norm"]}
 
 
 def nan_then_finite_step(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """A step whose gradient is NaN on this rank only (rank 0), then a finite one, at a real learning rate."""
-    from grpo_ascend.trainers.base import Round
+    from helpers import run_round
 
     trainer.scheduler.base_lrs = [1e-2] * len(trainer.scheduler.base_lrs)
     for group in trainer.optimizer.param_groups:
         group["lr"] = 1e-2
-    n = tensors["completion_ids"].shape[0]
+    trainer.max_steps = trainer.step + 2
 
     def step(poison: bool) -> dict[str, float]:
         t = dict(tensors)
         if poison and int(os.environ["RANK"]) == 0:
-            t["advantages"] = t["advantages"].clone()
-            t["advantages"][0] = float("nan")
-        rnd = Round(t, ["p"] * n, ["c"] * n)
-        return trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
+            t["rewards"] = t["rewards"].clone()
+            t["rewards"][0] = float("nan")
+        return run_round(trainer, _experience(t))
 
     def weights() -> list[torch.Tensor]:
         with trainer._gathered_trainable():  # ZeRO-3 partitions them
@@ -192,7 +194,7 @@ def run_grads(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
     # differ in width, in head chunks (logprob_chunk_size=8) and in prompt sharing, and must still
     # agree (ZeRO-3 gathers weights collectively at every module call).
     width = int(mine["completion_mask"].sum(1).max())
-    mine = {k: v[:, :width] if k in ("completion_ids", "completion_mask", "loss_mask", "old_logps", "ref_logps")
+    mine = {k: v[:, :width] if k in ("completion_ids", "completion_mask", "old_logps", "ref_logps")
             else v for k, v in mine.items()}
     results = {}
     for loss_type in spec["loss_types"]:

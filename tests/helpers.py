@@ -32,9 +32,30 @@ def make_experience(prompt_ids, prompt_mask, completion_ids, completion_mask, re
     )
 
 
-def one_round_gradients(trainer, exp, values=None, advantages=None, returns=None):
-    """Run one round on ``exp`` and return (gradients of its first optimizer step by parameter name,
-    the step's metrics record). PPO: ``values``/``advantages``/``returns`` replace the critic pass and GAE."""
+def run_round(trainer, exp, values=None, advantages=None, returns=None):
+    """Run one training round on the fixed experience ``exp`` and return its last step's metrics record.
+
+    PPO: ``values``/``advantages``/``returns`` replace the critic pass and GAE.
+    """
+
+    def fixed_advantages(exp, _values):
+        exp.advantages = advantages
+        exp.extras.update(values=values, returns=returns)
+        return {}
+
+    trainer.experience.make = lambda *args, **kwargs: exp
+    if values is not None:
+        trainer._forward_values = lambda exp: values
+        trainer._advantages = fixed_advantages
+    if trainer.tracker is None:
+        trainer._begin(None)
+    trainer._train_round()
+    return trainer._last_record
+
+
+def one_round_gradients(trainer, exp, **ppo_fixed):
+    """(gradients of the first optimizer step of one round on ``exp`` by parameter name, the step's metrics);
+    the step itself is not taken."""
     names = {id(p): n for n, p in trainer.policy.named_parameters()}
     captured = {}
 
@@ -43,16 +64,5 @@ def one_round_gradients(trainer, exp, values=None, advantages=None, returns=None
             captured.update({names[id(p)]: p.grad.detach().clone() for p in params if p.grad is not None})
         return 0.0, True
 
-    def fixed_advantages(exp, _values):
-        exp.advantages = advantages
-        exp.extras.update(values=values, returns=returns)
-        return {}
-
     trainer._clip_and_step = capture
-    trainer.experience.make = lambda *args, **kwargs: exp
-    if values is not None:
-        trainer._forward_values = lambda exp: values
-        trainer._advantages = fixed_advantages
-    trainer._begin(None)
-    trainer._train_round()
-    return captured, trainer._last_record
+    return captured, run_round(trainer, exp, **ppo_fixed)

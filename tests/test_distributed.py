@@ -149,7 +149,7 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path, tiny_mod
     single = dist_worker.make_trainer(str(tiny_model_dir), dist_worker.grads_config(str(tmp_path / "one"), 1))
     dist_worker.deterministic_trainable_init(single.policy)
     batch = dist_worker.fixed_global_batch()
-    halves = batch["loss_mask"].split(batch["loss_mask"].shape[0] // WORLD)
+    halves = batch["completion_mask"].split(batch["completion_mask"].shape[0] // WORLD)
     assert halves[0].sum() * 3 < halves[1].sum()  # the ranks' token counts really differ
     for loss_type in LOSS_TYPES:
         expected, expected_loss = dist_worker.step_gradients(single, batch, loss_type)

@@ -48,6 +48,15 @@ def test_ok_program_prints_its_output():
     assert result.message() == "hi 42"
 
 
+def test_stdin_is_given_as_a_file():
+    result = run_python(
+        "import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))", FAST, stdin="1 2 3\n4"
+    )
+    assert result.message() == "10"
+    unread = run_python("print('x')", FAST, stdin="y" * 1_000_000)
+    assert unread.message() == "x"
+
+
 def test_infinite_loop_is_killed_at_the_wall_clock_timeout():
     result = _run("while True:\n    pass")
     assert result.status == "timeout"

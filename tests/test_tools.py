@@ -236,6 +236,21 @@ def test_execute_all_rows_concurrently_with_failure_reasons():
     assert metrics["tools/failed/bad_arguments"] == 3 and metrics["tools/failed/timeout"] == 0
 
 
+def test_optional_arguments_accept_null():
+    def greet(name: str, title: str | None = None) -> str:
+        """Greet.
+
+        Args:
+            name: Who.
+            title: Optional title.
+        """
+        return f"{title or ''} {name}".strip()
+
+    with ToolExecutor() as executor:
+        (row,) = executor.run([_turn(ToolCall("greet", {"name": "Ann", "title": None}))], Toolset([greet]))
+    assert row[0].failure is None and row[0].content == "Ann"
+
+
 def test_execute_timeout_and_truncation():
     def long_text(n: int) -> str:
         """Long text.

@@ -69,6 +69,8 @@ def truncate_output(text: str, max_chars: int | None) -> tuple[str, bool]:
 
 def _type_ok(value: Any, spec: dict[str, Any]) -> bool:
     types = spec.get("type")
+    if value is None and spec.get("nullable"):
+        return True  # Optional[...] arguments
     if types is None:
         return True
     names = types if isinstance(types, list) else [types]

@@ -278,10 +278,17 @@ def _supervise(
         },
     }
     start = time.monotonic()
+    stdin_file = None
+    if stdin is not None:
+        # A file, not a pipe: a program that never reads its input cannot block the trainer.
+        stdin_path = os.path.join(workdir, ".stdin")
+        with open(stdin_path, "w", encoding="utf-8") as f:
+            f.write(stdin)
+        stdin_file = open(stdin_path, "rb")  # closed right after Popen
     try:
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", "-B", _LAUNCHER, json.dumps(config)],
-            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdin=stdin_file if stdin_file is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=workdir,
@@ -289,14 +296,13 @@ def _supervise(
             start_new_session=True,
             pass_fds=(status_w,),
         )
+    except BaseException:
+        os.close(status_r)
+        raise
     finally:
         os.close(status_w)
-    if stdin is not None and proc.stdin is not None:
-        try:
-            proc.stdin.write(stdin.encode())
-            proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
+        if stdin_file is not None:
+            stdin_file.close()
     streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", status_r: "status"}
     kept: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray(), "status": bytearray()}
     printed = 0

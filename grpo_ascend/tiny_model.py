@@ -21,7 +21,8 @@ from grpo_ascend.synthetic import arithmetic_problems, conversation
 
 logger = logging.getLogger(__name__)
 
-# Version 3: tool-calling tokens and a chat template that renders tools (new vocabulary, new weights).
+# Version 3: tool-calling tokens appended to the vocabulary (their embedding rows added after the
+# warm start, so every other weight equals version 2's) and a chat template that renders tools.
 BUILD_VERSION = 3
 VOCAB_SIZE = 1024
 PAD_TOKEN = "<|endoftext|>"
@@ -117,11 +118,12 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE, seed: int = 0):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS + TOOL_TOKENS,
+        special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_tokenizer_corpus(seed), trainer=trainer)
+    # Added after training so the BPE vocabulary and every other id stay as in version 2.
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, padding_side="left"
@@ -131,13 +133,20 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE, seed: int = 0):
 
 
 def build_model(size: str, tokenizer, seed: int = 0):
-    """A randomly initialised Qwen2ForCausalLM of the given built-in size, reproducible by ``seed``."""
+    """A randomly initialised Qwen2ForCausalLM of the given built-in size, reproducible by ``seed``,
+    with embeddings for the whole tokenizer (tool tokens included)."""
+    return add_tool_token_embeddings(_build_base_model(size, tokenizer, seed), tokenizer, seed)
+
+
+def _build_base_model(size: str, tokenizer, seed: int = 0):
+    """The model over the BPE vocabulary only (without the tool tokens added after training): the
+    same weights as build version 2, so the warm start is unchanged."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     spec = _size(size)
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
@@ -155,6 +164,22 @@ def build_model(size: str, tokenizer, seed: int = 0):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = None
     model.to(torch.float32)
+    return model
+
+
+def add_tool_token_embeddings(model, tokenizer, seed: int = 0):
+    """Grow the (tied) embeddings to the tokenizer's full size; the tool tokens' rows are drawn from
+    the existing embeddings' mean and covariance (transformers' mean resizing), reproducibly."""
+    from transformers.utils import logging as hf_logging
+
+    if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the resize explains mean resizing at warning level
+        try:
+            with _seeded(seed + 1):
+                model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
     return model
 
 
@@ -234,9 +259,10 @@ def build_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         tokenizer = build_tokenizer(seed=seed)
-        model = build_model(size, tokenizer, seed=seed)
+        model = _build_base_model(size, tokenizer, seed=seed)
         if warm:
             warm_start(model, tokenizer, seed=seed)
+        add_tool_token_embeddings(model, tokenizer, seed=seed)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if target.exists():

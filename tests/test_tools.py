@@ -483,3 +483,17 @@ def test_check_tool_chat_template(tokenizer):
     plain = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
     with pytest.raises(ConfigError, match="does not render tool schemas, tool calls"):
         check_tool_chat_template(tokenizer, {"chat_template": plain})
+
+
+def test_tool_tokens_extend_the_vocabulary_without_changing_the_rest(tokenizer):
+    import torch
+
+    from grpo_ascend.tiny_model import TOOL_TOKENS, _build_base_model, build_model
+
+    base = tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False)
+    assert tokenizer.convert_tokens_to_ids(TOOL_TOKENS) == list(range(base, base + len(TOOL_TOKENS)))
+    assert len(tokenizer) == base + len(TOOL_TOKENS)
+    full, plain = build_model("tiny", tokenizer), _build_base_model("tiny", tokenizer)
+    assert full.get_input_embeddings().weight.shape[0] == len(tokenizer)
+    for (name, a), (_, b) in zip(full.state_dict().items(), plain.state_dict().items()):
+        assert torch.equal(a[: b.shape[0]], b), name  # every weight of the BPE vocabulary unchanged

@@ -45,7 +45,10 @@ def _table(fields: list[dataclasses.Field]) -> str:
 def render_config_reference() -> str:
     """Markdown tables: recipe keys, shared trainer keys, then GRPO-only and PPO-only keys."""
     shared = {f.name for f in dataclasses.fields(BaseRLConfig)}
-    grpo = [f for f in dataclasses.fields(GRPOConfig) if f.name not in shared]
+    grpo = [f for f in dataclasses.fields(GRPOConfig) if f.name not in shared and "alias_of" not in f.metadata]
+    aliases = [
+        f"`{f.name}` → `{f.metadata['alias_of']}`" for f in dataclasses.fields(GRPOConfig) if "alias_of" in f.metadata
+    ]
     ppo = [f for f in dataclasses.fields(PPOConfig) if f.name not in shared]
     grpo_defaults = {f.name: f for f in dataclasses.fields(GRPOConfig)}
     ppo_defaults = {f.name: f for f in dataclasses.fields(PPOConfig)}
@@ -63,6 +66,7 @@ def render_config_reference() -> str:
         ("Differences in defaults: " + "; ".join(notes) + ".") if notes else "",
         "## GRPO-only keys (`GRPOConfig`)",
         _table(grpo),
+        ("Also accepted under TRL's names (moved onto ours): " + "; ".join(aliases) + ".") if aliases else "",
         "## PPO-only keys (`PPOConfig`)",
         _table(ppo),
     ]

@@ -22,6 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grpo_ascend.algorithms.importance_sampling import (
+    ImportanceSamplingSettings,
+    importance_sampling_metrics,
+    importance_sampling_weights,
+    reduce_stats,
+)
 from grpo_ascend.data import PromptSampler, is_conversational
 from grpo_ascend.phases import PhaseTimer
 from grpo_ascend.ranks import Ranks
@@ -55,6 +61,9 @@ class Experience:
     completions: list[Any]
     old_logps: Tensor | None = None
     ref_logps: Tensor | None = None
+    #: Importance weights of the sampler/trainer mismatch per token (None: all 1) and their statistics.
+    token_weights: Tensor | None = None
+    importance_stats: dict[str, Tensor] = field(default_factory=dict)
     advantages: Tensor | None = None
     extras: dict[str, Tensor] = field(default_factory=dict)
     #: Counts summed over the draws that made this experience (reward errors, refills).
@@ -148,7 +157,8 @@ class ExperienceMaker:
     autocast); ``policy_logprobs``/``reference_logprobs`` are the no-grad forwards of the
     training policy and of the reference (None: no reference). ``exact_sampling_logps``: the
     engine's sampling log-probs equal the training forward's (fp32), so the old log-probs need
-    no extra forward.
+    no extra forward. ``importance_sampling``: weight each token by the (bounded) ratio of the
+    trainer's old log-probs to the sampler's (see algorithms/importance_sampling.py).
     """
 
     def __init__(
@@ -167,6 +177,7 @@ class ExperienceMaker:
         reference_logprobs: LogprobFn | None,
         exact_sampling_logps: bool,
         mask_truncated_completions: bool = False,
+        importance_sampling: ImportanceSamplingSettings | None = None,
     ) -> None:
         self.sampler = sampler
         self.engine = engine
@@ -181,6 +192,7 @@ class ExperienceMaker:
         self.reference_logprobs = reference_logprobs
         self.exact_sampling_logps = exact_sampling_logps
         self.mask_truncated_completions = mask_truncated_completions
+        self.importance_sampling = importance_sampling
 
     def make(
         self,
@@ -198,10 +210,14 @@ class ExperienceMaker:
         exp = self.sample_and_score(prompts_per_rank, timer, trainer_state)
         if refill is not None:
             exp = refill(exp, timer)
-        if old_logps:
+        if old_logps or self.importance_sampling is not None:
             with timer.phase("old_logprobs"):
                 exp.old_logps = exp.sampling_logps if self.exact_sampling_logps else batched_logprobs(
                     self.policy_logprobs, exp, self.micro_batch)
+        if self.importance_sampling is not None:
+            weights = importance_sampling_weights(exp.sampling_logps, exp.old_logps, exp.loss_mask,
+                                                  self.importance_sampling)
+            exp.token_weights, exp.importance_stats = weights.weights, weights.stats
         if self.reference_logprobs is not None:
             with timer.phase("reference"):
                 exp.ref_logps = batched_logprobs(self.reference_logprobs, exp, self.micro_batch)
@@ -278,5 +294,7 @@ def experience_metrics(exp: Experience, ranks: Ranks) -> dict[str, float]:
         metrics[f"rewards/{name}/mean"] = m
         metrics[f"rewards/{name}/std"] = s
     metrics["tokens_generated"] = float(lengths.sum())
+    if exp.importance_stats:
+        metrics.update(importance_sampling_metrics(reduce_stats(exp.importance_stats, ranks.sum_scalars)))
     metrics.update(ranks.sum_scalars({k: torch.tensor(v, device=exp.rewards.device) for k, v in exp.counts.items()}))
     return metrics

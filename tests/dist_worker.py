@@ -12,6 +12,8 @@ Modes:
          and the reported loss and global gradient norm are saved instead (also used under FSDP,
          with ``"max_grad_norm": 0`` to read the unclipped norm). Under ZeRO-3 the (partitioned)
          trainable weights are gathered to be set or read.
+  draws  a short GRPO or PPO run (``"algorithm"``) whose reward records the dataset rows it scores;
+         saves those row ids per round and the logged epochs.
   train  a short GRPO run (optionally resumed, or preempted right after the save at some step;
          ``"lora": false`` fine-tunes the whole model); saves the trainable weights and every
          write this rank made under output_dir.
@@ -297,6 +299,38 @@ def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
     (out / f"report_rank{rank}.json").write_text(json.dumps(report, indent=1))
 
 
+def recording_trainer(model_dir: str, algorithm: str, output_dir: str, world: int) -> tuple[Any, list[list[int]]]:
+    """A GRPO or PPO trainer over 10 numbered prompts (4 per round in total, whatever ``world``) whose
+    reward records the row ids it scores, one list per round."""
+    from grpo_ascend import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+    from grpo_ascend.models import default_lora_config
+    from grpo_ascend.synthetic import arithmetic_dataset
+
+    seen: list[list[int]] = []
+
+    def record(completions: list[Any], row_id: list[int], **kwargs: Any) -> list[float]:
+        seen.append(sorted(row_id[::2]))  # one id per group of num_generations=2
+        return [0.0] * len(completions)
+
+    common = dict(output_dir=output_dir, num_generations=2, per_device_train_batch_size=8 // world, max_steps=3,
+                  max_completion_length=4, max_prompt_length=96, save_steps=0, disable_tqdm=True,
+                  log_completions_steps=0, seed=0, length_bucket=16)
+    dataset = arithmetic_dataset(10, seed=3)
+    dataset = dataset.add_column("row_id", list(range(len(dataset))))
+    if algorithm == "ppo":
+        cls, cfg = PPOTrainer, PPOConfig(**common, ppo_epochs=1, num_mini_batches=1)
+    else:
+        cls, cfg = GRPOTrainer, GRPOConfig(**common)
+    return cls(model_dir, record, cfg, dataset, peft_config=default_lora_config(r=4)), seen
+
+
+def run_draws(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
+    trainer, seen = recording_trainer(spec["model_dir"], spec["algorithm"], str(out / f"run_rank{rank}"), world)
+    trainer.train()
+    epochs = [record["epoch"] for record in trainer.tracker.history]
+    (out / f"draws_rank{rank}.json").write_text(json.dumps({"rounds": seen, "epochs": epochs}))
+
+
 def main() -> int:
     mode, out, spec = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     torch.set_num_threads(1)
@@ -306,6 +340,8 @@ def main() -> int:
         run_grads(out, spec, rank, world)
     elif mode == "train":
         run_train(out, spec, rank)
+    elif mode == "draws":
+        run_draws(out, spec, rank, world)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     if torch.distributed.is_initialized():

@@ -10,6 +10,23 @@ SMALL_RUN = dict(
 )
 
 
+def late_rewards_vs_control(train, steps: int):
+    """Mean reward of the last ``steps`` logged steps of a learning run and of its control.
+
+    ``train(learning_rate, name)`` runs the trainer and returns its output folder. The control
+    run has the same seed, prompts and warm start at learning rate 0, so the two differ only in
+    learning: a criterion that holds on any machine, whatever reward the warm start begins at.
+    """
+    import json
+
+    late = []
+    for lr, name in ((None, "trained"), (0.0, "control")):
+        run_dir = train(lr, name)
+        rewards = [json.loads(line)["reward"] for line in open(run_dir / "metrics.jsonl")]
+        late.append(sum(rewards[-steps:]) / steps)
+    return tuple(late)
+
+
 def first_digit_is_one(prompts, completions, **kwargs):
     """A pattern the warm-started policy learns quickly: answers that start with the digit 1."""
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]

@@ -111,3 +111,29 @@ def test_docs_python_api_example_runs(tmp_path, monkeypatch):
     exec(compile(example, str(page), "exec"), {"__name__": "docs_example"})  # noqa: S102 - our own docs
     summary = json.loads((tmp_path / "outputs" / "api" / "summary.json").read_text())
     assert summary["steps"] == 10
+
+
+def test_an_error_starts_its_own_line_after_the_progress_bar(tmp_path, capsys):
+    """A failure mid-run closes the progress bar first, so the error never shares the bar's line."""
+    _write(tmp_path, "boom.py", "def boom(completions, **kwargs):\n    raise ValueError('boom')\n")
+    recipe = _write(tmp_path, "r.yaml", (
+        "model: builtin:tiny\ndataset: synthetic:arithmetic\ndataset_kwargs: {n: 8}\n"
+        f"reward_funcs: [{tmp_path / 'boom.py'}:boom]\nnum_generations: 2\nper_device_train_batch_size: 4\n"
+        "max_completion_length: 4\nmax_prompt_length: 96\nmax_steps: 2\nsave_steps: 0\ndisable_tqdm: false\n"))
+    code, _, err = _run(capsys, "train", str(recipe), "--output_dir", str(tmp_path / "o"))
+    assert code == 2, err
+    assert "train:" in err, "the progress bar was not shown"
+    errors = [line for line in err.splitlines() if "grpo-ascend: error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("grpo-ascend: error:") and "boom" in errors[0], err
+
+
+def test_wrapping_a_model_with_lora_warns_nothing(tiny_model_dir):
+    """peft's read of transformers' deprecated is_gradient_checkpointing does not reach the user."""
+    import warnings
+
+    from grpo_ascend.models import apply_peft, default_lora_config, load_causal_lm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_peft(load_causal_lm(str(tiny_model_dir)), default_lora_config(r=4))
+    assert not [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))], caught

@@ -8,7 +8,13 @@ import json
 
 import pytest
 import torch
-from helpers import SMALL_RUN, first_digit_is_one, make_experience, one_round_gradients
+from helpers import (
+    SMALL_RUN,
+    first_digit_is_one,
+    late_rewards_vs_control,
+    make_experience,
+    one_round_gradients,
+)
 
 from grpo_ascend import PPOConfig, PPOTrainer
 from grpo_ascend.algorithms.kl_control import (
@@ -187,23 +193,23 @@ def test_gradient_accumulation_is_exact(tmp_path, tiny_model_dir, loss_type):
 
 @pytest.mark.slow
 def test_reward_rises_on_a_learnable_pattern(tmp_path, tiny_warm_model_dir):
-    # Seed-sensitive at this size: over seeds 0-5 the rise exceeds 0.25 for 3 of 6 with tiny-warm v2 and
-    # 2 of 6 with v3 (same weights plus tool-token rows, which shift the sampling stream); seed 1 passes both.
-    cfg = _config(tmp_path, max_steps=20, per_device_train_batch_size=16, num_mini_batches=2, ppo_epochs=2,
-                  learning_rate=2e-3, vf_coef=0.5, seed=1)
-    trainer = PPOTrainer(str(tiny_warm_model_dir), first_digit_is_one, cfg, arithmetic_dataset(400, seed=5),
-                         peft_config=default_lora_config(r=8))
-    trainer.train()
-    metrics = _metrics(tmp_path / "run" / "metrics.jsonl")
-    rewards = [m["reward"] for m in metrics]
-    assert len(rewards) == 20
-    # 4 optimizer steps per round share its reward: compare the first round with the last two
-    # (16 completions a round, so one round alone is a noisy estimate).
-    early, late = sum(rewards[:4]) / 4, sum(rewards[-8:]) / 8
-    assert late > early + 0.25, (early, late)
-    last = metrics[-1]
+    """The trained policy ends above a control run at learning rate 0 (same seed and prompts).
+
+    Last 2 rounds (128 completions each side), measured: 0.77 vs 0.24 (warm seed 0), 0.46 vs 0.21
+    (warm seed 1, the slower learner); with the advantages' sign flipped 0.02, and this fails.
+    """
+    def train(lr, name):
+        cfg = _config(tmp_path, output_dir=str(tmp_path / name), max_steps=20, per_device_train_batch_size=32,
+                      num_mini_batches=2, ppo_epochs=2, learning_rate=2e-3 if lr is None else lr, vf_coef=0.5)
+        PPOTrainer(str(tiny_warm_model_dir), first_digit_is_one, cfg, arithmetic_dataset(400, seed=5),
+                   peft_config=default_lora_config(r=8)).train()
+        return tmp_path / name
+
+    trained, control = late_rewards_vs_control(train, steps=8)
+    assert trained > control + 0.1, (trained, control)
+    last = _metrics(tmp_path / "trained" / "metrics.jsonl")[-1]
     for key in ("value_loss", "value_clip_fraction", "explained_variance", "kl", "kl_coef", "returns/mean",
-                "entropy", "memory/peak_gb"):
+                "entropy", "memory/peak_gb", "memory/peak_gb/generation", "memory/peak_gb/training"):
         assert key in last, key
 
 

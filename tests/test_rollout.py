@@ -387,13 +387,15 @@ def test_chat_prompts_and_batch_layout(chaotic):
 
 
 def test_works_with_lora_and_inference_mode(chaotic):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from grpo_ascend.models import apply_peft
 
     model, tok = chaotic
     ref = hf_greedy(model, tok, PROMPTS, 12)
     import copy
 
-    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    peft_model = apply_peft(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     peft_model.train()
     engine = RolloutEngine(peft_model, tok)
     greedy = SamplingParams(num_generations=1, temperature=0, max_completion_length=12)

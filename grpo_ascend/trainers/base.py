@@ -15,7 +15,6 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_ascend import device as dev
+from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSettings
 from grpo_ascend.algorithms.losses import LossNormaliser
 from grpo_ascend.config import BaseRLConfig, BatchPlan
 from grpo_ascend.data import PromptSampler
@@ -101,7 +101,6 @@ class RLTrainerBase:
         policy = load_causal_lm(model)
         self.tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class)
         policy = apply_peft(policy, peft_config)
-        self._patch_for_device(policy)
         if args.gradient_checkpointing:
             if hasattr(policy, "activation_checkpointing_enable"):  # the name since transformers 5
                 policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -109,6 +108,7 @@ class RLTrainerBase:
                 policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             policy.config.use_cache = False
         self.policy = policy.to(self.device)
+        self._patch_for_device(self.policy)  # after placement: the kernels depend on the device it runs on
         self.is_peft = is_peft(self.policy)
         self._check_zero3_model()
         trainable, total = count_parameters(self.policy)
@@ -195,7 +195,7 @@ class RLTrainerBase:
         # The collective backend comes from the device layer; accelerate would pick the same one on
         # accelerators, but on the CPU it prefers MPI when torch has it. It may only be named when a
         # launcher started several processes (accelerate refuses a backend for a single process).
-        group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
+        group = InitProcessGroupKwargs(timeout=dev.apply_collective_timeouts(requested, args.ddp_timeout))
         if _launched_distributed(on_cpu):
             group.backend = dev.dist_backend(requested)
         kwargs: dict[str, Any] = {
@@ -205,8 +205,6 @@ class RLTrainerBase:
             "cpu": on_cpu and not (_deepspeed_requested() and _launched_distributed(on_cpu)),
             "kwargs_handlers": [group],
         }
-        if args.report_to:
-            kwargs.update(log_with=list(args.report_to), project_dir=args.output_dir)
         accelerator = Accelerator(**kwargs)
         if dev.device_type(accelerator.device) != dev.device_type(requested):
             raise ConfigError(
@@ -220,8 +218,6 @@ class RLTrainerBase:
             fsdp.check_fsdp(accelerator, type(self).__name__, self._supports_fsdp)
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
             self._check_deepspeed(accelerator)
-        if args.report_to:
-            accelerator.init_trackers(Path(args.output_dir).name or "run")
         return accelerator
 
     def _decide_lora_merge(self) -> bool:
@@ -368,11 +364,10 @@ class RLTrainerBase:
         return zero3.gathered(trainable_parameters(self._trainable_module()), modifier_rank=modifier_rank)
 
     def _patch_for_device(self, model: nn.Module) -> None:
+        """Fused device kernels for the placed ``model``, chosen from the resolved device and its chip (logged)."""
         from grpo_ascend.npu_patches import apply_npu_patches
 
-        patched = apply_npu_patches(model)
-        if patched:
-            logger.info("fused device kernels: %s", ", ".join(patched))
+        apply_npu_patches(model, device=self.device)
 
     def _extra_trainable_parameters(self) -> list[nn.Parameter]:
         """Parameters beyond the policy's (PPO's value head)."""
@@ -419,7 +414,8 @@ class RLTrainerBase:
             stack.enter_context(lora_merged(self.policy))
         return stack
 
-    def _make_experience_maker(self, reference: bool, mask_truncated_completions: bool = False) -> ExperienceMaker:
+    def _make_experience_maker(self, reference: bool, mask_truncated_completions: bool = False,
+                               importance_sampling: ImportanceSamplingSettings | None = None) -> ExperienceMaker:
         """The round's experience pipeline over this trainer's sampler, engine, rewards and forwards."""
         args = self.args
         return ExperienceMaker(
@@ -430,6 +426,7 @@ class RLTrainerBase:
             reference_logprobs=self._reference_logprobs if reference else None,
             exact_sampling_logps=self.precision == "fp32",  # the engine's log-probs are the training forward's
             mask_truncated_completions=mask_truncated_completions,
+            importance_sampling=importance_sampling,
         )
 
     def _trainer_state_for_rewards(self) -> dict[str, Any]:
@@ -587,13 +584,18 @@ class RLTrainerBase:
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, Any]:
         """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True."""
         self._begin(resume_from_checkpoint)
-        while self.step < self.max_steps:
-            self._train_round()
-            self.round_index += 1
-            if self._should_save():
+        try:
+            while self.step < self.max_steps:
+                self._train_round()
+                self.round_index += 1
+                if self._should_save():
+                    self._save()
+            if self._last_saved_step != self.step:
                 self._save()
-        if self._last_saved_step != self.step:
-            self._save()
+        except BaseException:
+            assert self.tracker is not None
+            self.tracker.abort()
+            raise
         return self._finish()
 
     def _begin(self, resume_from_checkpoint: str | bool | None) -> None:
@@ -610,7 +612,8 @@ class RLTrainerBase:
             truncate_metrics(args.output_dir, self.step)
             print(self.plan.describe() + f"; {self.max_steps} optimizer steps", flush=True)
         self.tracker = RunTracker(args.output_dir, self.max_steps, enabled=self.is_main_process,
-                                  start_step=self.step, disable_tqdm=args.disable_tqdm, accelerator=self.accelerator)
+                                  start_step=self.step, disable_tqdm=args.disable_tqdm,
+                                  report_to=args.report_to, config=args.to_dict())
         self._first_reward: float | None = None
         self._last_record: dict[str, float] = {}
         self._peak_gb = 0.0
@@ -704,8 +707,6 @@ class RLTrainerBase:
         if export_dir:
             summary["adapter"] = export_dir
         out = self.tracker.close(summary)
-        if self.accelerator.trackers:
-            self.accelerator.end_training()
         return out
 
     def _restore_rank_random_state(self, extra: dict[str, Tensor], saved_world_size: int) -> None:
@@ -775,23 +776,20 @@ class RLTrainerBase:
             gathered = gather_for_checkpoint(self._trainable_module(), self.optimizer.optimizer, self.is_main_process)
         with self._gathered_trainable():  # ZeRO-3: every rank gathers, the main rank writes
             if self.is_main_process:
-                ckpt.save_checkpoint(
-                    self.args.output_dir,
-                    self.step,
+                contents = ckpt.CheckpointContents(
                     model=self._trainable_module(),
+                    trainer_state=self._trainer_state(),
                     optimizer=None if self.is_deepspeed else gathered.optimizer if gathered else self.optimizer.optimizer,
                     scheduler=self.scheduler,
                     scaler=self.accelerator.scaler,
-                    trainer_state=self._trainer_state(),
                     config=self.args.to_dict(),
                     tokenizer=self.tokenizer,
                     extra_tensors={"sampling_generator": self.generator.get_state(), **per_rank},
                     rng_device=self.device,
-                    save_total_limit=self.args.save_total_limit,
-                    staging_dir=staging,
-                    optimizer_shards=shards,
                     trainable_weights=gathered.weights if gathered else None,
                 )
+                ckpt.save_checkpoint(self.args.output_dir, self.step, contents, save_total_limit=self.args.save_total_limit,
+                                     staging_dir=staging, optimizer_shards=shards)
         self._last_saved_step = self.step
         self.accelerator.wait_for_everyone()
 

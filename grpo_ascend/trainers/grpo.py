@@ -21,6 +21,7 @@ from grpo_ascend.algorithms.advantages import (
     compute_advantages,
     select_informative_groups,
 )
+from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSettings
 from grpo_ascend.algorithms.losses import (
     POLICY_LOSSES,
     PolicyLossBatch,
@@ -59,11 +60,18 @@ class GRPOTrainer(RLTrainerBase):
             entropy_coef=cfg.entropy_coef,
             importance_sampling_level=cfg.importance_sampling_level,
             max_completion_length=cfg.max_completion_length,
+            kl_estimator=cfg.kl_estimator,
+            use_bias_correction_kl=cfg.use_bias_correction_kl,
+            sapo_temperature_pos=cfg.sapo_temperature_pos,
+            sapo_temperature_neg=cfg.sapo_temperature_neg,
         )
         super().__init__(model, reward_funcs, cfg, train_dataset, processing_class, peft_config)
         if self.args.beta > 0:
             self._setup_reference()
-        self.experience = self._make_experience_maker(self.args.beta > 0, cfg.mask_truncated_completions)
+        correction = ImportanceSamplingSettings(
+            cfg.importance_sampling_mode, cfg.importance_sampling_clip_max, cfg.importance_sampling_clip_min
+        ) if cfg.importance_sampling_correction else None
+        self.experience = self._make_experience_maker(self.args.beta > 0, cfg.mask_truncated_completions, correction)
         self._policy_params = [p for p in self.policy.parameters() if p.requires_grad]
 
     def _train_round(self) -> None:
@@ -95,6 +103,7 @@ class GRPOTrainer(RLTrainerBase):
                         old_logps=None if exp.old_logps is None else exp.old_logps[micro],
                         ref_logps=None if exp.ref_logps is None else exp.ref_logps[micro],
                         entropies=entropies if args.entropy_coef or entropies is None else entropies.detach(),
+                        weights=None if exp.token_weights is None else exp.token_weights[micro],
                     )
                     loss, stats = policy_loss(args.loss_type, batch, self.loss_settings, normaliser)
                     self._backward(loss)

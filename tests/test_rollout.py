@@ -282,7 +282,9 @@ def _check_row_invariants(batch, stops, max_new, pad):
 
 def test_masks_stop_tokens_truncation_and_compaction(chaotic):
     model, tok = chaotic
-    stops = list(range(3, 40))  # ~7% of the vocabulary: lengths spread over 1..max
+    # ~3% of the vocabulary: lengths spread over 1..max and about a quarter of the rows truncated
+    # (5-12 of 32 over seeds 0-7), so the assertions below do not hang on one lucky draw.
+    stops = list(range(3, 20))
     params = SamplingParams(num_generations=8, max_completion_length=40, stop_token_ids=stops, seed=3,
                             length_bucket=64)
     engine = RolloutEngine(model, tok)

@@ -302,6 +302,15 @@ def default_length_bucket(device: torch.device | str) -> int:
     return 64 if device_type(device) == "npu" else 1
 
 
+def float64_supported(device: torch.device | str) -> bool:
+    """Whether float64 kernels (cumsum, searchsorted) run natively: everywhere but on the NPU.
+
+    Ascend cores have no float64 units (such ops fall back to the AI CPU), so code with a float64
+    fast path keeps its float32 formulation there.
+    """
+    return device_type(device) != "npu"
+
+
 def is_accelerator(device: torch.device | str) -> bool:
     """True for NPU and CUDA devices."""
     return device_type(device) in ACCELERATOR_TYPES

@@ -54,6 +54,9 @@ class SamplingParams:
     64 on NPU and exact elsewhere, see ``device.default_length_bucket``). ``seed`` reseeds every call
     (identical inputs give identical samples); for a reproducible stream that differs from step to
     step pass a persistent ``torch.Generator`` to ``RolloutEngine.generate`` instead.
+    ``compile_decode`` runs the decode steps through a compiled model (``torch.compile`` on CPU and
+    CUDA, the NPU's graph mode; see ``device.compile_for_decode``); None = the device's default
+    (``device.default_compile_decode``). The prefill stays eager.
     """
 
     num_generations: int = 8
@@ -70,6 +73,7 @@ class SamplingParams:
     length_bucket: int | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    compile_decode: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -136,6 +140,10 @@ class SamplingParams:
             raise ConfigError(
                 f"length_bucket must be None (device default) or an int >= 0 (0 or 1 = no bucketing), "
                 f"got {self.length_bucket!r}"
+            )
+        if self.compile_decode is not None and not isinstance(self.compile_decode, bool):
+            raise ConfigError(
+                f"compile_decode must be None (device default), True or False, got {self.compile_decode!r}"
             )
         if self.seed is not None and not is_int(self.seed):
             raise ConfigError(f"seed must be None or an int, got {self.seed!r}")

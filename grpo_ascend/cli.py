@@ -1,4 +1,4 @@
-"""``grpo-ascend`` command line: a registry of subcommands, one line each, plus ``doctor``.
+"""``grpo-ascend`` command line: a registry of subcommands, one line each.
 
 Adding a command is one entry in :data:`COMMANDS`; its module is imported only when that
 command runs (``lazy("package.module:function")``), so ``grpo-ascend --help`` stays fast and a
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
-import platform
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,25 +45,6 @@ def lazy(target: str) -> Callable[..., Any]:
     return call
 
 
-# --------------------------------------------------------------------------------------------
-# doctor
-# --------------------------------------------------------------------------------------------
-
-_PACKAGES = ("transformers", "peft", "accelerate", "datasets")
-
-
-def _add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
-    from grpo_ascend.device import DEVICE_TYPES
-
-    parser.add_argument(
-        "--device",
-        default=None,
-        help=f"check that this device is usable ({', '.join(DEVICE_TYPES)}, optionally with an index "
-        "such as TYPE:0); exit 2 if it is not",
-    )
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-
-
 def _version(dist_name: str) -> str | None:
     from importlib import metadata
 
@@ -73,50 +52,6 @@ def _version(dist_name: str) -> str | None:
         return metadata.version(dist_name)
     except metadata.PackageNotFoundError:
         return None
-
-
-def doctor_report(device: str | None = None) -> dict[str, Any]:
-    """Versions, device facts and runtime environment; raises DeviceError if ``device`` is unusable."""
-    from grpo_ascend import device as dev
-
-    resolved = dev.resolve_device(device) if device is not None else None
-    report = dev.device_summary(resolved)
-    report["python"] = platform.python_version()
-    report["grpo-ascend"] = _version("grpo-ascend")
-    report["packages"] = {name: _version(name) for name in _PACKAGES}
-    report["requested_device"] = device
-    return report
-
-
-def format_doctor_report(report: dict[str, Any]) -> str:
-    """Aligned, human-readable text for :func:`doctor_report`."""
-    from grpo_ascend import device as dev
-
-    sections = dev.summary_sections(report)
-    sections["Software"] = [
-        ("python", report["python"]),
-        ("grpo-ascend", report["grpo-ascend"] or "not installed (running from source)"),
-        *sections["Software"],
-        *((name, version or "not installed") for name, version in report["packages"].items()),
-    ]
-    if report["requested_device"] is not None:
-        sections["Device"].insert(0, ("requested", f"{report['requested_device']} (usable)"))
-    width = max(len(name) for rows in sections.values() for name, _ in rows) + 2
-    lines: list[str] = []
-    for title, rows in sections.items():
-        lines += ["", title] if lines else [title]
-        lines += [f"  {name.ljust(width)}{value}" for name, value in rows]
-    lines += [f"\nwarning: {warning}" for warning in dev.summary_warnings(report)]
-    return "\n".join(lines)
-
-
-def _doctor(args: argparse.Namespace) -> int:
-    report = doctor_report(args.device)
-    if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True, default=str))
-    else:
-        print(format_doctor_report(report))
-    return 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,7 +68,8 @@ COMMANDS: dict[str, Command] = {
                     lazy("grpo_ascend.plot:add_plot_arguments"), lazy("grpo_ascend.plot:run_plot")),
     "build-tiny-model": Command("build the offline tiny/small Qwen2 model + tokenizer (cached) and print its folder",
                                 lazy("grpo_ascend.tiny_model:add_build_arguments"), lazy("grpo_ascend.tiny_model:run_build")),
-    "doctor": Command("report versions, the accelerator, bf16 support, runtime env vars and free memory", _add_doctor_arguments, _doctor),
+    "doctor": Command("report versions, the accelerator and its chip, bf16 support, collective timeouts, runtime env "
+                      "vars and free memory", lazy("grpo_ascend.doctor:add_arguments"), lazy("grpo_ascend.doctor:run")),
 }
 
 

@@ -30,6 +30,19 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+#: Settings that were removed, with why; a config naming one gets this instead of "unknown key".
+REMOVED_KEYS = {
+    "rollout_buffer_size": "LM PPO trains on each rollout batch as it is made, so a buffer capacity changed "
+    "nothing; remove the key",
+}
+
+
+def _unknown_key(source: str, key: str, names: Any) -> ConfigError:
+    if key in REMOVED_KEYS:
+        return ConfigError(f"{source}: {key!r} was removed: {REMOVED_KEYS[key]}")
+    return ConfigError(f"{source}: unknown key {key!r}{closest(key, names)}")
+
+
 class _Validated:
     """Mixin: typed construction from dicts and YAML with helpful errors."""
 
@@ -47,7 +60,7 @@ class _Validated:
         kwargs = {}
         for key, value in values.items():
             if key not in names:
-                raise ConfigError(f"{source}: unknown key {key!r}{closest(key, names)}")
+                raise _unknown_key(source, key, names)
             kwargs[key] = _coerce(value, hints[key], f"{source}: {key}")
         return cls(**kwargs)
 
@@ -207,12 +220,17 @@ class BaseRLConfig(_Validated):
     logging_steps: int = _f(1, "Write metrics every N optimizer steps.")
     log_completions_steps: int = _f(10, "Write sample completions with rewards to samples.jsonl every N steps; 0 = off.")
     num_completions_to_print: int = _f(4, "Completions written per sampling of samples.jsonl.")
-    report_to: list[str] = _f([], "Extra trackers, e.g. ['tensorboard'] (needs the tensorboard package).")
+    report_to: list[str] | str = _f(
+        [], "Trackers besides metrics.jsonl/samples.jsonl ('jsonl', always on): tensorboard, wandb, swanlab, trackio "
+        "(each needs its extra, e.g. pip install 'grpo-ascend[wandb]'); they get the config, the metrics and "
+        "tables of sample completions. One name is a list of one; 'none' = no tracker; 'all' = every installed one."
+    )
     disable_tqdm: bool = _f(False, "Hide the progress bar.")
     # --- multi-process ---
     ddp_timeout: int = _f(
         1800, "Seconds a rank waits in a collective for the others (process-group timeout under accelerate "
-        "launch); raise it when ranks' rollouts or checkpoint saves take longer."
+        "launch); raise it when ranks' rollouts or checkpoint saves take longer. On Ascend HCCL_EXEC_TIMEOUT "
+        "is derived from it (ddp_timeout - 60 s; at least 128 there)."
     )
 
     def __post_init__(self) -> None:
@@ -223,13 +241,14 @@ class BaseRLConfig(_Validated):
             "max_completion_length",
             "max_prompt_length",
             "num_train_epochs",
-            "learning_rate",
             "logprob_chunk_size",
             "steps_per_generation",
             "generation_batch_size",
             "reward_timeout",
             "ddp_timeout",
         )
+        if self.learning_rate < 0:
+            raise ConfigError(f"learning_rate must be >= 0 (0 = a control run that never moves), got {self.learning_rate}")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"max_steps must be a positive number of optimizer steps or -1, got {self.max_steps}")
         if self.num_generations < 2:
@@ -257,6 +276,11 @@ class BaseRLConfig(_Validated):
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be >= 1 or null, got {self.save_total_limit}")
+        from grpo_ascend.trackers import check_report_to, installed_trackers
+
+        if isinstance(self.report_to, str):  # TRL style: one name, "none" or "all"
+            self.report_to = installed_trackers() if self.report_to == "all" else [self.report_to]
+        self.report_to = check_report_to(self.report_to)
         self.batch_plan(int(os.environ.get("WORLD_SIZE", "1")))
         if self.resume_from_checkpoint is True:
             self.resume_from_checkpoint = "latest"
@@ -321,6 +345,11 @@ class BatchPlan:
         return self.completions_per_generation // self.num_generations
 
     @property
+    def prompts_per_rank(self) -> int:
+        """Prompts of one generation round on each process (its slice of the global draw)."""
+        return self.prompts_per_generation // self.world_size
+
+    @property
     def completions_per_step(self) -> int:
         return self.micro_batch * self.grad_accum * self.world_size
 
@@ -339,6 +368,10 @@ class BatchPlan:
         )
 
 
+KLEstimatorName = Literal["k1", "k2", "k3"]
+ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
 @dataclass
 class GRPOConfig(BaseRLConfig):
     """GRPO settings. Field names and meanings follow TRL's GRPOConfig where TRL has the concept."""
@@ -346,9 +379,16 @@ class GRPOConfig(BaseRLConfig):
     learning_rate: float = _f(1e-6, "AdamW peak learning rate.")
     beta: float = _f(0.0, "KL coefficient to the reference policy (k3 estimator); 0 = no reference model.")
     epsilon: float = _f(0.2, "Lower clipping range: ratio clipped at 1 - epsilon.")
-    epsilon_high: float | None = _f(None, "Upper clipping range (DAPO clip-higher); null = epsilon.")
+    epsilon_high: float | None = _f(
+        None, "Upper clipping range (DAPO clip-higher); null = epsilon. For loss_type='cispo': the cap ε_max on the "
+        "importance weight itself (e.g. 5.0)."
+    )
     delta: float | None = _f(None, "Cap on the unclipped ratio (two-sided clipping); must exceed 1 + epsilon_high.")
-    loss_type: str = _f("dapo", "Loss aggregation: grpo | bnpo | dr_grpo | dapo.")
+    loss_type: str = _f(
+        "dapo", "Policy loss: grpo | bnpo | dr_grpo | dapo (aggregations of the clipped objective), cispo "
+        "(MiniMax-M1: clipped, detached IS weight × A × log π, aggregated like dapo; needs epsilon_high), "
+        "sapo (soft gate σ(τ(r−1))·4/τ instead of clipping, aggregated like grpo)."
+    )
     scale_rewards: str | bool = _f("group", "Advantage scaling: group | batch | none (Dr. GRPO); true = group, false = none.")
     importance_sampling_level: Literal["token", "sequence"] = _f("token", "Importance ratio per token, or per sequence (GSPO).")
     num_iterations: int = _f(1, "μ: optimisation passes over each generation batch.")
@@ -357,8 +397,47 @@ class GRPOConfig(BaseRLConfig):
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop zero-variance groups and refill from more prompts.")
     max_dynamic_sampling_rounds: int = _f(3, "Extra generation rounds allowed to refill dropped groups.")
     advantage_estimator: str = _f("grpo", "Advantage estimator registry name.")
+    # --- KL, CISPO / SAPO ---
+    kl_estimator: KLEstimatorName = _f(
+        "k3", "Per-token KL(π ‖ π_ref) estimator when beta > 0: k1 = log π/π_ref, k2 = ½(log π/π_ref)², "
+        "k3 = π_ref/π − log(π_ref/π) − 1 (unbiased and >= 0; TRL's only one)."
+    )
+    use_bias_correction_kl: bool = _f(
+        True, "Multiply the KL term by the importance ratio π/π_old, with its gradient, so the KL gradient is the "
+        "unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's default). Changes the gradient whenever beta > 0."
+    )
+    sapo_temperature_pos: float = _f(1.0, "loss_type='sapo': gate temperature τ for tokens with positive advantage.")
+    sapo_temperature_neg: float = _f(1.05, "loss_type='sapo': gate temperature τ for tokens with advantage <= 0.")
+    # --- off-policy correction of the sampler/trainer mismatch (TRL: vllm_importance_sampling_*) ---
+    importance_sampling_correction: bool = _f(
+        False, "Re-weight each token's policy-gradient term by π_trainer/π_sampler (from the trainer's old "
+        "log-probs and the sampler's), truncated or masked, to correct sampling in another precision or engine."
+    )
+    importance_sampling_mode: ImportanceSamplingMode = _f(
+        "sequence_mask", "token_truncate (ratio per token clipped to [clip_min, clip_max]) | token_mask (ratio "
+        "set to 0 outside) | sequence_truncate | sequence_mask (one ratio per sequence: product over its tokens)."
+    )
+    importance_sampling_clip_max: float | None = _f(3.0, "Upper bound C_max of the importance ratio; null = none.")
+    importance_sampling_clip_min: float | None = _f(None, "Lower bound C_min of the importance ratio; null = none.")
+    # TRL 1.16's names for the four settings above; each is moved onto its neutral name (and reset to null).
+    vllm_importance_sampling_correction: bool | None = _f(
+        None, "TRL alias of importance_sampling_correction.", alias_of="importance_sampling_correction"
+    )
+    vllm_importance_sampling_mode: str | None = _f(
+        None, "TRL alias of importance_sampling_mode.", alias_of="importance_sampling_mode"
+    )
+    vllm_importance_sampling_clip_max: float | None = _f(
+        None, "TRL alias of importance_sampling_clip_max.", alias_of="importance_sampling_clip_max"
+    )
+    vllm_importance_sampling_clip_min: float | None = _f(
+        None, "TRL alias of importance_sampling_clip_min.", alias_of="importance_sampling_clip_min"
+    )
+    vllm_importance_sampling_cap: float | None = _f(
+        None, "TRL's deprecated alias of importance_sampling_clip_max.", alias_of="importance_sampling_clip_max"
+    )
 
     def __post_init__(self) -> None:
+        _apply_aliases(self)
         if isinstance(self.scale_rewards, bool):
             self.scale_rewards = "group" if self.scale_rewards else "none"
         super().__post_init__()
@@ -382,6 +461,57 @@ class GRPOConfig(BaseRLConfig):
             raise ConfigError(f"num_iterations must be >= 1, got {self.num_iterations}")
         if self.max_dynamic_sampling_rounds < 0:
             raise ConfigError(f"max_dynamic_sampling_rounds must be >= 0, got {self.max_dynamic_sampling_rounds}")
+        self._check_loss_and_correction()
+
+    def _check_loss_and_correction(self) -> None:
+        """KL estimator, CISPO/SAPO parameters and the importance-sampling correction settings."""
+        _check_choice("kl_estimator", self.kl_estimator, typing.get_args(KLEstimatorName))
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            raise ConfigError(
+                "loss_type='cispo' needs epsilon_high: the cap ε_max on the importance weight (e.g. 5.0, as ScaleRL)"
+            )
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        _check_choice("importance_sampling_mode", self.importance_sampling_mode, typing.get_args(ImportanceSamplingMode))
+        for name in ("importance_sampling_clip_max", "importance_sampling_clip_min"):
+            value = getattr(self, name)
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a finite number >= 0 or null, got {value}")
+        lo, hi = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        if lo is not None and hi is not None and lo >= hi:
+            raise ConfigError(f"importance_sampling_clip_min ({lo}) must be less than importance_sampling_clip_max ({hi})")
+        if self.importance_sampling_correction and self.importance_sampling_mode.endswith("_truncate") and lo is None and hi is None:
+            raise ConfigError(
+                f"importance_sampling_mode={self.importance_sampling_mode!r} truncates the ratio, so it needs "
+                "importance_sampling_clip_max or importance_sampling_clip_min"
+            )
+
+
+def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(
+            f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}{closest(str(value), map(str, choices))}"
+        )
+
+
+def _apply_aliases(cfg: Any) -> None:
+    """Move values given under an alias name (fields with ``alias_of`` metadata, e.g. TRL's
+    ``vllm_importance_sampling_mode``) onto their own field, then reset the alias to None so the
+    config round-trips through ``to_dict``; a conflicting value under both names is an error."""
+    for f in dataclasses.fields(cfg):
+        target = f.metadata.get("alias_of")
+        value = getattr(cfg, f.name)
+        if target is None or value is None:
+            continue
+        target_field = next(t for t in dataclasses.fields(cfg) if t.name == target)
+        current = getattr(cfg, target)
+        if current != target_field.default and current != value:
+            raise ConfigError(
+                f"{f.name}={value!r} (TRL's name for {target}) conflicts with {target}={current!r}; set only one"
+            )
+        setattr(cfg, target, value)
+        setattr(cfg, f.name, None)
 
 
 @dataclass
@@ -412,7 +542,6 @@ class PPOConfig(BaseRLConfig):
         "policy", "Critic backbone: the policy's frozen base with its own LoRA, or a reward model path."
     )
     critic_model: str | None = _f(None, "Reward-model path for critic_init='reward_model'.")
-    rollout_buffer_size: int | None = _f(None, "On-device rollout buffer capacity in completions (default: one round).")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -425,8 +554,6 @@ class PPOConfig(BaseRLConfig):
             raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.critic_init == "reward_model" and not self.critic_model:
             raise ConfigError("critic_init='reward_model' needs critic_model: the reward model's path")
-        if self.rollout_buffer_size is not None and self.rollout_buffer_size < 1:
-            raise ConfigError(f"rollout_buffer_size must be >= 1 or null, got {self.rollout_buffer_size}")
 
     @property
     def num_iterations(self) -> int:
@@ -524,8 +651,7 @@ def load_recipe(path: str | Path | None, overrides: dict[str, Any] | None = None
     trainer_keys = set(trainer_cls.field_names())
     unknown = [k for k in values if k not in recipe_keys | trainer_keys]
     if unknown:
-        key = unknown[0]
-        raise ConfigError(f"{source}: unknown key {key!r}{closest(key, recipe_keys | trainer_keys)}")
+        raise _unknown_key(source, unknown[0], recipe_keys | trainer_keys)
     recipe = RecipeConfig.from_dict({k: v for k, v in values.items() if k in recipe_keys}, source)
     trainer = trainer_cls.from_dict({k: v for k, v in values.items() if k in trainer_keys}, source)
     return recipe, trainer

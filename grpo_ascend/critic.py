@@ -39,7 +39,13 @@ import torch
 from torch import Tensor, nn
 
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models import backbone_and_head, completion_hidden_states, is_peft, resolve_model_path
+from grpo_ascend.models import (
+    backbone_and_head,
+    completion_hidden_states,
+    is_peft,
+    preserve_requires_grad,
+    resolve_model_path,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,22 +129,6 @@ class Critic:
     adapter: str | None
     owned: nn.Module | None
     memory: str
-
-
-@contextlib.contextmanager
-def preserve_requires_grad(model: nn.Module) -> Iterator[None]:
-    """Restore every parameter's ``requires_grad`` on exit.
-
-    peft flips these flags as a side effect: ``set_adapter`` leaves only the active adapter
-    trainable, and leaving ``disable_adapter()`` (the reference forward) re-applies that, which
-    would silently freeze a second adapter such as the critic's.
-    """
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    try:
-        yield
-    finally:
-        for p, flag in flags:
-            p.requires_grad_(flag)
 
 
 @contextlib.contextmanager

@@ -127,6 +127,11 @@ class PromptSampler:
     def epochs_done(self) -> float:
         return self.epoch + self.position / len(self.dataset)
 
+    @property
+    def draws(self) -> int:
+        """Rows drawn so far over all epochs (numbers each draw's prompts, e.g. as group ids)."""
+        return self.epoch * len(self.dataset) + self.position
+
     def next_rows(self, n: int) -> list[dict[str, Any]]:
         """The next ``n`` rows, crossing into the next epoch (new permutation) when needed."""
         rows = []

@@ -15,9 +15,11 @@ import importlib
 import logging
 import os
 import random
+import re
 import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from datetime import timedelta
 from types import ModuleType
 from typing import Any
 
@@ -32,18 +34,16 @@ DEVICE_TYPES = ("auto", "cpu", "cuda", "npu")
 ACCELERATOR_TYPES = ("npu", "cuda")
 
 #: Runtime defaults applied on Ascend when the user has not set them (see apply_npu_runtime_defaults).
+#: HCCL_EXEC_TIMEOUT is not among them: it is derived from ``ddp_timeout`` (see collective_timeouts).
 NPU_RUNTIME_DEFAULTS: dict[str, str] = {
     # Socket link set-up between ranks; default 120 s is too short when ranks load a model at
     # different speeds. Valid range [120, 7200] s.
     "HCCL_CONNECT_TIMEOUT": "1200",
-    # How long a rank waits inside a collective for the others. Ranks drift apart by the spread of
-    # their rollout (generation) times, so allow about an hour. HCCL rounds down to a multiple of 68 s.
-    "HCCL_EXEC_TIMEOUT": "3600",
     # Lets the caching allocator grow segments instead of fragmenting under variable rollout lengths.
     "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
 }
 
-#: Environment variables shown by ``grpo-ascend doctor``.
+#: Environment variables shown by ``grpo-ascend doctor`` (with every other HCCL_*, ASCEND_*, PYTORCH_NPU_*).
 DEVICE_ENV_VARS = (
     "ASCEND_RT_VISIBLE_DEVICES",
     "ASCEND_HOME_PATH",
@@ -530,21 +530,6 @@ def autocast(device: torch.device | str, dtype: str | torch.dtype | None) -> con
     return torch.autocast(device_type=kind, dtype=torch_dtype)
 
 
-def grad_scaler(device: torch.device | str, enabled: bool) -> torch.amp.GradScaler | None:
-    """A GradScaler for fp16 training on the device, or None when ``enabled`` is False (bf16/fp32).
-
-    Raises ConfigError when fp16 loss scaling is asked for on the CPU.
-    """
-    if not enabled:
-        return None
-    kind = device_type(device)
-    if kind not in ACCELERATOR_TYPES:
-        raise ConfigError(f"fp16 loss scaling needs an NPU or GPU, but the device is {str(device)!r}; use bf16 or fp32")
-    if hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler"):
-        return torch.amp.GradScaler(kind)
-    return _backend_module(kind).amp.GradScaler()  # torch < 2.3
-
-
 def mixed_precision_for_accelerate(bf16: bool, fp16: bool) -> str:
     """accelerate's ``mixed_precision`` value for the bf16/fp16 config switches."""
     if bf16 and fp16:
@@ -626,7 +611,7 @@ def set_rng_state(state: Mapping[str, Any], device: torch.device | str | None = 
 
 
 # --------------------------------------------------------------------------------------------
-# Ascend runtime environment and summary
+# Ascend runtime environment
 # --------------------------------------------------------------------------------------------
 
 
@@ -677,109 +662,267 @@ def cann_version() -> str | None:
     return None
 
 
-def device_summary(device: torch.device | str | None = None) -> dict[str, Any]:
-    """Everything ``grpo-ascend doctor`` reports about torch, torch_npu, CANN and a device.
 
-    ``device`` defaults to the auto-detected one (at this process's LOCAL_RANK index).
+# --------------------------------------------------------------------------------------------
+# Ascend chips: the SoC name torch_npu reports, and its product family
+# --------------------------------------------------------------------------------------------
+
+#: Product family of each SoC name that ``torch.npu.get_device_name()`` returns (torch_npu reads it
+#: with aclrtGetSocName; the names are those of torch_npu's NpuVariables.cpp). Checked in order.
+CHIP_FAMILIES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"Ascend910(PremiumA|ProA|A|ProB|B)"), "training"),  # Atlas training series (910A/910 Pro)
+    (re.compile(r"Ascend910B\d.*"), "A2"),  # Atlas A2 training/inference series (910B1..910B4-1)
+    (re.compile(r"Ascend910_93\d\d"), "A3"),  # Atlas A3 training/inference series
+    (re.compile(r"Ascend310P\d"), "inference"),  # Atlas inference series (300I Duo, ...)
+    (re.compile(r"Ascend310B\d"), "200I/500 A2"),  # Atlas 200I/500 A2 inference products
+)
+
+CHIP_FAMILY_NAMES = {
+    "training": "Atlas training series",
+    "A2": "Atlas A2 series",
+    "A3": "Atlas A3 series",
+    "inference": "Atlas inference series",
+    "200I/500 A2": "Atlas 200I/500 A2",
+}
+
+
+def chip_family(soc_name: str | None) -> str | None:
+    """The product family ('training', 'A2', 'A3', 'inference', '200I/500 A2') of a SoC name, or None."""
+    if not soc_name:
+        return None
+    for pattern, family in CHIP_FAMILIES:
+        if pattern.fullmatch(soc_name.strip()):
+            return family
+    return None
+
+
+def soc_name(device: torch.device | str | None = None) -> str | None:
+    """The SoC name of an NPU (e.g. 'Ascend910B2'), or None off NPU or when torch_npu cannot say."""
+    if device is not None and device_type(device) != "npu":
+        return None
+    if not _npu_available():
+        return None
+    try:
+        name = torch.npu.get_device_name(None if device is None else _index(device))
+    except Exception:  # a driver error: the family stays unknown and the eager code runs
+        return None
+    return str(name) or None
+
+
+# --------------------------------------------------------------------------------------------
+# collective timeouts: ddp_timeout is the one setting; HCCL_EXEC_TIMEOUT is derived from it
+# --------------------------------------------------------------------------------------------
+
+#: torch_npu's default process-group timeout (DEFAULT_TIMEOUT in ProcessGroupHCCL.hpp), in seconds.
+HCCL_WATCHDOG_DEFAULT_S = 1800
+#: HCCL_EXEC_TIMEOUT = ddp_timeout - this margin, so HCCL reports a stuck collective (and writes its
+#: plog) before torch_npu's watchdog tears the process group down at ddp_timeout.
+HCCL_EXEC_MARGIN_S = 60
+#: Atlas training / inference series: HCCL rounds HCCL_EXEC_TIMEOUT down to a multiple of 68 s (minimum 68).
+HCCL_EXEC_STEP_S = 68
+#: A2/A3 with HCCL_OP_EXPANSION_MODE=AIV: HCCL_EXEC_TIMEOUT is capped at 1091 s (0 also means 1091).
+HCCL_EXEC_AIV_CAP_S = 1091
+
+
+@dataclass(frozen=True)
+class CollectiveTimeouts:
+    """The timeouts a run uses: what to pass to init_process_group and what HCCL_EXEC_TIMEOUT becomes."""
+
+    process_group: timedelta
+    exec_timeout_s: int | None  # HCCL_EXEC_TIMEOUT (None off NPU)
+    exec_source: str  # 'derived from ddp_timeout', 'exported', or 'n/a'
+    watchdog_s: float | None  # when torch_npu's watchdog aborts a stuck collective (None off NPU)
+
+
+def derived_exec_timeout(ddp_timeout: int) -> int:
+    """HCCL_EXEC_TIMEOUT for a ``ddp_timeout``: ``ddp_timeout - 60`` s, at least 68 s."""
+    if ddp_timeout < HCCL_EXEC_STEP_S + HCCL_EXEC_MARGIN_S:
+        raise ConfigError(
+            f"ddp_timeout={ddp_timeout} is too short on Ascend: HCCL_EXEC_TIMEOUT is derived as ddp_timeout - "
+            f"{HCCL_EXEC_MARGIN_S} s and HCCL needs at least {HCCL_EXEC_STEP_S} s; set ddp_timeout to "
+            f"{HCCL_EXEC_STEP_S + HCCL_EXEC_MARGIN_S} or more"
+        )
+    return ddp_timeout - HCCL_EXEC_MARGIN_S
+
+
+def collective_timeouts(device: torch.device | str, ddp_timeout: int, env: Mapping[str, str] = os.environ) -> CollectiveTimeouts:
+    """Consistent collective timeouts for a run whose process-group timeout is ``ddp_timeout`` seconds.
+
+    Off NPU the process group simply gets ``ddp_timeout``. On NPU HCCL_EXEC_TIMEOUT is derived
+    (``ddp_timeout - 60`` s) unless exported, and an exported value must be below ``ddp_timeout``.
+    torch_npu's watchdog then uses the process-group timeout as given, on every release, except
+    that from 7.1 on (pip 2.1.0.post13, 2.5.1.post1, 2.6.0, ...) exactly 1800 s counts as unset and
+    becomes HCCL_EXEC_TIMEOUT + 1800 s; so 1800 s is passed as 1800.001 s (harmless before 7.1,
+    where a set HCCL_EXEC_TIMEOUT leaves the timeout as given). Pure: see apply_collective_timeouts.
     """
+    if ddp_timeout <= 0:
+        raise ConfigError(f"ddp_timeout must be a positive number of seconds, got {ddp_timeout}")
+    if device_type(device) != "npu":
+        return CollectiveTimeouts(timedelta(seconds=ddp_timeout), None, "n/a", None)
+    exported = env.get("HCCL_EXEC_TIMEOUT")
+    if exported:
+        try:
+            exec_timeout = int(exported)
+        except ValueError:
+            raise ConfigError(f"HCCL_EXEC_TIMEOUT={exported!r} is not a whole number of seconds; unset it (it is "
+                              f"derived from ddp_timeout) or export an integer") from None
+        if not 0 < exec_timeout < ddp_timeout:
+            raise ConfigError(
+                f"HCCL_EXEC_TIMEOUT={exported} does not fit ddp_timeout={ddp_timeout}: torch_npu's watchdog aborts "
+                f"the process group at ddp_timeout, so HCCL's own timeout must be shorter (and not 0 = never). Unset "
+                f"HCCL_EXEC_TIMEOUT to derive it ({derived_exec_timeout(ddp_timeout) if ddp_timeout >= 128 else 'n/a'} s), "
+                f"and change ddp_timeout to change both"
+            )
+        source = "exported"
+    else:
+        exec_timeout, source = derived_exec_timeout(ddp_timeout), "derived from ddp_timeout"
+    group = timedelta(seconds=ddp_timeout)
+    if ddp_timeout == HCCL_WATCHDOG_DEFAULT_S:
+        group += timedelta(milliseconds=1)  # not the sentinel value torch_npu 7.1+ replaces
+    return CollectiveTimeouts(group, exec_timeout, source, group.total_seconds())
+
+
+_derived_here: dict[str, str] = {}  # what apply_collective_timeouts exported in this process
+
+
+def apply_collective_timeouts(device: torch.device | str, ddp_timeout: int,
+                              env: MutableMapping[str, str] = os.environ) -> timedelta:
+    """Export the derived HCCL_EXEC_TIMEOUT on NPU and return the process-group timeout to pass.
+
+    Call before the process group is created (HCCL and torch_npu read the variable then).
+    """
+    if env.get("HCCL_EXEC_TIMEOUT") and env.get("HCCL_EXEC_TIMEOUT") == _derived_here.get("HCCL_EXEC_TIMEOUT"):
+        del env["HCCL_EXEC_TIMEOUT"]  # derived for an earlier run in this process, not exported by the user
+    timeouts = collective_timeouts(device, ddp_timeout, env)
+    if timeouts.exec_timeout_s is not None and timeouts.exec_source != "exported":
+        env["HCCL_EXEC_TIMEOUT"] = _derived_here["HCCL_EXEC_TIMEOUT"] = str(timeouts.exec_timeout_s)
+        logger.info("HCCL_EXEC_TIMEOUT=%d (ddp_timeout %d s - %d s)", timeouts.exec_timeout_s, ddp_timeout,
+                    HCCL_EXEC_MARGIN_S)
+    return timeouts.process_group
+
+
+def effective_exec_timeout(exec_timeout: int, family: str | None, env: Mapping[str, str] = os.environ) -> int:
+    """What HCCL makes of an HCCL_EXEC_TIMEOUT on a chip family (CANN's environment variable reference).
+
+    Atlas training / inference series: rounded down to a multiple of 68 s (at least 68, at most
+    17340). A2/A3: whole seconds as given, except in AIV expansion mode (HCCL_OP_EXPANSION_MODE=AIV),
+    where 0 or anything above 1091 s becomes 1091 s.
+    """
+    if family in ("training", "inference"):
+        return min(max(HCCL_EXEC_STEP_S, exec_timeout // HCCL_EXEC_STEP_S * HCCL_EXEC_STEP_S), 17340)
+    if family in ("A2", "A3") and env.get("HCCL_OP_EXPANSION_MODE", "").upper() == "AIV":
+        return HCCL_EXEC_AIV_CAP_S if exec_timeout == 0 else min(exec_timeout, HCCL_EXEC_AIV_CAP_S)
+    return exec_timeout
+
+
+# --------------------------------------------------------------------------------------------
+# facts for ``grpo-ascend doctor`` (grpo_ascend/doctor.py lays them out)
+# --------------------------------------------------------------------------------------------
+
+
+def _npu_version() -> str | None:
+    module = load_torch_npu().module
+    version = getattr(module, "__version__", None) if module is not None else None
+    return str(version) if version else _package_version("torch-npu")
+
+
+def software_versions() -> dict[str, str | None]:
+    """Versions of torch, the accelerator extension and its toolkit, keyed by display label."""
+    cuda_build = torch.version.cuda
     npu_import = load_torch_npu()
     if npu_import.module is not None:
-        npu_status = "ok"
-        npu_version = str(getattr(npu_import.module, "__version__", None) or _package_version("torch-npu") or "unknown")
+        npu_line = _npu_version() or "unknown"
     elif npu_import.installed:
-        npu_status = f"import failed: {type(npu_import.error).__name__}: {npu_import.error}"
-        npu_version = _package_version("torch-npu") or "unknown"
+        npu_line = (f"{_package_version('torch-npu') or 'unknown'} - import failed: "
+                    f"{type(npu_import.error).__name__}: {npu_import.error}")
     else:
-        npu_status = "not installed"
-        npu_version = None
+        npu_line = "not installed"
+    return {
+        "torch": torch.__version__ + (f" (CUDA {cuda_build})" if cuda_build else ""),
+        "torch_npu": npu_line,
+        "CANN": cann_version(),
+    }
+
+
+def device_facts(device: torch.device | str | None = None) -> dict[str, Any]:
+    """Type, count, name, chip family, bf16, collective backend and free memory of a device.
+
+    ``device`` defaults to the auto-detected one (at this process's LOCAL_RANK index). Errors while
+    asking the driver are reported in ``memory_error`` rather than raised.
+    """
     if device is None:
         kind = detect_device_type()
         device = kind if kind == "cpu" else f"{kind}:{_local_rank(None)}"
     else:
         kind = device_type(device)
-    summary: dict[str, Any] = {
-        "torch": torch.__version__,
-        "torch_cuda_build": torch.version.cuda,
-        "torch_npu": npu_version,
-        "torch_npu_status": npu_status,
-        "cann": cann_version(),
+    facts: dict[str, Any] = {
         "device_type": kind,
         "device": str(device),
         "device_count": device_count(kind),
         "device_name": None,
+        "chip_family": None,
         "bf16_supported": bf16_supported(kind),
         "dist_backend": dist_backend(kind),
         "free_memory": None,
         "total_memory": None,
         "memory_error": None,
-        "env": {name: os.environ.get(name) for name in DEVICE_ENV_VARS},
-        "npu_defaults_pending": {
-            name: value for name, value in NPU_RUNTIME_DEFAULTS.items() if not os.environ.get(name)
-        },
     }
-    extra = sorted(
-        name for name in os.environ if name.startswith(("HCCL_", "ASCEND_", "PYTORCH_NPU_")) and name not in DEVICE_ENV_VARS
-    )
-    summary["env"].update({name: os.environ[name] for name in extra})
     try:
         if kind in ACCELERATOR_TYPES:
-            summary["device_name"] = str(_backend_module(kind).get_device_name(_index(device)))
-        free, total = free_memory(device)
-        summary["free_memory"], summary["total_memory"] = free, total
+            facts["device_name"] = str(_backend_module(kind).get_device_name(_index(device)))
+            if kind == "npu":
+                family = chip_family(facts["device_name"])
+                facts["chip_family"] = CHIP_FAMILY_NAMES.get(family, "unknown") if family else "unknown"
+        facts["free_memory"], facts["total_memory"] = free_memory(device)
     except Exception as exc:  # doctor reports rather than crashes
-        summary["memory_error"] = f"{type(exc).__name__}: {exc}"
-    return summary
+        facts["memory_error"] = f"{type(exc).__name__}: {exc}"
+    return facts
 
 
-def _gib(num_bytes: int | None) -> str:
-    return "unknown" if num_bytes is None else f"{num_bytes / 2**30:.1f} GiB"
-
-
-def summary_sections(summary: Mapping[str, Any]) -> dict[str, list[tuple[str, str]]]:
-    """Labelled display rows of a :func:`device_summary`: 'Software', 'Device' and 'Environment'."""
-    cuda_build = summary["torch_cuda_build"]
-    if summary["torch_npu"] is None:
-        npu_line = "not installed"
-    elif summary["torch_npu_status"] == "ok":
-        npu_line = summary["torch_npu"]
+def timeout_facts(device: torch.device | str, ddp_timeout: int, env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The effective collective timeouts of a run with ``ddp_timeout`` on ``device``, keyed by display label."""
+    try:
+        timeouts = collective_timeouts(device, ddp_timeout, env)
+    except ConfigError as exc:
+        return {"ddp_timeout": f"{ddp_timeout} s", "problem": str(exc)}
+    facts = {"ddp_timeout": f"{ddp_timeout} s (process-group timeout)"}
+    if timeouts.exec_timeout_s is None:
+        return facts
+    family = chip_family(soc_name(device))
+    effective = effective_exec_timeout(timeouts.exec_timeout_s, family, env)
+    note = "" if effective == timeouts.exec_timeout_s else f", {effective} s on this chip"
+    facts["HCCL exec timeout"] = f"{timeouts.exec_timeout_s} s ({timeouts.exec_source}{note})"
+    version = _npu_version() or "unknown"
+    if env.get("HCCL_ASYNC_ERROR_HANDLING") == "0" or env.get("HCCL_BLOCKING_WAIT") == "1":
+        facts["HCCL watchdog"] = "off (HCCL_ASYNC_ERROR_HANDLING=0 or HCCL_BLOCKING_WAIT=1)"
     else:
-        npu_line = f"{summary['torch_npu']} - {summary['torch_npu_status']}"
-    on_cpu = summary["device_type"] == "cpu"
-    if summary["free_memory"] is None:
-        memory = f"unknown ({summary['memory_error']})" if summary["memory_error"] else "unknown"
-    else:
-        where = " (host RAM)" if on_cpu else ""
-        memory = f"{_gib(summary['free_memory'])} free of {_gib(summary['total_memory'])}{where}"
-    pending = summary["npu_defaults_pending"]
-    environment = []
-    for name, value in summary["env"].items():
-        if value is not None:
-            environment.append((name, value))
-        elif name in pending:
-            environment.append((name, f"unset -> {pending[name]} will be applied on NPU"))
-        else:
-            environment.append((name, "unset"))
-    return {
-        "Software": [
-            ("torch", summary["torch"] + (f" (CUDA {cuda_build})" if cuda_build else "")),
-            ("torch_npu", npu_line),
-            ("CANN", summary["cann"] or "n/a"),
-        ],
-        "Device": [
-            ("device", summary["device"]),
-            ("device count", str(summary["device_count"])),
-            ("device name", summary["device_name"] or ("host CPU" if on_cpu else "unknown")),
-            ("bf16 supported", "yes" if summary["bf16_supported"] else "no"),
-            ("dist backend", summary["dist_backend"]),
-            ("free memory", memory),
-        ],
-        "Environment (Ascend / HCCL / launcher)": environment,
-    }
+        facts["HCCL watchdog"] = f"{timeouts.watchdog_s:g} s (torch_npu {version})"
+    return facts
 
 
-def summary_warnings(summary: Mapping[str, Any]) -> list[str]:
-    """Problems worth a line under the :func:`device_summary` report (e.g. a broken torch_npu)."""
-    if summary["torch_npu"] is not None and summary["torch_npu_status"] != "ok":
+def runtime_environment(env: Mapping[str, str] = os.environ) -> dict[str, str | None]:
+    """The launcher / Ascend / HCCL variables worth showing, plus any other HCCL_*, ASCEND_*, PYTORCH_NPU_*."""
+    shown: dict[str, str | None] = {name: env.get(name) for name in DEVICE_ENV_VARS}
+    extra = sorted(name for name in env if name.startswith(("HCCL_", "ASCEND_", "PYTORCH_NPU_")) and name not in shown)
+    shown.update({name: env[name] for name in extra})
+    return shown
+
+
+def pending_runtime_defaults(ddp_timeout: int | None = None, env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The runtime variables grpo-ascend would set on Ascend because they are unset here.
+
+    With ``ddp_timeout``, HCCL_EXEC_TIMEOUT (derived from it) is among them.
+    """
+    pending = {name: value for name, value in NPU_RUNTIME_DEFAULTS.items() if not env.get(name)}
+    if ddp_timeout is not None and not env.get("HCCL_EXEC_TIMEOUT") and ddp_timeout >= HCCL_EXEC_STEP_S + HCCL_EXEC_MARGIN_S:
+        pending["HCCL_EXEC_TIMEOUT"] = str(derived_exec_timeout(ddp_timeout))
+    return pending
+
+
+def accelerator_warnings() -> list[str]:
+    """Problems with the accelerator software worth a line under a report (e.g. a broken torch_npu)."""
+    npu_import = load_torch_npu()
+    if npu_import.installed and npu_import.module is None:
         return [
             "torch_npu is installed but unusable, so NPUs will not be used; "
             f"run `{_CANN_SET_ENV}` or set TORCH_DEVICE_BACKEND_AUTOLOAD=0 if this machine has no NPU"

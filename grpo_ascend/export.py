@@ -11,20 +11,28 @@ the end of training. The output folder is written atomically, like checkpoints.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import shutil
-import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from grpo_ascend import checkpoint as ckpt
+from grpo_ascend import checkpoint_io as io
+from grpo_ascend import checkpoint_weights as stored
+from grpo_ascend.adapters import (
+    adapter_config_dict,
+    adapter_names,
+    adapter_state_dict,
+    check_tensors,
+    copy_tensors_into,
+    is_peft,
+    load_adapter_state_dict,
+    non_adapter_trainable,
+    unwrap_model,
+)
 from grpo_ascend.errors import CheckpointError, ConfigError, closest
 
 logger = logging.getLogger(__name__)
@@ -39,7 +47,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
 }
 # Files whose presence marks a folder as an earlier export that may be replaced.
-_EXPORT_MARKERS = (ckpt.ADAPTER_CONFIG_NAME, "config.json")
+_EXPORT_MARKERS = (stored.ADAPTER_CONFIG_NAME, "config.json")
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -75,47 +83,21 @@ def _cast(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dic
 # --------------------------------------------------------------------------------------------
 
 
-class _AtomicFolder:
-    """Write into a temporary sibling of ``target``; on success swap it in, on failure remove it."""
-
-    def __init__(self, target: Path, sources: list[Path]):
-        self.target = target.resolve()
-        for source in sources:
-            source = source.resolve()
-            if self.target == source or source in self.target.parents or self.target in source.parents:
-                raise ConfigError(
-                    f"--out {str(target)!r} overlaps the checkpoint {str(source)!r}; choose a folder outside it"
-                )
-        if self.target.is_file():
-            raise ConfigError(f"--out {str(target)!r} is a file; give a folder")
-        if self.target.is_dir() and any(self.target.iterdir()):
-            if not any((self.target / marker).exists() for marker in _EXPORT_MARKERS):
-                raise ConfigError(
-                    f"--out {str(target)!r} exists and holds files that are not an earlier export; "
-                    f"choose an empty or new folder"
-                )
-
-    def __enter__(self) -> Path:
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{self.target.name}-", dir=self.target.parent))
-        return self.tmp
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        for path in self.tmp.rglob("*"):
-            if path.is_file():
-                ckpt._fsync_file(path)
-        ckpt._fsync_dir(self.tmp)
-        trash = None
-        if self.target.exists():
-            trash = self.target.parent / f".trash-{self.target.name}-{os.getpid()}-{time.time_ns()}"
-            os.replace(self.target, trash)
-        os.replace(self.tmp, self.target)
-        ckpt._fsync_dir(self.target.parent)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+def _check_out_dir(out: Path, sources: list[Path]) -> None:
+    """Refuse an output folder that overlaps a source, is a file, or holds something other than an export."""
+    target = out.resolve()
+    for source in sources:
+        source = source.resolve()
+        if target == source or source in target.parents or target in source.parents:
+            raise ConfigError(f"--out {str(out)!r} overlaps the checkpoint {str(source)!r}; choose a folder outside it")
+    if target.is_file():
+        raise ConfigError(f"--out {str(out)!r} is a file; give a folder")
+    if target.is_dir() and any(target.iterdir()):
+        if not any((target / marker).exists() for marker in _EXPORT_MARKERS):
+            raise ConfigError(
+                f"--out {str(out)!r} exists and holds files that are not an earlier export; "
+                f"choose an empty or new folder"
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,20 +137,14 @@ def _write_adapter(out: Path, config: dict[str, Any], tensors: Mapping[str, torc
     config["inference_mode"] = True
     if base_model is not None:
         config["base_model_name_or_path"] = base_model
-    save_file(_cast(tensors, dtype), str(out / ckpt.ADAPTER_WEIGHTS_NAME), {"format": "pt"})
-    (out / ckpt.ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    io.save_tensors(out / stored.ADAPTER_WEIGHTS_NAME, _cast(tensors, dtype))
+    io.write_json(out / stored.ADAPTER_CONFIG_NAME, config, "the adapter config")
 
 
 def _live_adapter(model: torch.nn.Module) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Config and weights of a live PeftModel's active adapter."""
-    adapter = ckpt._peft_adapter_names(model)[0]
-    return ckpt._adapter_config_dict(model, adapter), ckpt._adapter_state(model, adapter)
-
-
-def _checkpoint_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Config and weights of a checkpoint's top-level (active) adapter."""
-    config = ckpt._read_json(folder / ckpt.ADAPTER_CONFIG_NAME)
-    return config, ckpt._load_tensors(folder / ckpt.ADAPTER_WEIGHTS_NAME)
+    adapter = adapter_names(model)[0]
+    return adapter_config_dict(model, adapter), adapter_state_dict(model, adapter)
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,7 +184,7 @@ def _save_model(model: torch.nn.Module, out: Path, dtype: torch.dtype) -> None:
 def _merge(out: Path, base: str, config: dict[str, Any], tensors: Mapping[str, torch.Tensor],
            extra: Mapping[str, torch.Tensor], dtype: torch.dtype | None, source: str) -> None:
     """Load ``base``, apply the adapter (checked tensor by tensor), fold it in and save the model."""
-    from peft import PeftConfig, get_peft_model, set_peft_model_state_dict
+    from peft import PeftConfig, get_peft_model
 
     model = _load_base(base)
     target_dtype = dtype or _stored_dtype(model)
@@ -220,16 +196,16 @@ def _merge(out: Path, base: str, config: dict[str, Any], tensors: Mapping[str, t
         peft_model = get_peft_model(model, peft_config)
     except (ValueError, RuntimeError) as exc:
         raise CheckpointError(f"the adapter from {source} does not fit base model {base!r}: {exc}") from exc
-    ckpt._check_tensors(
-        tensors, ckpt._adapter_state(peft_model, "default"), Path(source),
+    check_tensors(
+        tensors, adapter_state_dict(peft_model, "default"), Path(source),
         f"Pass the base model the adapter was trained on with --base-model (tried {base!r}).",
     )
-    set_peft_model_state_dict(peft_model, tensors, adapter_name="default")
+    load_adapter_state_dict(peft_model, tensors, "default")
     if extra:
         params = dict(peft_model.named_parameters())
         used = {name: params[name] for name in extra if name in params}
-        ckpt._check_tensors({k: extra[k] for k in used}, used, Path(source), "")
-        ckpt._copy_into(used, extra)
+        check_tensors({k: extra[k] for k in used}, used, Path(source), "")
+        copy_tensors_into(used, extra)
         skipped = sorted(set(extra) - set(used))
         if skipped:
             logger.info("not part of the causal LM, left out of the merged model: %s", skipped[:5])
@@ -244,8 +220,8 @@ def _full_from_checkpoint(out: Path, folder: Path, base: str, dtype: torch.dtype
     """Full fine-tuning checkpoint: base model + the saved trainable parameters, strictly by name."""
     model = _load_base(base)
     target_dtype = dtype or _stored_dtype(model)
-    weights_path = folder / ckpt.FULL_WEIGHTS_NAME
-    loaded = ckpt._load_tensors(weights_path)
+    weights_path = folder / stored.FULL_WEIGHTS_NAME
+    loaded = stored.read_full_weights(folder)
     if loaded and all(name.startswith(_PPO_PREFIXES) for name in loaded):
         # PPO full fine-tuning saves the policy and the critic side by side: export the policy.
         dropped = sum(not name.startswith("policy.") for name in loaded)
@@ -259,8 +235,8 @@ def _full_from_checkpoint(out: Path, folder: Path, base: str, dtype: torch.dtype
             f"lacks (e.g. {unknown[:3]}); pass the right base model with --base-model"
         )
     used = {name: params[name] for name in loaded}
-    ckpt._check_tensors(loaded, used, weights_path, f"Pass the right base model with --base-model (tried {base!r}).")
-    ckpt._copy_into(used, loaded)
+    check_tensors(loaded, used, weights_path, f"Pass the right base model with --base-model (tried {base!r}).")
+    copy_tensors_into(used, loaded)
     _save_model(model, out, target_dtype)
 
 
@@ -302,15 +278,16 @@ def export_checkpoint(
     out = Path(out_dir)
 
     if isinstance(checkpoint_or_model, torch.nn.Module):
-        model = ckpt._unwrap(checkpoint_or_model)
-        with _AtomicFolder(out, []) as tmp:
-            if ckpt._is_peft(model):
+        model = unwrap_model(checkpoint_or_model)
+        _check_out_dir(out, [])
+        with io.AtomicFolder(out.resolve()) as tmp:
+            if is_peft(model):
                 config, tensors = _live_adapter(model)
                 base = base_override or config.get("base_model_name_or_path")
                 if merge:
                     if not base:
                         raise ConfigError("merging a live model needs its base model: pass base_model=PATH")
-                    _merge(tmp, _resolve_base(base), config, tensors, ckpt._non_adapter_trainable(model), torch_dtype,
+                    _merge(tmp, _resolve_base(base), config, tensors, non_adapter_trainable(model), torch_dtype,
                            "the live model")
                 else:
                     _write_adapter(tmp, config, tensors, torch_dtype, base)
@@ -327,17 +304,17 @@ def export_checkpoint(
     folder = _checkpoint_folder(Path(checkpoint_or_model))
     manifest = ckpt.read_manifest(folder, verify_hashes=True)
     kind = manifest.get("kind")
-    with _AtomicFolder(out, [folder]) as tmp:
+    _check_out_dir(out, [folder])
+    with io.AtomicFolder(out.resolve()) as tmp:
         if kind == "lora":
-            config, tensors = _checkpoint_adapter(folder)
+            config, tensors = stored.read_top_adapter(folder)
             base = base_override or config.get("base_model_name_or_path") or manifest.get("base_model_name_or_path")
-            extra_path = folder / ckpt.EXTRA_TRAINABLE_NAME
-            extra = ckpt._load_tensors(extra_path) if ckpt.EXTRA_TRAINABLE_NAME in manifest["files"] else {}
+            extra = stored.read_extra_trainable(folder, manifest)
             if merge:
                 if not base:
                     raise CheckpointError(f"{folder} does not record its base model; pass --base-model PATH")
                 _merge(tmp, _resolve_base(base), config, tensors, extra, torch_dtype,
-                       str(folder / ckpt.ADAPTER_WEIGHTS_NAME))
+                       str(folder / stored.ADAPTER_WEIGHTS_NAME))
             else:
                 _write_adapter(tmp, config, tensors, torch_dtype, base)
                 if extra:
@@ -365,12 +342,12 @@ def _patch_config_dtype(folder: Path, dtype: torch.dtype) -> None:
     path = folder / "config.json"
     if not path.is_file():
         return
-    data = json.loads(path.read_text(encoding="utf-8"))
+    data = io.read_json(path)
     name = str(dtype).removeprefix("torch.")
     for key in ("dtype", "torch_dtype"):
         if key in data or key == "dtype":
             data[key] = name
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    io.write_json(path, data, "the model config")
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,7 +370,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 def run_export(args: argparse.Namespace) -> int:
     """``grpo-ascend export CHECKPOINT --out DIR [--merge] [--dtype bf16] [--base-model PATH]``."""
     out = export_checkpoint(args.checkpoint, args.out, merge=args.merge, dtype=args.dtype, base_model=args.base_model)
-    if (out / ckpt.ADAPTER_CONFIG_NAME).exists():
+    if (out / stored.ADAPTER_CONFIG_NAME).exists():
         print(f"wrote LoRA adapter to {out} (load with PeftModel.from_pretrained(base_model, {str(out)!r}))")
     else:
         print(f"wrote model to {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")

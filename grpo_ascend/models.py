@@ -7,12 +7,14 @@ import copy
 import functools
 import inspect
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from grpo_ascend.adapters import is_peft
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.logprobs import token_logprobs_from_hidden
 
@@ -71,16 +73,18 @@ def default_lora_config(
 
 
 def apply_peft(model: nn.Module, peft_config: Any | None) -> nn.Module:
-    """Wrap ``model`` with LoRA (``peft_config``); None keeps full fine-tuning."""
+    """Wrap ``model`` with LoRA (``peft_config``); None keeps full fine-tuning.
+
+    peft reads transformers' deprecated ``is_gradient_checkpointing`` while wrapping; that
+    FutureWarning says nothing the user can act on, so it is silenced here (and only here).
+    """
     if peft_config is None:
         return model
     from peft import get_peft_model
 
-    return get_peft_model(model, peft_config)
-
-
-def is_peft(model: nn.Module) -> bool:
-    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, peft_config)
 
 
 def hf_model(model: nn.Module) -> nn.Module:
@@ -275,11 +279,30 @@ class CompletionLogprobs(nn.Module):
 
 
 @contextlib.contextmanager
+def preserve_requires_grad(model: nn.Module) -> Iterator[None]:
+    """Restore every parameter's ``requires_grad`` on exit.
+
+    peft flips these flags as a side effect: ``set_adapter`` leaves only the active adapter
+    trainable, and leaving ``disable_adapter()`` (the reference forward) re-applies that, which
+    would silently freeze a second adapter such as PPO's critic.
+    """
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+@contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """Run the base model of a PeftModel (the reference policy) without a second copy in memory."""
+    """Run the base model of a PeftModel (the reference policy) without a second copy in memory.
+
+    Every parameter's ``requires_grad`` is kept as it was (see :func:`preserve_requires_grad`).
+    """
     if not is_peft(model):
         raise ConfigError("adapters_disabled needs a PEFT model")
-    with model.disable_adapter():
+    with preserve_requires_grad(model), model.disable_adapter():
         yield
 
 

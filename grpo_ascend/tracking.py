@@ -1,4 +1,4 @@
-"""Run tracking: metrics.jsonl, samples.jsonl, a live progress bar, optional TensorBoard, a summary."""
+"""Run tracking: metrics.jsonl, samples.jsonl, a live progress bar, the ``report_to`` trackers, a summary."""
 
 from __future__ import annotations
 
@@ -8,9 +8,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
-SAMPLES_FILE = "samples.jsonl"
+from grpo_ascend.trackers import (
+    METRICS_FILE,
+    SAMPLES_FILE,
+    JsonlTracker,
+    Tracker,
+    check_report_to,
+    make_tracker,
+)
+
 SUMMARY_FILE = "summary.json"
+SAMPLES_TABLE = "samples"
 
 # Progress-bar fields: (metric key, short label).
 _BAR_FIELDS = (("reward", "reward"), ("kl", "kl"), ("completion_length/mean", "len"), ("time/step", "s/step"))
@@ -46,7 +54,12 @@ def truncate_metrics(output_dir: str | Path, last_step: int) -> None:
 
 
 class RunTracker:
-    """Writes one JSON object per logged step and shows a progress bar; only the main process writes."""
+    """Writes metrics.jsonl / samples.jsonl, feeds the ``report_to`` trackers and shows a progress bar.
+
+    Only the main process (``enabled``) writes. ``report_to``: tracker names (see ``trackers.py``;
+    ``jsonl``, the files here, is always on). ``config``: logged once to every tracker and to
+    ``run_config.json``. Sample completions go to each tracker as a table named ``samples``.
+    """
 
     def __init__(
         self,
@@ -56,16 +69,23 @@ class RunTracker:
         enabled: bool = True,
         start_step: int = 0,
         disable_tqdm: bool = False,
-        accelerator: Any = None,
+        report_to: list[str] | tuple[str, ...] = (),
+        config: dict[str, Any] | None = None,
     ):
         self.output_dir = Path(output_dir)
         self.enabled = enabled
-        self.accelerator = accelerator
         self.started = time.time()
         self.history: list[dict[str, Any]] = []
+        self.trackers: list[Tracker] = []
         self._bar = None
+        names = [n for n in check_report_to(list(report_to)) if n != "jsonl"]
         if enabled:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+            self.trackers = [make_tracker(name, self.output_dir) for name in names]
+            if config is not None:
+                JsonlTracker(self.output_dir, "").log_config(config)
+                for tracker in self.trackers:
+                    tracker.log_config(config)
             if not disable_tqdm:
                 from tqdm.auto import tqdm
 
@@ -78,8 +98,9 @@ class RunTracker:
             return
         with open(self.output_dir / METRICS_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.accelerator is not None and self.accelerator.trackers:
-            self.accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        for tracker in self.trackers:
+            tracker.log_metrics(scalars, step)
         if self._bar is not None:
             self._bar.set_postfix(
                 {label: f"{metrics[key]:.3g}" for key, label in _BAR_FIELDS if metrics.get(key) is not None},
@@ -93,14 +114,33 @@ class RunTracker:
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         if not self.enabled or not samples:
             return
+        rows = [{k: _clean(v) for k, v in s.items()} for s in samples]
         with open(self.output_dir / SAMPLES_FILE, "a") as f:
-            for s in samples:
-                f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in s.items()}}) + "\n")
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}) + "\n")
+        for tracker in self.trackers:
+            tracker.log_table(SAMPLES_TABLE, rows, step)
 
-    def close(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Close the bar, write summary.json and print a short run summary."""
+    def close_bar(self) -> None:
+        """End the progress bar's line (so an error printed next starts on a line of its own)."""
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
+
+    def abort(self) -> None:
+        """After a failure: end the bar's line and finish the trackers' runs (no summary)."""
+        self.close_bar()
+        self._close_trackers()
+
+    def _close_trackers(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
+
+    def close(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Close the bar and the trackers, write summary.json and print a short run summary."""
+        self.close_bar()
+        self._close_trackers()
         summary = dict(summary or {})
         summary.setdefault("wall_time_s", round(time.time() - self.started, 2))
         if self.enabled:

@@ -1,12 +1,15 @@
 """Math answer accuracy: extract the final answer from a completion and compare it to the reference.
 
-Everything here is plain string processing with regular expressions and ``fractions.Fraction``;
-nothing is ever evaluated as code, so a completion such as ``<answer>__import__('os')</answer>``
-is just a string that fails to parse.
+Plain numbers (GSM8K, ``3/4``, ``\\frac{3}{4}``, ``1,000``) are compared exactly here with regular
+expressions and ``fractions.Fraction``. Other answers (LaTeX expressions, sets, intervals, units,
+percentages) go to Math-Verify when it is installed (``reward_models.math_verify_check``: LaTeX
+parsing only, a timeout per check), else are compared as normalised strings. Nothing is ever
+evaluated as code, so a completion such as ``<answer>__import__('os')</answer>`` is just a string.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Sequence
@@ -14,7 +17,15 @@ from fractions import Fraction
 from typing import Any
 
 from grpo_ascend.errors import ConfigError, RewardError
+from reward_models.math_verify_check import (
+    INSTALL_HINT,
+    MathVerifyChecker,
+    math_verify_available,
+    require_math_verify,
+)
 from reward_models.text import completion_text
+
+logger = logging.getLogger(__name__)
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\b")
@@ -156,23 +167,43 @@ def parse_number(text: str) -> float | None:
     return None if value is None else float(value)
 
 
-def answers_match(predicted: str, reference: str, rel_tol: float = 1e-6) -> bool:
+def _plain_number(text: str) -> Fraction | None:
+    """The exact value when ``text`` is a plain number (the fast path); percentages are left to
+    Math-Verify, which reads ``50\\%`` as both 50 and 0.5."""
+    return None if "%" in text else _parse_exact(text)
+
+
+def _numbers_equal(p: Fraction, r: Fraction, rel_tol: float) -> bool:
+    if p.denominator == 1 and r.denominator == 1:
+        return p == r
+    return math.isclose(float(p), float(r), rel_tol=rel_tol, abs_tol=0.0)
+
+
+def answers_match(
+    predicted: str, reference: str, rel_tol: float = 1e-6, checker: MathVerifyChecker | None = None
+) -> bool:
     """True when two answers agree.
 
-    Two integers (``1000``, ``1,000.0``) must be equal exactly; other numbers must agree within
-    ``rel_tol`` (so ``0.333333333`` matches ``1/3``); two non-numbers must be equal as strings after
-    normalisation (whitespace removed). A number never equals a non-number.
+    Two plain numbers are compared here: two integers (``1000``, ``1,000.0``) must be equal exactly,
+    other numbers must agree within ``rel_tol`` (so ``0.333333333`` matches ``1/3``). Anything else
+    goes to ``checker`` (Math-Verify) when given: equal if it says so, or if the two are equal as
+    strings after normalisation (whitespace removed); a check that timed out or failed falls back to
+    that string comparison. Without a checker, a number never equals a non-number.
     """
-    p, r = _parse_exact(predicted), _parse_exact(reference)
+    p, r = _plain_number(predicted), _plain_number(reference)
     if p is not None and r is not None:
-        if p.denominator == 1 and r.denominator == 1:
-            return p == r
-        return math.isclose(float(p), float(r), rel_tol=rel_tol, abs_tol=0.0)
-    if p is not None or r is not None:
-        return False
+        return _numbers_equal(p, r, rel_tol)
     norm_p = re.sub(r"\s+", "", _normalize(predicted))
     norm_r = re.sub(r"\s+", "", _normalize(reference))
-    return bool(norm_r) and norm_p == norm_r
+    same_text = bool(norm_r) and norm_p == norm_r
+    if checker is not None:
+        return bool(checker.equivalent(predicted, reference)) or same_text
+    p, r = _parse_exact(predicted), _parse_exact(reference)
+    if p is not None and r is not None:
+        return _numbers_equal(p, r, rel_tol)
+    if p is not None or r is not None:
+        return False
+    return same_text
 
 
 def reference_answer(value: Any) -> str | None:
@@ -194,19 +225,42 @@ def reference_answer(value: Any) -> str | None:
 class AccuracyReward:
     """1.0 when the completion's final answer equals the reference answer, 0.0 otherwise.
 
+    ``math_verify``: "auto" (default) checks non-numeric answers with Math-Verify when it is
+    installed; true requires it (ConfigError naming the extra if missing); false never uses it.
+    ``math_verify_timeout``: seconds per Math-Verify check (one that runs over scores 0.0).
+
     The reference comes from the ``answer_column`` dataset column; by default ``answer`` (this
     project's synthetic task, GSM8K) or, failing that, ``solution`` (TRL's math datasets). A
     completion with no extractable answer scores 0.0; a missing or empty reference gives None
     ("not applicable"), so that completion is left out of this function's contribution.
     """
 
-    def __init__(self, answer_column: str | None = None, rel_tol: float = 1e-6) -> None:
+    def __init__(
+        self,
+        answer_column: str | None = None,
+        rel_tol: float = 1e-6,
+        math_verify: bool | str = "auto",
+        math_verify_timeout: float = 5.0,
+    ) -> None:
         if answer_column is not None and not isinstance(answer_column, str):
             raise ConfigError(f"accuracy: answer_column must be a column name, got {answer_column!r}")
         if not isinstance(rel_tol, (int, float)) or not 0 <= rel_tol < 1:
             raise ConfigError(f"accuracy: rel_tol must be a number in [0, 1), got {rel_tol!r}")
+        if math_verify not in (True, False, "auto"):
+            raise ConfigError(f"accuracy: math_verify must be true, false or 'auto', got {math_verify!r}")
+        if math_verify is True:
+            require_math_verify("accuracy")
         self.answer_column = answer_column
         self.rel_tol = float(rel_tol)
+        self.math_verify = math_verify
+        self.checker: MathVerifyChecker | None = None
+        if math_verify is True or (math_verify == "auto" and math_verify_available()):
+            self.checker = MathVerifyChecker(timeout=math_verify_timeout)
+        elif math_verify == "auto":
+            logger.warning(
+                "accuracy: math-verify is not installed, so LaTeX and symbolic answers are compared as "
+                "normalised strings (plain numbers are unaffected); for equivalence checking: %s", INSTALL_HINT
+            )
         self.__name__ = "accuracy"
 
     def _references(self, kwargs: dict[str, Any]) -> Sequence[Any]:
@@ -243,9 +297,12 @@ class AccuracyReward:
                 rewards.append(None)
                 continue
             predicted = extract_answer(completion_text(completion))
-            ok = predicted is not None and answers_match(predicted, reference, self.rel_tol)
+            ok = predicted is not None and answers_match(predicted, reference, self.rel_tol, self.checker)
             rewards.append(1.0 if ok else 0.0)
         return rewards
 
     def __repr__(self) -> str:
-        return f"AccuracyReward(answer_column={self.answer_column!r}, rel_tol={self.rel_tol})"
+        return (
+            f"AccuracyReward(answer_column={self.answer_column!r}, rel_tol={self.rel_tol}, "
+            f"math_verify={self.checker is not None})"
+        )

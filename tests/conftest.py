@@ -24,10 +24,14 @@ def tiny_model_dir():
 
 @pytest.fixture(scope="session")
 def tiny_warm_model_dir():
-    """Directory of the ``tiny`` model after its supervised warm start on the synthetic task."""
+    """Directory of the ``tiny`` model after its supervised warm start on the synthetic task.
+
+    ``GRPO_ASCEND_WARM_SEED=N`` builds the warm start from another seed: a stand-in for another
+    machine, whose float reduction order gives a slightly different warm model.
+    """
     from grpo_ascend.tiny_model import build_tiny_model
 
-    return build_tiny_model("tiny", warm=True)
+    return build_tiny_model("tiny", warm=True, seed=int(os.environ.get("GRPO_ASCEND_WARM_SEED", "0")))
 
 
 @pytest.fixture()

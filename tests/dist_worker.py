@@ -12,6 +12,8 @@ Modes:
          and the reported loss and global gradient norm are saved instead (also used under FSDP,
          with ``"max_grad_norm": 0`` to read the unclipped norm). Under ZeRO-3 the (partitioned)
          trainable weights are gathered to be set or read.
+  draws  a short GRPO or PPO run (``"algorithm"``) whose reward records the dataset rows it scores;
+         saves those row ids per round and the logged epochs.
   train  a short GRPO run (optionally resumed, or preempted right after the save at some step;
          ``"lora": false`` fine-tunes the whole model); saves the trainable weights and every
          write this rank made under output_dir.
@@ -76,16 +78,21 @@ def fixed_global_batch(n: int = 16, prompt_len: int = 6, completion_len: int = 7
         "prompt_mask": prompt_mask,
         "completion_ids": completion,
         "completion_mask": completion_mask,
-        "advantages": torch.randn(n, generator=g),
-        "loss_mask": completion_mask.float(),
+        "rewards": torch.randn(n, generator=g),
         "old_logps": -3 - torch.rand(n, completion_len, generator=g),
         "ref_logps": -3 - torch.rand(n, completion_len, generator=g),
     }
 
 
+def _experience(tensors: dict[str, torch.Tensor]) -> Any:
+    from helpers import make_experience
+
+    return make_experience(**tensors)
+
+
 def step_gradients(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: str) -> tuple[list[torch.Tensor], float]:
     """Gradients of one optimizer step over all rows of ``tensors`` (the step itself is not taken)."""
-    from grpo_ascend.trainers.base import Round
+    from helpers import run_round
 
     captured: list[list[torch.Tensor]] = []
 
@@ -96,42 +103,39 @@ def step_gradients(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: st
 
     trainer._clip_and_step = capture
     trainer.args.loss_type = loss_type
-    n = tensors["completion_ids"].shape[0]
-    rnd = Round(dict(tensors), ["p"] * n, ["c"] * n)
-    metrics = trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
-    return captured[0], metrics["loss"]
+    trainer.max_steps = trainer.step + 1
+    record = run_round(trainer, _experience(tensors))
+    return captured[0], record["loss"]
 
 
 def step_loss_and_norm(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: str) -> dict[str, float]:
     """Loss and pre-clipping global gradient norm of one real optimizer step (taken at learning rate 0)."""
-    from grpo_ascend.trainers.base import Round
+    from helpers import run_round
 
     trainer.scheduler.base_lrs = [0.0] * len(trainer.scheduler.base_lrs)
     for group in trainer.optimizer.param_groups:
         group["lr"] = 0.0
     trainer.args.loss_type = loss_type
-    n = tensors["completion_ids"].shape[0]
-    rnd = Round(dict(tensors), ["p"] * n, ["c"] * n)
-    metrics = trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
-    return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+    trainer.max_steps = trainer.step + 1
+    record = run_round(trainer, _experience(tensors))
+    return {"loss": record["loss"], "grad_norm": record["grad_norm"]}
 
 
 def nan_then_finite_step(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """A step whose gradient is NaN on this rank only (rank 0), then a finite one, at a real learning rate."""
-    from grpo_ascend.trainers.base import Round
+    from helpers import run_round
 
     trainer.scheduler.base_lrs = [1e-2] * len(trainer.scheduler.base_lrs)
     for group in trainer.optimizer.param_groups:
         group["lr"] = 1e-2
-    n = tensors["completion_ids"].shape[0]
+    trainer.max_steps = trainer.step + 2
 
     def step(poison: bool) -> dict[str, float]:
         t = dict(tensors)
         if poison and int(os.environ["RANK"]) == 0:
-            t["advantages"] = t["advantages"].clone()
-            t["advantages"][0] = float("nan")
-        rnd = Round(t, ["p"] * n, ["c"] * n)
-        return trainer._optimizer_step(rnd, torch.arange(n), trainer._round_context(rnd))
+            t["rewards"] = t["rewards"].clone()
+            t["rewards"][0] = float("nan")
+        return run_round(trainer, _experience(t))
 
     def weights() -> list[torch.Tensor]:
         with trainer._gathered_trainable():  # ZeRO-3 partitions them
@@ -192,7 +196,7 @@ def run_grads(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
     # differ in width, in head chunks (logprob_chunk_size=8) and in prompt sharing, and must still
     # agree (ZeRO-3 gathers weights collectively at every module call).
     width = int(mine["completion_mask"].sum(1).max())
-    mine = {k: v[:, :width] if k in ("completion_ids", "completion_mask", "loss_mask", "old_logps", "ref_logps")
+    mine = {k: v[:, :width] if k in ("completion_ids", "completion_mask", "old_logps", "ref_logps")
             else v for k, v in mine.items()}
     results = {}
     for loss_type in spec["loss_types"]:
@@ -295,6 +299,38 @@ def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
     (out / f"report_rank{rank}.json").write_text(json.dumps(report, indent=1))
 
 
+def recording_trainer(model_dir: str, algorithm: str, output_dir: str, world: int) -> tuple[Any, list[list[int]]]:
+    """A GRPO or PPO trainer over 10 numbered prompts (4 per round in total, whatever ``world``) whose
+    reward records the row ids it scores, one list per round."""
+    from grpo_ascend import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+    from grpo_ascend.models import default_lora_config
+    from grpo_ascend.synthetic import arithmetic_dataset
+
+    seen: list[list[int]] = []
+
+    def record(completions: list[Any], row_id: list[int], **kwargs: Any) -> list[float]:
+        seen.append(sorted(row_id[::2]))  # one id per group of num_generations=2
+        return [0.0] * len(completions)
+
+    common = dict(output_dir=output_dir, num_generations=2, per_device_train_batch_size=8 // world, max_steps=3,
+                  max_completion_length=4, max_prompt_length=96, save_steps=0, disable_tqdm=True,
+                  log_completions_steps=0, seed=0, length_bucket=16)
+    dataset = arithmetic_dataset(10, seed=3)
+    dataset = dataset.add_column("row_id", list(range(len(dataset))))
+    if algorithm == "ppo":
+        cls, cfg = PPOTrainer, PPOConfig(**common, ppo_epochs=1, num_mini_batches=1)
+    else:
+        cls, cfg = GRPOTrainer, GRPOConfig(**common)
+    return cls(model_dir, record, cfg, dataset, peft_config=default_lora_config(r=4)), seen
+
+
+def run_draws(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
+    trainer, seen = recording_trainer(spec["model_dir"], spec["algorithm"], str(out / f"run_rank{rank}"), world)
+    trainer.train()
+    epochs = [record["epoch"] for record in trainer.tracker.history]
+    (out / f"draws_rank{rank}.json").write_text(json.dumps({"rounds": seen, "epochs": epochs}))
+
+
 def main() -> int:
     mode, out, spec = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     torch.set_num_threads(1)
@@ -304,6 +340,8 @@ def main() -> int:
         run_grads(out, spec, rank, world)
     elif mode == "train":
         run_train(out, spec, rank)
+    elif mode == "draws":
+        run_draws(out, spec, rank, world)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     if torch.distributed.is_initialized():

@@ -10,7 +10,76 @@ SMALL_RUN = dict(
 )
 
 
+def late_rewards_vs_control(train, steps: int):
+    """Mean reward of the last ``steps`` logged steps of a learning run and of its control.
+
+    ``train(learning_rate, name)`` runs the trainer and returns its output folder. The control
+    run has the same seed, prompts and warm start at learning rate 0, so the two differ only in
+    learning: a criterion that holds on any machine, whatever reward the warm start begins at.
+    """
+    import json
+
+    late = []
+    for lr, name in ((None, "trained"), (0.0, "control")):
+        run_dir = train(lr, name)
+        rewards = [json.loads(line)["reward"] for line in open(run_dir / "metrics.jsonl")]
+        late.append(sum(rewards[-steps:]) / steps)
+    return tuple(late)
+
+
 def first_digit_is_one(prompts, completions, **kwargs):
     """A pattern the warm-started policy learns quickly: answers that start with the digit 1."""
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [1.0 if t.strip().removeprefix("<answer>").startswith("1") else 0.0 for t in texts]
+
+
+def make_experience(prompt_ids, prompt_mask, completion_ids, completion_mask, rewards=None, **fields):
+    """An Experience from fixed tensors (no generation), as a round's optimizer steps read it."""
+    import torch
+
+    from grpo_ascend.experience import Experience
+
+    n, width = completion_ids.shape
+    rewards = torch.zeros(n) if rewards is None else rewards
+    return Experience(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
+        loss_mask=completion_mask.float(), sampling_logps=torch.zeros(n, width), truncated=torch.zeros(n, dtype=bool),
+        rewards=rewards, rewards_per_function=rewards[:, None], reward_names=["fixed"], group_ids=torch.arange(n),
+        prompts=["p"] * n, completions=["c"] * n, **fields,
+    )
+
+
+def run_round(trainer, exp, values=None, advantages=None, returns=None):
+    """Run one training round on the fixed experience ``exp`` and return its last step's metrics record.
+
+    PPO: ``values``/``advantages``/``returns`` replace the critic pass and GAE.
+    """
+
+    def fixed_advantages(exp, _values):
+        exp.advantages = advantages
+        exp.extras.update(values=values, returns=returns)
+        return {}
+
+    trainer.experience.make = lambda *args, **kwargs: exp
+    if values is not None:
+        trainer._forward_values = lambda exp: values
+        trainer._advantages = fixed_advantages
+    if trainer.tracker is None:
+        trainer._begin(None)
+    trainer._train_round()
+    return trainer._last_record
+
+
+def one_round_gradients(trainer, exp, **ppo_fixed):
+    """(gradients of the first optimizer step of one round on ``exp`` by parameter name, the step's metrics);
+    the step itself is not taken."""
+    names = {id(p): n for n, p in trainer.policy.named_parameters()}
+    captured = {}
+
+    def capture(params, finite):
+        if not captured:
+            captured.update({names[id(p)]: p.grad.detach().clone() for p in params if p.grad is not None})
+        return 0.0, True
+
+    trainer._clip_and_step = capture
+    return captured, run_round(trainer, exp, **ppo_fixed)

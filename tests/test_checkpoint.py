@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_ascend import checkpoint as ckpt
+from grpo_ascend import checkpoint_io
 from grpo_ascend.errors import CheckpointError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,11 +86,11 @@ def lora_checkpoint(tmp_path, tiny_model_dir):
     model = _lora(tiny_model_dir)
     optimizer, scheduler = _trainer_objects(model)
     _train(model, optimizer, scheduler, 2)
-    path = ckpt.save_checkpoint(
-        tmp_path / "run", 2, model=model, optimizer=optimizer, scheduler=scheduler,
-        trainer_state={"epoch": 0.5, "data_position": 7}, config={"learning_rate": 0.01},
-        tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+    contents = ckpt.CheckpointContents(
+        model=model, optimizer=optimizer, scheduler=scheduler, trainer_state={"epoch": 0.5, "data_position": 7},
+        config={"learning_rate": 0.01}, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
     )
+    path = ckpt.save_checkpoint(tmp_path / "run", 2, contents)
     return path, model, optimizer, scheduler
 
 
@@ -108,10 +109,11 @@ def test_lora_resume_is_bitwise_exact(tmp_path, tiny_model_dir):
     _train(model, optimizer, scheduler, 3)
     generator = torch.Generator().manual_seed(123)
     generator.manual_seed(5)
-    path = ckpt.save_checkpoint(
-        tmp_path, 3, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+    contents = ckpt.CheckpointContents(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         trainer_state={"data_position": 6}, extra_tensors={"sampling_generator": generator.get_state()},
     )
+    path = ckpt.save_checkpoint(tmp_path, 3, contents)
     draws_after_save = _draws()
     gen_after_save = torch.rand(3, generator=generator)
     _train(model, optimizer, scheduler, 3)
@@ -145,7 +147,8 @@ def test_full_finetune_saves_tied_weights_once_and_resumes_exactly(tmp_path, tin
     assert model.lm_head.weight is model.model.embed_tokens.weight
     optimizer, scheduler = _trainer_objects(model)
     _train(model, optimizer, scheduler, 2)
-    path = ckpt.save_checkpoint(tmp_path, 2, model=model, optimizer=optimizer, scheduler=scheduler, trainer_state={})
+    contents = ckpt.CheckpointContents(model=model, optimizer=optimizer, scheduler=scheduler, trainer_state={})
+    path = ckpt.save_checkpoint(tmp_path, 2, contents)
     saved = load_file(str(path / ckpt.FULL_WEIGHTS_NAME))
     assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved
     assert set(saved) == {n for n, _ in model.named_parameters()}
@@ -214,7 +217,7 @@ def test_second_adapter_and_value_head_round_trip(tmp_path, tiny_model_dir):
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.1)
-    path = ckpt.save_checkpoint(tmp_path, 1, model=model, trainer_state={})
+    path = ckpt.save_checkpoint(tmp_path, 1, ckpt.CheckpointContents(model=model, trainer_state={}))
     manifest = json.loads((path / ckpt.MANIFEST_NAME).read_text())
     assert manifest["adapters"] == {"default": "", "critic": "critic"}
     assert (path / "critic" / ckpt.ADAPTER_WEIGHTS_NAME).is_file()
@@ -242,7 +245,7 @@ def test_latest_resolve_and_save_total_limit(tmp_path, tiny_model_dir):
         ckpt.resolve_checkpoint("latest", tmp_path)
     assert ckpt.resolve_checkpoint(None, tmp_path) is None
     for step in (5, 10, 15):
-        ckpt.save_checkpoint(tmp_path, step, model=model, trainer_state={}, save_total_limit=2)
+        ckpt.save_checkpoint(tmp_path, step, ckpt.CheckpointContents(model=model, trainer_state={}), save_total_limit=2)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-15"]
     # leftovers of a crashed save and a half-written final folder are not "latest"
     (tmp_path / ".tmp-checkpoint-20-abc").mkdir()
@@ -256,15 +259,15 @@ def test_latest_resolve_and_save_total_limit(tmp_path, tiny_model_dir):
     with pytest.raises(CheckpointError, match=r"checkpoint-25.*manifest.json is missing"):
         ckpt.resolve_checkpoint(tmp_path / "checkpoint-25", tmp_path)
     # a limit of 1 keeps the one just written, even when it is not the highest step
-    path = ckpt.save_checkpoint(tmp_path, 12, model=model, trainer_state={}, save_total_limit=1)
+    path = ckpt.save_checkpoint(tmp_path, 12, ckpt.CheckpointContents(model=model, trainer_state={}), save_total_limit=1)
     assert ckpt.list_checkpoints(tmp_path) == [path]
     assert not (tmp_path / ".tmp-checkpoint-20-abc").exists()
 
 
 def test_resaving_a_step_replaces_it(tmp_path, tiny_model_dir):
     model = _lora(tiny_model_dir)
-    ckpt.save_checkpoint(tmp_path, 1, model=model, trainer_state={"v": 1})
-    path = ckpt.save_checkpoint(tmp_path, 1, model=model, trainer_state={"v": 2})
+    ckpt.save_checkpoint(tmp_path, 1, ckpt.CheckpointContents(model=model, trainer_state={"v": 1}))
+    path = ckpt.save_checkpoint(tmp_path, 1, ckpt.CheckpointContents(model=model, trainer_state={"v": 2}))
     assert ckpt.load_checkpoint(path, model=model, restore_rng=False).trainer_state["v"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
 
@@ -272,9 +275,9 @@ def test_resaving_a_step_replaces_it(tmp_path, tiny_model_dir):
 def test_bad_inputs_to_save(tmp_path, tiny_model_dir):
     model = _lora(tiny_model_dir)
     with pytest.raises(CheckpointError, match="JSON-serialisable"):
-        ckpt.save_checkpoint(tmp_path, 1, model=model, trainer_state={"loss": torch.tensor(1.0)})
+        ckpt.save_checkpoint(tmp_path, 1, ckpt.CheckpointContents(model=model, trainer_state={"loss": torch.tensor(1.0)}))
     with pytest.raises(CheckpointError, match="trainer_state\\['step'\\] is 3 but step is 1"):
-        ckpt.save_checkpoint(tmp_path, 1, model=model, trainer_state={"step": 3})
+        ckpt.save_checkpoint(tmp_path, 1, ckpt.CheckpointContents(model=model, trainer_state={"step": 3}))
     assert list(tmp_path.iterdir()) == []  # failed saves leave nothing behind
 
 
@@ -287,11 +290,11 @@ _CRASH_SCRIPT = textwrap.dedent(
     import sys, torch
     from transformers import AutoModelForCausalLM
     from peft import LoraConfig, get_peft_model
-    from grpo_ascend.checkpoint import save_checkpoint
+    from grpo_ascend.checkpoint import CheckpointContents, save_checkpoint
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(sys.argv[1]),
                            LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear", task_type="CAUSAL_LM"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    save_checkpoint(sys.argv[2], 4, model=model, optimizer=opt, trainer_state={}, save_total_limit=1)
+    save_checkpoint(sys.argv[2], 4, CheckpointContents(model=model, optimizer=opt, trainer_state={}), save_total_limit=1)
     print("SAVE FINISHED", flush=True)
     """
 )
@@ -357,7 +360,8 @@ def test_damaged_file_with_rewritten_manifest_still_names_the_file(tmp_path, lor
     path, model, _, _ = lora_checkpoint
     (path / ckpt.RNG_NAME).write_bytes(b"not a torch file")
     (path / ckpt.ADAPTER_WEIGHTS_NAME).write_bytes(b"garbage")
-    ckpt._write_manifest(path, 2, {"kind": "lora", "adapters": {"default": ""}})
+    header = {k: v for k, v in json.loads((path / ckpt.MANIFEST_NAME).read_text()).items() if k != "files"}
+    checkpoint_io.write_manifest(path, header)  # the hashes now match the damaged files
     with pytest.raises(CheckpointError, match=r"adapter_model\.safetensors.* not a readable safetensors file"):
         ckpt.load_checkpoint(path, model=model)
 
@@ -387,7 +391,7 @@ def test_different_model_for_full_checkpoint(tmp_path, tiny_model_dir):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     model = _base(tiny_model_dir)
-    path = ckpt.save_checkpoint(tmp_path, 1, model=model, trainer_state={})
+    path = ckpt.save_checkpoint(tmp_path, 1, ckpt.CheckpointContents(model=model, trainer_state={}))
     config = Qwen2Config(**{**model.config.to_dict(), "intermediate_size": 256})
     other = Qwen2ForCausalLM(config)
     with pytest.raises(CheckpointError, match=r"mlp.*has shape \[512, 192\] in the checkpoint but \[256, 192\]"):

@@ -48,7 +48,8 @@ def test_doctor_prints_versions_device_and_env(cpu_only, capsys, monkeypatch):
     assert rows["torch_npu"] == "not installed" and rows["CANN"] == "n/a"
     assert rows["device"] == "cpu" and rows["dist backend"] == "gloo" and rows["bf16 supported"] == "yes"
     assert rows["HCCL_CONNECT_TIMEOUT"] == "900"
-    assert rows["HCCL_EXEC_TIMEOUT"] == "unset -> 3600 will be applied on NPU"
+    assert rows["HCCL_EXEC_TIMEOUT"] == "unset -> 1740 when the run is on Ascend"  # ddp_timeout 1800 - 60
+    assert rows["ddp_timeout"] == "1800 s (process-group timeout)"
     assert "GiB free of" in rows["free memory"] and "host RAM" in rows["free memory"]
     assert len({m.start(2) for m in matches}) == 1  # values line up in one column
 
@@ -148,3 +149,84 @@ def test_doctor_reports_broken_torch_npu(monkeypatch, capsys):
         assert len(err) == 1 and "set_env.sh" in err[0] and "libhccl.so" in err[0]
     finally:
         dev.load_torch_npu.cache_clear()
+
+
+def test_doctor_on_a_fake_npu_shows_chip_and_effective_timeouts(monkeypatch, capsys):
+    from fake_npu import install
+
+    install(monkeypatch, soc="Ascend910ProB")
+    for name in (*dev.NPU_RUNTIME_DEFAULTS, "HCCL_EXEC_TIMEOUT", "LOCAL_RANK"):
+        monkeypatch.setenv(name, "placeholder")
+        monkeypatch.delenv(name)
+    try:
+        assert cli.main(["doctor", "--ddp_timeout", "3600"]) == 0
+    finally:
+        dev.load_torch_npu.cache_clear()
+    out = capsys.readouterr().out
+    rows = {m.group(1): m.group(2) for m in map(ROW.match, out.splitlines()) if m}
+    assert rows["device"] == "npu:0" and rows["device name"] == "Ascend910ProB"
+    assert rows["chip family"] == "Atlas training series" and rows["dist backend"] == "hccl"
+    assert rows["ddp_timeout"] == "3600 s (process-group timeout)"
+    assert rows["HCCL exec timeout"] == "3540 s (derived from ddp_timeout, 3536 s on this chip)"  # 52 x 68 s
+    assert rows["HCCL watchdog"] == "3600 s (torch_npu 2.5.1.post1)"
+
+
+def _autoloaded_broken_torch_npu(root: Path) -> None:
+    """A torch_npu registered as a torch device backend (as its wheel does) whose import fails without CANN."""
+    (root / "torch_npu").mkdir()
+    (root / "torch_npu" / "__init__.py").write_text(
+        "raise OSError('libascendcl.so: cannot open shared object file: No such file or directory')\n"
+    )
+    info = root / "torch_npu-2.5.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch-npu\nVersion: 2.5.1\n")
+    (info / "entry_points.txt").write_text("[torch.backends]\ntorch_npu = torch_npu:_autoload\n")
+
+
+def _doctor_subprocess(tmp_path: Path, *args: str, **env_extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)]), **env_extra}
+    env.pop("LOCAL_RANK", None)
+    if "TORCH_DEVICE_BACKEND_AUTOLOAD" not in env_extra:
+        env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    return subprocess.run([sys.executable, "-m", "grpo_ascend.cli", "doctor", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_doctor_explains_import_torch_failing_on_an_autoloaded_backend(tmp_path):
+    _autoloaded_broken_torch_npu(tmp_path)
+    probe = subprocess.run([sys.executable, "-c", "import torch"], env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                           capture_output=True, text=True, timeout=120)
+    assert probe.returncode != 0 and "Failed to load the backend extension: torch_npu" in probe.stderr  # the fake works
+
+    result = _doctor_subprocess(tmp_path)
+    assert result.returncode == 1, result.stderr
+    out = result.stdout
+    assert "Traceback" not in out + result.stderr
+    assert "error: `import torch` failed: RuntimeError: Failed to load the backend extension: torch_npu" in out
+    assert "cause: OSError: libascendcl.so: cannot open shared object file" in out
+    assert "source /usr/local/Ascend/ascend-toolkit/set_env.sh" in out
+    assert "export TORCH_DEVICE_BACKEND_AUTOLOAD=0" in out
+    base = torch.__version__.split("+")[0]
+    assert f'pip install "torch-npu=={base}.*"' in out and "(installed: 2.5.1)" in out
+    rows = {m.group(1): m.group(2) for m in map(ROW.match, out.splitlines()) if m}
+    assert rows["torch_npu"] == "torch-npu 2.5.1 (torch_npu:_autoload)"
+
+    report = json.loads(_doctor_subprocess(tmp_path, "--json").stdout)
+    assert report["torch_import_cause"].startswith("OSError: libascendcl.so")
+    assert report["backend_extensions"] == [
+        {"name": "torch_npu", "target": "torch_npu:_autoload", "package": "torch-npu", "version": "2.5.1"}
+    ]
+
+    # without autoload torch imports; doctor then reports the extension as installed but unusable
+    off = _doctor_subprocess(tmp_path, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert off.returncode == 0, off.stderr
+    assert "import failed: OSError: libascendcl.so" in off.stdout and "warning: torch_npu is installed but unusable" in off.stdout
+
+
+def test_doctor_ddp_timeout_default_is_the_config_default():
+    from grpo_ascend import doctor
+    from grpo_ascend.config import GRPOConfig
+
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    assert parser.parse_args([]).ddp_timeout == GRPOConfig().ddp_timeout

@@ -26,10 +26,11 @@ def test_every_recipe_loads_and_validates(recipe):
     cfg.batch_plan()
 
 
-def test_readme_config_reference_is_current():
-    from grpo_ascend.config_docs import update_readme
+def test_config_reference_page_is_current():
+    from grpo_ascend.config_docs import DEFAULT_PATH, update_config_reference
 
-    assert update_readme(ROOT / "README.md", check=True), "run: python -m grpo_ascend.config_docs"
+    assert DEFAULT_PATH == ROOT / "docs" / "configuration.md"
+    assert update_config_reference(DEFAULT_PATH, check=True), "run: python -m grpo_ascend.config_docs"
 
 
 def _write(tmp_path, name, text):
@@ -102,11 +103,37 @@ def test_train_plot_export_end_to_end(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_readme_python_example_runs(tmp_path, monkeypatch):
-    """The README's Python API example runs as written (in a scratch folder)."""
-    text = (ROOT / "README.md").read_text()
-    example = text.split("## Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+def test_docs_python_api_example_runs(tmp_path, monkeypatch):
+    """The Python API example of docs/trainer.md runs as written (in a scratch folder)."""
+    page = ROOT / "docs" / "trainer.md"
+    example = page.read_text().split("## Python API", 1)[1].split("```python", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(tmp_path)
-    exec(compile(example, "README.md", "exec"), {"__name__": "readme_example"})  # noqa: S102 - our own docs
+    exec(compile(example, str(page), "exec"), {"__name__": "docs_example"})  # noqa: S102 - our own docs
     summary = json.loads((tmp_path / "outputs" / "api" / "summary.json").read_text())
     assert summary["steps"] == 10
+
+
+def test_an_error_starts_its_own_line_after_the_progress_bar(tmp_path, capsys):
+    """A failure mid-run closes the progress bar first, so the error never shares the bar's line."""
+    _write(tmp_path, "boom.py", "def boom(completions, **kwargs):\n    raise ValueError('boom')\n")
+    recipe = _write(tmp_path, "r.yaml", (
+        "model: builtin:tiny\ndataset: synthetic:arithmetic\ndataset_kwargs: {n: 8}\n"
+        f"reward_funcs: [{tmp_path / 'boom.py'}:boom]\nnum_generations: 2\nper_device_train_batch_size: 4\n"
+        "max_completion_length: 4\nmax_prompt_length: 96\nmax_steps: 2\nsave_steps: 0\ndisable_tqdm: false\n"))
+    code, _, err = _run(capsys, "train", str(recipe), "--output_dir", str(tmp_path / "o"))
+    assert code == 2, err
+    assert "train:" in err, "the progress bar was not shown"
+    errors = [line for line in err.splitlines() if "grpo-ascend: error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("grpo-ascend: error:") and "boom" in errors[0], err
+
+
+def test_wrapping_a_model_with_lora_warns_nothing(tiny_model_dir):
+    """peft's read of transformers' deprecated is_gradient_checkpointing does not reach the user."""
+    import warnings
+
+    from grpo_ascend.models import apply_peft, default_lora_config, load_causal_lm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_peft(load_causal_lm(str(tiny_model_dir)), default_lora_config(r=4))
+    assert not [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))], caught

@@ -8,6 +8,7 @@ import os
 import random
 import sys
 import types
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import torch
 from grpo_ascend import device as dev
 from grpo_ascend.errors import ConfigError, DeviceError
 
-NPU_ENV = tuple(dev.NPU_RUNTIME_DEFAULTS)
+NPU_ENV = (*dev.NPU_RUNTIME_DEFAULTS, "HCCL_EXEC_TIMEOUT", "HCCL_OP_EXPANSION_MODE")
 
 
 @pytest.fixture(autouse=True)
@@ -95,8 +96,10 @@ class Recorder:
     def is_bf16_supported(self):
         return self.bf16
 
+    soc = "Ascend910B2"  # torch.npu.get_device_name() returns the SoC name (aclrtGetSocName)
+
     def get_device_name(self, index=None):
-        return "Fake Accelerator"
+        return self.soc
 
     def manual_seed_all(self, seed):
         self._rec("manual_seed_all", seed)
@@ -238,9 +241,7 @@ def test_autocast_rejects_fp16_on_cpu_and_unknown_dtypes():
         dev.autocast("cpu", "fp16")
     with pytest.raises(ConfigError, match=r"'bf61'.*did you mean 'bf16'"):
         dev.autocast("cpu", "bf61")
-    assert dev.grad_scaler("cpu", enabled=False) is None
-    with pytest.raises(ConfigError, match="fp16 loss scaling"):
-        dev.grad_scaler("cpu", enabled=True)
+    assert not hasattr(dev, "grad_scaler")  # fp16 loss scaling is accelerate's (torch.npu.amp.GradScaler on NPU)
 
 
 def test_mixed_precision_for_accelerate():
@@ -348,8 +349,6 @@ def test_npu_calls_reach_torch_npu(fake_npu):
         ("reset_peak_memory_stats", 0),
         ("mem_get_info", 0),
     ]
-    scaler = dev.grad_scaler(device, enabled=True)
-    assert isinstance(scaler, torch.amp.GradScaler) and scaler._device == "npu"
 
 
 def test_npu_seed_and_rng_state(fake_npu):
@@ -364,14 +363,30 @@ def test_npu_seed_and_rng_state(fake_npu):
     assert ("set_rng_state", 1) in fake_npu.calls
 
 
-def test_npu_summary_reports_versions(fake_npu):
-    summary = dev.device_summary()
-    assert summary["device_type"] == "npu"
-    assert summary["torch_npu"] == "2.5.1.post1" and summary["torch_npu_status"] == "ok"
-    assert summary["cann"] == "8.0.RC3"
-    assert summary["dist_backend"] == "hccl"
-    assert summary["free_memory"] == 1000 and summary["total_memory"] == 4000
-    assert summary["device_name"] == "Fake Accelerator"
+def test_npu_facts_report_versions_and_chip(fake_npu):
+    assert dev.software_versions()["torch_npu"] == "2.5.1.post1"
+    assert dev.software_versions()["CANN"] == "8.0.RC3"
+    facts = dev.device_facts()
+    assert facts["device_type"] == "npu" and facts["dist_backend"] == "hccl"
+    assert facts["free_memory"] == 1000 and facts["total_memory"] == 4000
+    assert facts["device_name"] == "Ascend910B2" and facts["chip_family"] == "Atlas A2 series"
+    assert dev.accelerator_warnings() == []
+
+
+@pytest.mark.parametrize(("soc", "family"), [
+    ("Ascend910A", "training"), ("Ascend910ProB", "training"), ("Ascend910B", "training"),
+    ("Ascend910B1", "A2"), ("Ascend910B4-1", "A2"), ("Ascend910_9391", "A3"), ("Ascend910_9362", "A3"),
+    ("Ascend310P3", "inference"), ("Ascend310B4", "200I/500 A2"), ("Ascend950PR", None), ("", None),
+])
+def test_chip_family_of_torch_npu_soc_names(soc, family):
+    # names from torch_npu's NpuVariables.cpp; 'Ascend910B' (no digit) is the older training-series part
+    assert dev.chip_family(soc) == family
+
+
+def test_soc_name_asks_torch_npu_for_the_device(fake_npu):
+    fake_npu.soc = "Ascend910_9391"
+    assert dev.soc_name("npu:0") == "Ascend910_9391"
+    assert dev.soc_name("cpu") is None
 
 
 def test_npu_present_but_no_device(fake_npu):
@@ -405,8 +420,8 @@ def test_torch_npu_import_failure_names_cann(monkeypatch, caplog):
         assert dev.detect_device_type() == "cpu"
         assert dev.detect_device_type() == "cpu"
     assert sum("libascendcl.so" in r.getMessage() for r in caplog.records) == 1
-    summary = dev.device_summary()
-    assert summary["torch_npu_status"].startswith("import failed: OSError")
+    assert "import failed: OSError: libascendcl.so" in dev.software_versions()["torch_npu"]
+    assert "set_env.sh" in dev.accelerator_warnings()[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,8 +440,6 @@ def test_cuda_branch(fake_cuda, monkeypatch):
     dev.synchronize(device)
     dev.empty_cache(device)
     assert ("synchronize", 1) in fake_cuda.calls and ("empty_cache",) in fake_cuda.calls
-    scaler = dev.grad_scaler(device, enabled=True)
-    assert isinstance(scaler, torch.amp.GradScaler) and scaler._device == "cuda" and scaler.is_enabled()
     fake_cuda.bf16 = False
     with pytest.raises(ConfigError, match="bf16 is not supported on device 'cuda:1'"):
         dev.autocast(device, "bf16")
@@ -441,80 +454,228 @@ def test_cuda_branch(fake_cuda, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# fused NPU kernels (npu_patches) through a fake torch_npu implemented with plain torch
+# fused NPU kernels (npu_patches) through the fake torch_npu of tests/fake_npu.py
 # --------------------------------------------------------------------------------------------
 
 
-def _reference_torch_npu(counts: dict[str, int]) -> types.ModuleType:
-    module = types.ModuleType("torch_npu")
-
-    def npu_rms_norm(x, gamma, epsilon=1e-6):
-        counts["rms_norm"] += 1
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
-        return (x.float() * rstd).to(x.dtype) * gamma, rstd
-
-    def npu_swiglu(x, dim=-1):
-        counts["swiglu"] += 1
-        a, b = x.chunk(2, dim=dim)
-        return torch.nn.functional.silu(a) * b
-
-    def npu_rotary_mul(x, r1, r2):
-        counts["rotary"] += 1
-        assert x.dim() == 4 and r1.dim() == 4
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * r1 + torch.cat((-x2, x1), dim=-1) * r2
-
-    module.npu_rms_norm = npu_rms_norm
-    module.npu_swiglu = npu_swiglu
-    module.npu_rotary_mul = npu_rotary_mul
-    return module
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen2():
+def _qwen2(head_dim: int = 8, **rope):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    heads = 4 if head_dim == 8 else 2
     config = Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+        vocab_size=64, hidden_size=head_dim * heads, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+        **({"rope_parameters": {"rope_theta": 10000.0, **rope}} if rope else {}),
     )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).eval()
 
 
-def test_npu_patches_match_eager_outputs(tiny_qwen2, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_qwen2():
+    return _qwen2()
+
+
+@pytest.fixture()
+def rotary_restored(monkeypatch):
+    from transformers.models.qwen2 import modeling_qwen2
+
+    monkeypatch.setattr(modeling_qwen2, "apply_rotary_pos_emb", modeling_qwen2.apply_rotary_pos_emb)
+
+
+def test_npu_patches_match_eager_outputs(tiny_qwen2, monkeypatch, rotary_restored):
     import copy
 
-    from transformers.models.qwen2 import modeling_qwen2
-    from transformers.utils import is_torch_npu_available
+    from fake_npu import install
 
     from grpo_ascend.npu_patches import apply_npu_patches
 
-    is_torch_npu_available()  # cache the real answer before the fake module appears
     model = copy.deepcopy(tiny_qwen2)
     ids = torch.randint(0, 64, (2, 7))
     with torch.no_grad():
         expected = model(ids).logits
 
     assert apply_npu_patches(model) == []  # parameters on the CPU: no-op
-    counts = {"rms_norm": 0, "swiglu": 0, "rotary": 0}
-    monkeypatch.setitem(sys.modules, "torch_npu", _reference_torch_npu(counts))
-    monkeypatch.setattr(modeling_qwen2, "apply_rotary_pos_emb", modeling_qwen2.apply_rotary_pos_emb)
+    counts = install(monkeypatch, soc="Ascend910B2")
     patched = apply_npu_patches(model, device="npu")
-    assert patched == [
-        "npu_rms_norm: 5 x Qwen2RMSNorm",
-        "npu_swiglu: 2 x Qwen2MLP",
-        f"npu_rotary_mul: {modeling_qwen2.__name__}.apply_rotary_pos_emb",
-    ]
+    assert patched == ["npu_rms_norm: 5 x Qwen2RMSNorm", "npu_swiglu: 2 x Qwen2MLP", "npu_rotary_mul: 2 x Qwen2Attention"]
     with torch.no_grad():
         actual = model(ids).logits
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     assert counts == {"rms_norm": 5, "swiglu": 2, "rotary": 4}  # rotary: q and k per layer
     assert apply_npu_patches(model, device="npu") == []  # idempotent
-    # other models in the process keep their eager RMSNorm / MLP
-    assert "forward" not in vars(tiny_qwen2.model.norm)
+    # another model of the same family in the process keeps its eager RMSNorm, MLP and rotary
+    counts.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(tiny_qwen2(ids).logits, expected, rtol=0, atol=0)
+    assert sum(counts.values()) == 0
+    # a deep copy (e.g. a frozen reference) carries the kernels, bound to the copy
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.testing.assert_close(clone(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    assert counts == {"rms_norm": 5, "swiglu": 2, "rotary": 4}
     # gradients flow through the patched modules
     model(ids).logits.sum().backward()
     assert model.model.layers[0].mlp.gate_proj.weight.grad is not None
     with pytest.raises(ConfigError, match="did you mean 'swiglu'"):
         apply_npu_patches(model, device="npu", kinds=["swigl"])
+
+
+@pytest.mark.parametrize(("soc", "expected"), [
+    ("Ascend910_9391", {"rms_norm": 5, "swiglu": 2, "rotary": 4}),  # A3: all three
+    ("Ascend910ProB", {"rms_norm": 5}),  # training series: no swiglu; rotary needs head_dim 128 (here 8)
+    ("Ascend310P3", {"rms_norm": 5}),  # inference series: rms_norm only
+])
+def test_kernels_follow_the_chip(tiny_qwen2, monkeypatch, rotary_restored, soc, expected):
+    import copy
+
+    from fake_npu import install
+
+    from grpo_ascend.npu_patches import apply_npu_patches
+
+    model = copy.deepcopy(tiny_qwen2)
+    counts = install(monkeypatch, soc=soc)
+    apply_npu_patches(model, device="npu")
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 7)))  # the fake raises if a kernel the chip lacks is called
+    assert counts == expected
+
+
+def test_unknown_chip_keeps_eager_code(tiny_qwen2, monkeypatch, rotary_restored, caplog):
+    import copy
+
+    from fake_npu import install
+
+    from grpo_ascend.npu_patches import apply_npu_patches
+
+    install(monkeypatch, soc="Ascend910B2")
+    monkeypatch.setattr(torch.npu, "soc", "Ascend950PR")
+    with caplog.at_level("INFO", logger="grpo_ascend.npu_patches"):
+        assert apply_npu_patches(copy.deepcopy(tiny_qwen2), device="npu") == []
+    assert "Ascend950PR is not a documented chip" in caplog.text
+
+
+def test_training_series_rotary_needs_head_dim_128_and_shared_positions(monkeypatch, rotary_restored):
+    from fake_npu import install
+
+    from grpo_ascend.npu_patches import apply_npu_patches
+
+    model = _qwen2(head_dim=128)
+    ids = torch.randint(0, 64, (2, 7))
+    rows = torch.tensor([[0, 0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6]])  # left padding: positions differ per row
+    with torch.no_grad():
+        expected_shared, expected_rows = model(ids).logits, model(ids, position_ids=rows).logits
+    counts = install(monkeypatch, soc="Ascend910ProB")
+    assert apply_npu_patches(model, device="npu") == ["npu_rms_norm: 5 x Qwen2RMSNorm", "npu_rotary_mul: 2 x Qwen2Attention"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected_shared, rtol=1e-5, atol=1e-5)
+        assert counts["rotary"] == 4  # one position row for the batch: cos/sin 11SD
+        torch.testing.assert_close(model(ids, position_ids=rows).logits, expected_rows, rtol=1e-5, atol=1e-5)
+    assert counts["rotary"] == 4  # per-row positions (B1SD): eager on this chip
+
+
+def test_rotary_kernel_is_skipped_for_scaled_rope(monkeypatch, rotary_restored):
+    from fake_npu import install
+
+    from grpo_ascend.npu_patches import apply_npu_patches, rotary_scaling
+
+    model = _qwen2(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
+    assert rotary_scaling(model) > 1.0  # transformers multiplies cos/sin by it
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        expected = model(ids).logits
+    counts = install(monkeypatch, soc="Ascend910B2")
+    assert apply_npu_patches(model, device="npu") == ["npu_rms_norm: 5 x Qwen2RMSNorm", "npu_swiglu: 2 x Qwen2MLP"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    assert counts["rotary"] == 0
+    assert rotary_scaling(_qwen2()) == 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# collective timeouts against torch_npu's watchdog rule, per release
+# --------------------------------------------------------------------------------------------
+
+DEFAULT_TIMEOUT_MS = 30 * 60 * 1000  # ProcessGroupHCCL.hpp
+
+
+def torch_npu_watchdog(pg_timeout_ms: float, env: dict, release: str) -> tuple[float, bool]:
+    """(watchdog ms, warned) as ProcessGroupHCCL's constructor sets them (HCCL_ASYNC_ERROR_HANDLING on).
+
+    release '7.0': torch_npu v7.0.0 (2.5.1, 2.4.0.post4, ...); '7.1': v7.1.0 and later (2.5.1.post1, 2.6.0, 2.8.0).
+    """
+    exec_timeout = int(env["HCCL_EXEC_TIMEOUT"]) if "HCCL_EXEC_TIMEOUT" in env else -1  # GetHCCLExecTimeout
+    if release == "7.0":
+        if exec_timeout > 0:
+            return pg_timeout_ms, exec_timeout * 1000 > pg_timeout_ms
+        if exec_timeout == 0:
+            return pg_timeout_ms, True
+        if pg_timeout_ms == DEFAULT_TIMEOUT_MS:
+            return DEFAULT_TIMEOUT_MS * 2, False
+        return pg_timeout_ms, pg_timeout_ms < DEFAULT_TIMEOUT_MS
+    if exec_timeout < 0:
+        exec_timeout = 1836  # defaultExecTimeout
+    if pg_timeout_ms != DEFAULT_TIMEOUT_MS:
+        return pg_timeout_ms, pg_timeout_ms <= exec_timeout * 1000 or exec_timeout == 0
+    return (float("inf") if exec_timeout == 0 else (exec_timeout + 1800) * 1000), False
+
+
+#: torch_npu pip version -> Ascend Extension for PyTorch release (version.txt / setup.py at each tag)
+RELEASES = {"2.1.0.post12": "7.0", "2.1.0.post13": "7.1", "2.4.0.post4": "7.0", "2.5.1": "7.0", "2.5.1.post1": "7.1",
+            "2.6.0": "7.1", "2.8.0": "7.1", "2.9.0.post1": "7.1"}
+
+
+def test_the_naive_settings_disagree_with_the_watchdog():
+    # what the issue found: 7.0 aborts at 1800 s despite HCCL_EXEC_TIMEOUT=3600 (and warns); 7.1+ ignores 1800 s
+    assert torch_npu_watchdog(1800_000, {"HCCL_EXEC_TIMEOUT": "3600"}, "7.0") == (1800_000, True)
+    assert torch_npu_watchdog(1800_000, {"HCCL_EXEC_TIMEOUT": "3600"}, "7.1") == (5400_000, False)
+
+
+@pytest.mark.parametrize("ddp_timeout", [128, 600, 1800, 3600])
+def test_watchdog_fires_at_ddp_timeout_after_hccl_on_every_release(ddp_timeout):
+    timeouts = dev.collective_timeouts("npu", ddp_timeout, {})
+    env = {"HCCL_EXEC_TIMEOUT": str(timeouts.exec_timeout_s)}
+    assert timeouts.exec_timeout_s == ddp_timeout - 60 and timeouts.watchdog_s == pytest.approx(ddp_timeout, abs=1e-3)
+    for version, release in RELEASES.items():
+        watchdog_ms, warned = torch_npu_watchdog(timeouts.process_group.total_seconds() * 1000, env, release)
+        assert watchdog_ms == pytest.approx(ddp_timeout * 1000, abs=1) and not warned, version
+
+
+def test_exported_exec_timeout_must_fit_ddp_timeout():
+    kept = dev.collective_timeouts("npu:0", 1800, {"HCCL_EXEC_TIMEOUT": "1200"})
+    assert kept.exec_timeout_s == 1200 and kept.exec_source == "exported"
+    for bad in ("3600", "0", "1800"):
+        with pytest.raises(ConfigError, match=rf"HCCL_EXEC_TIMEOUT={bad} does not fit ddp_timeout=1800.*Unset"):
+            dev.collective_timeouts("npu", 1800, {"HCCL_EXEC_TIMEOUT": bad})
+    with pytest.raises(ConfigError, match="ddp_timeout=100 is too short on Ascend.*128"):
+        dev.collective_timeouts("npu", 100, {})
+    off = dev.collective_timeouts("cpu", 100, {"HCCL_EXEC_TIMEOUT": "3600"})
+    assert off.process_group == timedelta(seconds=100) and off.exec_timeout_s is None
+
+
+def test_effective_exec_timeout_per_chip():
+    assert dev.effective_exec_timeout(1740, "training") == 1700  # rounded down to 25 x 68 s
+    assert dev.effective_exec_timeout(50, "inference") == 68
+    assert dev.effective_exec_timeout(1740, "A2", {}) == 1740
+    assert dev.effective_exec_timeout(1740, "A3", {"HCCL_OP_EXPANSION_MODE": "AIV"}) == 1091
+
+
+def test_npu_run_exports_the_derived_exec_timeout(fake_npu, monkeypatch):
+    assert dev.apply_collective_timeouts("npu:0", 600) == timedelta(seconds=600)
+    assert os.environ["HCCL_EXEC_TIMEOUT"] == "540"
+    group = dev.apply_collective_timeouts("npu:0", 1800)  # a later run in the process derives again
+    assert os.environ["HCCL_EXEC_TIMEOUT"] == "1740"
+    assert group == timedelta(seconds=1800, milliseconds=1)  # torch_npu 7.1+ would replace exactly 1800 s
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1000")  # exported by the user: kept
+    dev.apply_collective_timeouts("npu:0", 1800)
+    assert os.environ["HCCL_EXEC_TIMEOUT"] == "1000"
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1740")
+    fake_npu.soc = "Ascend910ProB"
+    assert dev.timeout_facts("npu:0", 1800) == {
+        "ddp_timeout": "1800 s (process-group timeout)",
+        "HCCL exec timeout": "1740 s (exported, 1700 s on this chip)",
+        "HCCL watchdog": "1800 s (torch_npu 2.5.1.post1)",
+    }
+    monkeypatch.delenv("HCCL_EXEC_TIMEOUT")
+    assert dev.timeout_facts("npu:0", 600)["HCCL exec timeout"] == "540 s (derived from ddp_timeout, 476 s on this chip)"
+    assert dev.pending_runtime_defaults(600, {})["HCCL_EXEC_TIMEOUT"] == "540"

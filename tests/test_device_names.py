@@ -91,15 +91,39 @@ def test_only_device_module_names_devices():
     )
 
 
+def _registered_exploding_torch_npu(root: Path) -> None:
+    """A torch_npu that raises on import (a machine without CANN libraries), registered like its wheel
+    as a torch device backend, so torch >= 2.5 loads it at ``import torch`` unless autoload is off."""
+    (root / "torch_npu").mkdir()
+    (root / "torch_npu" / "__init__.py").write_text("raise OSError('torch_npu imported')\n")
+    info = root / "torch_npu-2.5.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch-npu\nVersion: 2.5.1\n")
+    (info / "entry_points.txt").write_text("[torch.backends]\ntorch_npu = torch_npu:_autoload\n")
+
+
+def _run(code: str, tmp_path: Path, autoload: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)]), "TORCH_DEVICE_BACKEND_AUTOLOAD": autoload}
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
 def test_package_import_does_not_import_torch_npu(tmp_path):
-    # A torch_npu that explodes on import sits on the path, as on a machine without CANN libraries.
-    (tmp_path / "torch_npu").mkdir()
-    (tmp_path / "torch_npu" / "__init__.py").write_text("raise OSError('torch_npu imported at package import')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+    # As on an NPU host where torch_npu is installed: with torch's autoload off (otherwise torch, not
+    # grpo_ascend, imports it), importing every grpo_ascend module must leave torch_npu unimported.
+    _registered_exploding_torch_npu(tmp_path)
     code = (
         "import grpo_ascend, reward_models; import sys; assert 'torch_npu' not in sys.modules; "
-        "import grpo_ascend.device, grpo_ascend.npu_patches, grpo_ascend.cli; "
+        "import grpo_ascend.device, grpo_ascend.npu_patches, grpo_ascend.cli, grpo_ascend.doctor; "
+        "import grpo_ascend.trainers.grpo; "
         "assert 'torch_npu' not in sys.modules, 'torch_npu imported'"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    result = _run(code, tmp_path, autoload="0")
     assert result.returncode == 0, result.stderr
+
+
+def test_cli_imports_without_torch(tmp_path):
+    # With autoload on, a broken torch_npu makes `import torch` fail; the CLI and doctor must still import.
+    _registered_exploding_torch_npu(tmp_path)
+    code = "import sys, grpo_ascend, grpo_ascend.cli, grpo_ascend.doctor; assert 'torch' not in sys.modules"
+    assert _run(code, tmp_path, autoload="1").returncode == 0
+    assert _run("import torch", tmp_path, autoload="1").returncode != 0  # the fake really breaks torch

@@ -149,7 +149,7 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path, tiny_mod
     single = dist_worker.make_trainer(str(tiny_model_dir), dist_worker.grads_config(str(tmp_path / "one"), 1))
     dist_worker.deterministic_trainable_init(single.policy)
     batch = dist_worker.fixed_global_batch()
-    halves = batch["loss_mask"].split(batch["loss_mask"].shape[0] // WORLD)
+    halves = batch["completion_mask"].split(batch["completion_mask"].shape[0] // WORLD)
     assert halves[0].sum() * 3 < halves[1].sum()  # the ranks' token counts really differ
     for loss_type in LOSS_TYPES:
         expected, expected_loss = dist_worker.step_gradients(single, batch, loss_type)
@@ -162,6 +162,26 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path, tiny_mod
         # Both ranks hold the same averaged gradient bit for bit.
         for a, b in zip(ranks[0][loss_type]["grads"], ranks[1][loss_type]["grads"]):
             assert torch.equal(a, b), loss_type
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_ranks_share_one_global_draw(tmp_path, tiny_model_dir, algorithm):
+    """Through the real round preparation, the ranks score disjoint prompts that together are one
+    process's draw, round by round (crossing an epoch boundary), and count epochs once."""
+    launch("draws", tmp_path / "dist", {"model_dir": str(tiny_model_dir), "algorithm": algorithm})
+    ranks = [json.loads((tmp_path / "dist" / f"draws_rank{r}.json").read_text()) for r in range(WORLD)]
+    single, seen = dist_worker.recording_trainer(str(tiny_model_dir), algorithm, str(tmp_path / "one"), 1)
+    single.train()
+    assert len(seen) == 3 and all(len(ids) == 4 for ids in seen)
+    for round_index, expected in enumerate(seen):
+        mine = [r["rounds"][round_index] for r in ranks]
+        assert len(mine[0]) == len(mine[1]) == 2, mine
+        assert sorted(mine[0] + mine[1]) == expected, (round_index, mine, expected)
+        if round_index < 2:  # within one epoch every prompt is drawn once: the ranks' prompts are disjoint
+            assert not set(mine[0]) & set(mine[1]), (round_index, mine)
+    epochs = [record["epoch"] for record in single.tracker.history]
+    assert epochs == [0.4, 0.8, 1.2]  # 4 of 10 prompts a round; the third round crosses into the second epoch
+    assert all(r["epochs"] == epochs for r in ranks)
 
 
 # ---------------------------------------------------------------------------------------------

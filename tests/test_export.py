@@ -40,7 +40,8 @@ def trained(tiny_model_dir, tmp_path_factory):
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     run = tmp_path_factory.mktemp("run")
-    path = ckpt.save_checkpoint(run, 3, model=model, optimizer=optimizer, trainer_state={}, tokenizer=tokenizer)
+    contents = ckpt.CheckpointContents(model=model, optimizer=optimizer, trainer_state={}, tokenizer=tokenizer)
+    path = ckpt.save_checkpoint(run, 3, contents)
     ids = torch.randint(3, 500, (3, 11))
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -122,7 +123,7 @@ def test_full_finetune_checkpoint_exports_a_full_model(tiny_model_dir, tmp_path)
     with torch.no_grad():
         model.model.embed_tokens.weight.add_(0.01)
         model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
-    path = ckpt.save_checkpoint(tmp_path / "run", 1, model=model, trainer_state={})
+    path = ckpt.save_checkpoint(tmp_path / "run", 1, ckpt.CheckpointContents(model=model, trainer_state={}))
     out = export_checkpoint(path, tmp_path / "full")
     exported = AutoModelForCausalLM.from_pretrained(out)
     ids = torch.randint(3, 500, (2, 8))
@@ -208,7 +209,7 @@ def test_ppo_full_finetune_checkpoint_exports_the_policy(tiny_model_dir, tmp_pat
     with torch.no_grad():
         policy.model.layers[1].self_attn.q_proj.weight.mul_(1.25)
     both = torch.nn.ModuleDict({"policy": policy, "critic": torch.nn.Linear(4, 1)})
-    path = ckpt.save_checkpoint(tmp_path / "run", 2, model=both, trainer_state={})
+    path = ckpt.save_checkpoint(tmp_path / "run", 2, ckpt.CheckpointContents(model=both, trainer_state={}))
     out = export_checkpoint(path, tmp_path / "full", base_model=str(tiny_model_dir))
     exported = AutoModelForCausalLM.from_pretrained(out)
     ids = torch.randint(3, 500, (2, 8))

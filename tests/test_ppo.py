@@ -8,7 +8,13 @@ import json
 
 import pytest
 import torch
-from helpers import SMALL_RUN, first_digit_is_one
+from helpers import (
+    SMALL_RUN,
+    first_digit_is_one,
+    late_rewards_vs_control,
+    make_experience,
+    one_round_gradients,
+)
 
 from grpo_ascend import PPOConfig, PPOTrainer
 from grpo_ascend.algorithms.kl_control import (
@@ -27,7 +33,6 @@ from grpo_ascend.models import (
     load_causal_lm,
 )
 from grpo_ascend.synthetic import arithmetic_dataset
-from grpo_ascend.trainers.base import Round
 
 
 @pytest.fixture(autouse=True)
@@ -151,17 +156,13 @@ def test_critic_is_an_adapter_on_the_shared_base(tiny_model_dir):
 # ---------------------------------------------------------------------------------- training
 
 
-def _fill_round(trainer, n=8, lp=6, lc=5):
+def _fixed_round(n=8, lp=6, lc=5):
+    """A round's experience and its critic values, advantages and returns, fixed."""
     g = torch.Generator().manual_seed(1)
     prompt, pm, comp, cm = _inputs(n, lp, lc)
-    tensors = {
-        "prompt_ids": prompt, "prompt_mask": pm, "completion_ids": comp, "completion_mask": cm,
-        "old_logps": (-3 - torch.rand(n, lc, generator=g)) * cm, "values": torch.randn(n, lc, generator=g) * cm,
-        "advantages": torch.randn(n, lc, generator=g) * cm, "returns": torch.randn(n, lc, generator=g) * cm,
-    }
-    trainer._write_buffer(tensors)
-    trainer._round_tokens = cm.sum()
-    return Round({"completion_ids": comp}, ["p"] * n, ["c"] * n)
+    exp = make_experience(prompt, pm, comp, cm, old_logps=(-3 - torch.rand(n, lc, generator=g)) * cm)
+    values, advantages, returns = (torch.randn(n, lc, generator=g) * cm for _ in range(3))
+    return exp, dict(values=values, advantages=advantages, returns=returns)
 
 
 @pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
@@ -179,46 +180,37 @@ def test_gradient_accumulation_is_exact(tmp_path, tiny_model_dir, loss_type):
             for name, p in trainer.policy.named_parameters():
                 if "lora_B" in name or "value_head" in name:
                     torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(name)))
-        captured = []
-
-        def capture(params, finite, captured=captured):
-            captured.append([p.grad.clone() for p in params])
-            return 0.0, True
-
-        trainer._clip_and_step = capture
-        rnd = _fill_round(trainer)
-        assert trainer.buffer.size == 8 and trainer.buffer.capacity == 8
-        metrics = trainer._optimizer_step(rnd, torch.arange(8), trainer._round_context(rnd))
+        exp, fixed = _fixed_round()
+        step_grads, metrics = one_round_gradients(trainer, exp, **fixed)
         assert metrics["value_clip_fraction"] > 0 and metrics["value_loss"] > 0
-        grads.append(captured[0])
-    assert any(g.abs().sum() > 0 for g in grads[0][-2:])  # the critic's head gets gradients
+        grads.append(step_grads)
+    assert any(g.abs().sum() > 0 for name, g in grads[0].items() if "value_head" in name)  # the critic's head learns
     for other in grads[1:]:
-        assert len(other) == len(grads[0])
-        for a, b in zip(grads[0], other):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        assert other.keys() == grads[0].keys()
+        for name in grads[0]:
+            torch.testing.assert_close(grads[0][name], other[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.slow
 def test_reward_rises_on_a_learnable_pattern(tmp_path, tiny_warm_model_dir):
-    cfg = _config(tmp_path, max_steps=20, per_device_train_batch_size=16, num_mini_batches=2, ppo_epochs=2,
-                  learning_rate=2e-3, vf_coef=0.5)
-    trainer = PPOTrainer(str(tiny_warm_model_dir), first_digit_is_one, cfg, arithmetic_dataset(400, seed=5),
-                         peft_config=default_lora_config(r=8))
-    trainer.train()
-    metrics = _metrics(tmp_path / "run" / "metrics.jsonl")
-    rewards = [m["reward"] for m in metrics]
-    assert len(rewards) == 20
-    # 4 optimizer steps per round share its reward: compare the first round with the last two
-    # (16 completions a round, so one round alone is a noisy estimate).
-    early, late = sum(rewards[:4]) / 4, sum(rewards[-8:]) / 8
-    assert late > early + 0.25, (early, late)
-    last = metrics[-1]
+    """The trained policy ends above a control run at learning rate 0 (same seed and prompts).
+
+    Last 2 rounds (128 completions each side), measured: 0.77 vs 0.24 (warm seed 0), 0.46 vs 0.21
+    (warm seed 1, the slower learner); with the advantages' sign flipped 0.02, and this fails.
+    """
+    def train(lr, name):
+        cfg = _config(tmp_path, output_dir=str(tmp_path / name), max_steps=20, per_device_train_batch_size=32,
+                      num_mini_batches=2, ppo_epochs=2, learning_rate=2e-3 if lr is None else lr, vf_coef=0.5)
+        PPOTrainer(str(tiny_warm_model_dir), first_digit_is_one, cfg, arithmetic_dataset(400, seed=5),
+                   peft_config=default_lora_config(r=8)).train()
+        return tmp_path / name
+
+    trained, control = late_rewards_vs_control(train, steps=8)
+    assert trained > control + 0.1, (trained, control)
+    last = _metrics(tmp_path / "trained" / "metrics.jsonl")[-1]
     for key in ("value_loss", "value_clip_fraction", "explained_variance", "kl", "kl_coef", "returns/mean",
-                "entropy", "memory/peak_gb"):
+                "entropy", "memory/peak_gb", "memory/peak_gb/generation", "memory/peak_gb/training"):
         assert key in last, key
-    # The update read the round from the preallocated on-device ring buffer.
-    assert trainer.buffer.capacity == 32 and trainer.buffer.full
-    assert trainer.buffer.specs["completion_ids"].shape == (16,) and trainer.buffer.specs["prompt_ids"].shape == (96,)
 
 
 def _weights(trainer):
@@ -311,9 +303,8 @@ def test_reward_model_critic(tmp_path, tiny_model_dir):
 
 
 def test_config_errors(tmp_path, tiny_model_dir):
-    with pytest.raises(ConfigError, match="rollout_buffer_size"):
-        PPOTrainer(str(tiny_model_dir), first_digit_is_one, _config(tmp_path, rollout_buffer_size=4),
-                   arithmetic_dataset(8), peft_config=default_lora_config(r=4))
+    with pytest.raises(ConfigError, match="'rollout_buffer_size' was removed"):
+        PPOConfig.from_dict({"rollout_buffer_size": 4})
     with pytest.raises(ConfigError, match="loss_type"):
         PPOTrainer(str(tiny_model_dir), first_digit_is_one, _config(tmp_path, loss_type="ppo2"), arithmetic_dataset(8))
     with pytest.raises(ConfigError, match="critic_model"):

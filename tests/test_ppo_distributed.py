@@ -42,10 +42,11 @@ def _global_batch() -> dict[str, torch.Tensor]:
 
 def step_gradients(model_dir: str, out: str, rank: int, world: int) -> dict[str, torch.Tensor]:
     """Gradients (after the DDP average) of one PPO optimizer step over this rank's share of the batch."""
+    from helpers import make_experience, one_round_gradients
+
     from grpo_ascend import PPOConfig, PPOTrainer
     from grpo_ascend.models import default_lora_config
     from grpo_ascend.synthetic import arithmetic_dataset
-    from grpo_ascend.trainers.base import Round
 
     accum = 4 // world
     cfg = PPOConfig(output_dir=out, num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=accum,
@@ -62,19 +63,10 @@ def step_gradients(model_dir: str, out: str, rank: int, world: int) -> dict[str,
     batch = _global_batch()
     per_rank = ROWS // world
     mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
-    trainer._write_buffer(mine)
-    trainer._round_tokens = mine["completion_mask"].sum().float()
-    names = {id(p): n for n, p in trainer.policy.named_parameters()}
-    captured: dict[str, torch.Tensor] = {}
-
-    def capture(params, finite):
-        captured.update({names[id(p)]: p.grad.detach().clone() for p in params})
-        return 0.0, True
-
-    trainer._clip_and_step = capture
-    rnd = Round({"completion_ids": mine["completion_ids"]}, ["p"] * per_rank, ["c"] * per_rank)
-    trainer._optimizer_step(rnd, torch.arange(per_rank), trainer._round_context(rnd))
-    return captured
+    exp = make_experience(mine["prompt_ids"], mine["prompt_mask"], mine["completion_ids"], mine["completion_mask"],
+                          old_logps=mine["old_logps"])
+    return one_round_gradients(trainer, exp, values=mine["values"], advantages=mine["advantages"],
+                               returns=mine["returns"])[0]
 
 
 def _free_port() -> int:

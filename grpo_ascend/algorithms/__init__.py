@@ -1,4 +1,4 @@
-"""Advantage estimators and policy/value losses, each behind a small registry."""
+"""Advantage estimators, policy/value losses, KL estimators and importance-sampling correction."""
 
 from grpo_ascend.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -10,6 +10,15 @@ from grpo_ascend.algorithms.advantages import (
     select_informative_groups,
 )
 from grpo_ascend.algorithms.gae import discounted_reverse_cumsum, gae_advantages, gae_advantages_env, whiten
+from grpo_ascend.algorithms.importance_sampling import (
+    IMPORTANCE_SAMPLING_MODES,
+    ImportanceSamplingSettings,
+    ImportanceWeights,
+    importance_sampling_metrics,
+    importance_sampling_weights,
+    reduce_stats,
+)
+from grpo_ascend.algorithms.kl import KL_ESTIMATORS, per_token_kl
 from grpo_ascend.algorithms.losses import (
     POLICY_LOSSES,
     LossNormaliser,
@@ -24,6 +33,14 @@ from grpo_ascend.algorithms.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "IMPORTANCE_SAMPLING_MODES",
+    "KL_ESTIMATORS",
+    "ImportanceSamplingSettings",
+    "ImportanceWeights",
+    "importance_sampling_metrics",
+    "importance_sampling_weights",
+    "reduce_stats",
+    "per_token_kl",
     "POLICY_LOSSES",
     "AdvantageOutput",
     "LossNormaliser",

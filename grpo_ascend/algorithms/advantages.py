@@ -42,6 +42,15 @@ class AdvantageOutput:
     group_mean: Tensor
     group_std: Tensor
 
+    def metrics(self) -> dict[str, float]:
+        """Summary statistics for metrics.jsonl (one host copy)."""
+        adv = self.advantages.float()
+        spread = adv.std() if adv.numel() > 1 else adv.new_zeros(())
+        values = torch.stack([adv.mean(), spread, adv.abs().max(), self.zero_variance.float().mean(),
+                              self.group_std.float().mean()]).tolist()
+        return dict(zip(["advantages/mean", "advantages/std", "advantages/abs_max", "frac_reward_zero_std",
+                         "reward_group_std/mean"], values))
+
 
 AdvantageEstimator = Callable[..., AdvantageOutput]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")

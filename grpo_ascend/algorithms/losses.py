@@ -1,4 +1,4 @@
-"""Policy losses (GRPO, BNPO, Dr. GRPO, DAPO; token- or sequence-level ratios) and PPO's value loss.
+"""Policy losses (GRPO, BNPO, Dr. GRPO, DAPO, CISPO, SAPO; token- or sequence-level ratios), PPO's value loss.
 
 Exact gradient accumulation
 ---------------------------
@@ -36,16 +36,18 @@ same number of sequences per step, so grpo and dr_grpo need no global count):
 ``max_completion_length`` without an EOS *before* building the batch and the normaliser, so they
 contribute nothing and are not counted.
 
-Per-token objective (r the importance ratio, A the advantage):
-``L = −min(min(r, δ)·A, clip(r, 1−ε, 1+ε_high)·A) + β·k3(ref, logp) − entropy_coef·H``,
-``k3 = exp(ref − logp) − (ref − logp) − 1``. The min(r, δ) cap (TRL's two-sided clipping) is
+Per-token objective (r the importance ratio, A the advantage, w the optional importance-sampling
+correction weight of the sampler/trainer mismatch, 1 when absent):
+``L = w·P(r, A) + β·KL(logp, ref)·[r if use_bias_correction_kl] − entropy_coef·H`` with the policy
+term P per loss type: ``−min(min(r, δ)·A, clip(r, 1−ε, 1+ε_high)·A)`` for grpo/bnpo/dr_grpo/dapo,
+``−sg[min(r, ε_high)]·A·logp`` for cispo (aggregated like dapo), ``−σ(τ(r−1))·4/τ·A`` for sapo
+(aggregated like grpo; τ per advantage sign). KL is the ``kl_estimator`` (k1, k2 or k3 =
+``exp(ref − logp) − (ref − logp) − 1``, the default). The min(r, δ) cap (TRL's two-sided clipping) is
 applied only when ``delta`` is set. With ``importance_sampling_level="sequence"`` (GSPO) every
-token of sequence i uses s_i = exp(mean over its valid tokens of (logp − old_logp)), written as
-``sg[s_i]·exp(logp − sg[logp])`` (GSPO-token): its value is s_i at every token and its gradient at
-token t is s_i·∇logp_t. Because every aggregation above weighs all tokens of a sequence equally
-and the advantage is per sequence, this gives exactly GSPO's sequence-level gradient
-s_i·mean_t ∇logp_t under ``grpo`` (and the same gradient as a broadcast sequence ratio under the
-others).
+token of sequence i uses s_i = exp(mean over its valid tokens of (logp − old_logp)), broadcast with
+its gradient (as TRL), so the gradient at token t of a sequence-constant term is s_i·mean_u ∇logp_u:
+GSPO's sequence-level gradient under ``grpo``, and the same as the GSPO-token form under every other
+aggregation (all weigh the tokens of a sequence equally) unless per-token ``weights`` differ.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpo_ascend.algorithms.kl import KL_ESTIMATORS
 from grpo_ascend.algorithms.registry import Registry
 from grpo_ascend.errors import ConfigError, DataError, closest
 
@@ -73,6 +76,9 @@ class PolicyLossBatch:
     old_logps: log-probs under the policy that sampled; None → ``logps.detach()`` (ratio 1).
     ref_logps: log-probs under the reference model; needed when beta > 0.
     entropies: per-token entropies (with grad); needed when entropy_coef != 0.
+    weights: optional ``[B]`` or ``[B, T]`` importance-sampling correction weights (no grad) for the
+        sampler/trainer mismatch (see ``importance_sampling.py``); they multiply the policy-gradient
+        term of each token, not the KL penalty or the entropy bonus (as TRL). None = all 1.
     """
 
     logps: Tensor
@@ -81,11 +87,18 @@ class PolicyLossBatch:
     old_logps: Tensor | None = None
     ref_logps: Tensor | None = None
     entropies: Tensor | None = None
+    weights: Tensor | None = None
 
 
 @dataclass
 class PolicyLossSettings:
-    """Hyper-parameters, TRL names and meanings. ``epsilon_high=None`` means ``epsilon``."""
+    """Hyper-parameters, TRL names and meanings. ``epsilon_high=None`` means ``epsilon``.
+
+    ``kl_estimator``: k1 | k2 | k3 (see ``kl.py``). ``use_bias_correction_kl``: multiply the KL term
+    by the importance ratio π_θ/π_old (with its gradient; per sequence under GSPO), as TRL 1.16.
+    ``sapo_temperature_pos/neg``: SAPO's gate temperatures for A > 0 and A <= 0. For ``cispo``,
+    ``epsilon_high`` is the absolute cap ε_max on the importance weight (TRL's meaning).
+    """
 
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -94,6 +107,10 @@ class PolicyLossSettings:
     entropy_coef: float = 0.0
     importance_sampling_level: str = "token"
     max_completion_length: int | None = None
+    kl_estimator: str = "k3"
+    use_bias_correction_kl: bool = False
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
 
     def __post_init__(self) -> None:
         if not self.epsilon >= 0:
@@ -115,6 +132,10 @@ class PolicyLossSettings:
             )
         if self.max_completion_length is not None and not self.max_completion_length >= 1:
             raise ConfigError(f"max_completion_length must be >= 1, got {self.max_completion_length!r}")
+        KL_ESTIMATORS.get(self.kl_estimator)
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
     @property
     def eps_high(self) -> float:
@@ -164,6 +185,9 @@ class LossNormaliser:
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("loss_type")
+# A per-token policy-gradient objective: (ratio, advantages, logps, settings) → (term, low, high), where
+# term is the per-token loss and low/high mark the tokens its clipping holds back (for the stats).
+Objective = Callable[[Tensor, Tensor, Tensor, PolicyLossSettings], tuple[Tensor, Tensor, Tensor]]
 
 
 def _at_least_one(x: Number) -> Number:
@@ -178,19 +202,64 @@ def _check_shapes(batch: PolicyLossBatch) -> None:
         t = getattr(batch, name)
         if t is not None and t.shape != shape:
             raise DataError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like logps")
-    adv = batch.advantages
-    if not (adv.shape == shape[:1] or adv.shape == shape):
-        raise DataError(f"advantages must be [B] or [B, T] = {tuple(shape)}, got {tuple(adv.shape)}")
+    for name in ("advantages", "weights"):
+        t = getattr(batch, name)
+        if t is not None and not (t.shape == shape[:1] or t.shape == shape):
+            raise DataError(f"{name} must be [B] or [B, T] = {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def clipped_objective(
+    ratio: Tensor, adv: Tensor, logps: Tensor, settings: PolicyLossSettings
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO/GRPO: −min(min(r, δ)·A, clip(r, 1−ε, 1+ε_high)·A)."""
+    clipped_ratio = ratio.clamp(1 - settings.epsilon, 1 + settings.eps_high)
+    capped_ratio = ratio if settings.delta is None else ratio.clamp(max=settings.delta)
+    r = ratio.detach()
+    low = (r < 1 - settings.epsilon) & (adv < 0)
+    high = (r > 1 + settings.eps_high) & (adv > 0)
+    return -torch.minimum(capped_ratio * adv, clipped_ratio * adv), low, high
+
+
+def cispo_objective(
+    ratio: Tensor, adv: Tensor, logps: Tensor, settings: PolicyLossSettings
+) -> tuple[Tensor, Tensor, Tensor]:
+    """CISPO (MiniMax-M1): −sg[min(r, ε_max)]·A·log π_θ; the weight is clipped, never the gradient.
+
+    ε_max is ``epsilon_high`` taken as an absolute cap on r (TRL 1.16; ScaleRL recommends 5.0).
+    """
+    r = ratio.detach()
+    weight = r.clamp(max=settings.eps_high)
+    high = (r > settings.eps_high) & (adv > 0)
+    return -weight * adv * logps, torch.zeros_like(high), high
+
+
+def sapo_objective(
+    ratio: Tensor, adv: Tensor, logps: Tensor, settings: PolicyLossSettings
+) -> tuple[Tensor, Tensor, Tensor]:
+    """SAPO: −f_τ(r)·A with the soft gate f_τ(r) = σ(τ(r − 1))·4/τ (gradient A·∇r at r = 1).
+
+    τ = ``sapo_temperature_pos`` where A > 0, ``sapo_temperature_neg`` elsewhere. No hard clipping.
+    """
+    tau = torch.where(
+        adv > 0,
+        torch.as_tensor(settings.sapo_temperature_pos, dtype=ratio.dtype, device=ratio.device),
+        torch.as_tensor(settings.sapo_temperature_neg, dtype=ratio.dtype, device=ratio.device),
+    )
+    gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+    none = torch.zeros(ratio.shape, dtype=torch.bool, device=ratio.device)
+    return -gate * adv, none, none
 
 
 def per_token_policy_loss(
-    batch: PolicyLossBatch, settings: PolicyLossSettings
+    batch: PolicyLossBatch, settings: PolicyLossSettings, objective: Objective = clipped_objective
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token loss [B, T] (zero at masked tokens) and detached stat SUMS over valid tokens.
 
-    Stats: clipped_low ((r < 1−ε) & (A < 0)), clipped_high ((r > 1+ε_high) & (A > 0)),
-    clipped_region (either), kl_sum, entropy_sum, ratio_sum, token_count. Summing them over
-    micro-batches (and ranks) and dividing by the summed token_count gives exact batch means.
+    ``objective`` gives the policy-gradient term (``clipped_objective`` for grpo/bnpo/dr_grpo/dapo).
+    Stats: clipped_low, clipped_high, clipped_region (either) — the tokens the objective's clipping
+    holds back —, kl_sum (the KL term as it enters the loss, before β), entropy_sum, ratio_sum,
+    token_count. Summing them over micro-batches (and ranks) and dividing by the summed token_count
+    gives exact batch means.
     """
     _check_shapes(batch)
     if settings.beta > 0 and batch.ref_logps is None:
@@ -207,22 +276,26 @@ def per_token_policy_loss(
     # both the values and the gradients.
     log_ratio = torch.where(valid, logps - old, zero)
     if settings.importance_sampling_level == "sequence":
-        seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)
-        log_ratio = seq_log_ratio.detach().unsqueeze(-1) + torch.where(valid, logps - logps.detach(), zero)
+        seq_log_ratio = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = seq_log_ratio.expand_as(log_ratio)
     ratio = torch.exp(log_ratio)
 
     adv = batch.advantages.to(logps.dtype)
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1)
-    clipped_ratio = ratio.clamp(1 - settings.epsilon, 1 + settings.eps_high)
-    capped_ratio = ratio if settings.delta is None else ratio.clamp(max=settings.delta)
-    per_token = -torch.minimum(capped_ratio * adv, clipped_ratio * adv)
+    per_token, low, high = objective(ratio, adv, torch.where(valid, logps, zero), settings)
+    if batch.weights is not None:
+        weights = batch.weights.detach().to(logps.dtype)
+        per_token = per_token * (weights.unsqueeze(-1) if weights.dim() == 1 else weights)
 
     stat_dtype = torch.promote_types(logps.dtype, torch.float32)
     kl_sum = torch.zeros((), dtype=stat_dtype, device=logps.device)
     if batch.ref_logps is not None:
-        diff = torch.where(valid, batch.ref_logps - logps, zero)
-        kl = torch.exp(diff) - diff - 1
+        kl = KL_ESTIMATORS.get(settings.kl_estimator)(
+            torch.where(valid, logps, zero), torch.where(valid, batch.ref_logps, zero)
+        )
+        if settings.use_bias_correction_kl:
+            kl = kl * ratio
         if settings.beta > 0:
             per_token = per_token + settings.beta * kl
         kl_sum = (kl.detach() * m).sum().to(stat_dtype)
@@ -234,16 +307,14 @@ def per_token_policy_loss(
         entropy_sum = ent.detach().sum().to(stat_dtype)
 
     per_token = torch.where(valid, per_token, zero)
-    r = ratio.detach()
-    low = (r < 1 - settings.epsilon) & (adv < 0) & valid
-    high = (r > 1 + settings.eps_high) & (adv > 0) & valid
+    low, high = low & valid, high & valid
     stats = {
         "clipped_low": low.sum().to(stat_dtype),
         "clipped_high": high.sum().to(stat_dtype),
         "clipped_region": (low | high).sum().to(stat_dtype),
         "kl_sum": kl_sum,
         "entropy_sum": entropy_sum,
-        "ratio_sum": (r * m).sum().to(stat_dtype),
+        "ratio_sum": (ratio.detach() * m).sum().to(stat_dtype),
         "token_count": valid.sum().to(stat_dtype),
     }
     return per_token, stats
@@ -253,16 +324,18 @@ def _normaliser_or_local(batch: PolicyLossBatch, normaliser: LossNormaliser | No
     return LossNormaliser.for_step(batch.mask) if normaliser is None else normaliser
 
 
+def _sequence_mean(per_token: Tensor, batch: PolicyLossBatch, norm: LossNormaliser) -> Tensor:
+    seq_len = batch.mask.to(per_token.dtype).sum(-1).clamp(min=1)
+    return (per_token.sum(-1) / seq_len).sum() / _at_least_one(norm.num_sequences)
+
+
 @POLICY_LOSSES.register("grpo")
 def grpo_loss(
     batch: PolicyLossBatch, settings: PolicyLossSettings, normaliser: LossNormaliser | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DeepSeekMath GRPO: mean over sequences of each sequence's token-mean loss."""
     per_token, stats = per_token_policy_loss(batch, settings)
-    norm = _normaliser_or_local(batch, normaliser)
-    seq_len = batch.mask.to(per_token.dtype).sum(-1).clamp(min=1)
-    loss = (per_token.sum(-1) / seq_len).sum() / _at_least_one(norm.num_sequences)
-    return loss, stats
+    return _sequence_mean(per_token, batch, _normaliser_or_local(batch, normaliser)), stats
 
 
 @POLICY_LOSSES.register("bnpo")
@@ -296,6 +369,29 @@ def dapo_loss(
     per_token, stats = per_token_policy_loss(batch, settings)
     norm = _normaliser_or_local(batch, normaliser)
     return per_token.sum() / _at_least_one(norm.num_tokens_per_step_global), stats
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(
+    batch: PolicyLossBatch, settings: PolicyLossSettings, normaliser: LossNormaliser | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1): clipped, detached IS weight × A × log π_θ, aggregated like ``dapo`` (as TRL)."""
+    if settings.epsilon_high is None:
+        raise ConfigError(
+            "loss_type='cispo' needs epsilon_high: the cap ε_max on the importance weight (recommended 5.0)"
+        )
+    per_token, stats = per_token_policy_loss(batch, settings, cispo_objective)
+    norm = _normaliser_or_local(batch, normaliser)
+    return per_token.sum() / _at_least_one(norm.num_tokens_per_step_global), stats
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo_loss(
+    batch: PolicyLossBatch, settings: PolicyLossSettings, normaliser: LossNormaliser | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (soft adaptive policy optimization): soft-gated ratio, aggregated like ``grpo`` (as TRL)."""
+    per_token, stats = per_token_policy_loss(batch, settings, sapo_objective)
+    return _sequence_mean(per_token, batch, _normaliser_or_local(batch, normaliser)), stats
 
 
 def policy_loss(

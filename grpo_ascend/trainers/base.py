@@ -1,8 +1,8 @@
-"""What the GRPO and PPO trainers share: setup on accelerate, rollouts + rewards, optimizer and
-schedule, the step loop with checkpoints and tracking.
+"""What the GRPO and PPO trainers share: setup on accelerate, the experience pipeline, optimizer and
+schedule, the run loop with checkpoints and tracking.
 
-A subclass implements :meth:`RLTrainerBase._prepare_round` (turn a scored rollout into training
-tensors) and :meth:`RLTrainerBase._optimizer_step` (one optimizer step over some rows).
+A subclass implements :meth:`RLTrainerBase._train_round`: one generation round (an
+:class:`~grpo_ascend.experience.Experience`) and the optimizer steps it feeds.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,15 @@ import torch
 from torch import Tensor, nn
 
 from grpo_ascend import device as dev
+from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSettings
 from grpo_ascend.algorithms.losses import LossNormaliser
 from grpo_ascend.config import BaseRLConfig, BatchPlan
-from grpo_ascend.data import PromptSampler, is_conversational
+from grpo_ascend.data import PromptSampler
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.experience import Experience, ExperienceMaker
 from grpo_ascend.models import (
     CompletionLogprobs,
+    adapters_disabled,
     apply_peft,
     count_parameters,
     is_peft,
@@ -38,6 +40,8 @@ from grpo_ascend.models import (
     lora_merged,
     trainable_parameters,
 )
+from grpo_ascend.phases import PhaseTimer
+from grpo_ascend.ranks import Ranks
 from grpo_ascend.tracking import RunTracker, truncate_metrics
 from grpo_ascend.trainers import zero3
 
@@ -58,19 +62,13 @@ def _deepspeed_requested() -> bool:
 
 
 @dataclass
-class Round:
-    """One generation round on this rank: rollout tensors plus everything derived for training."""
+class RoundLog:
+    """What a round's optimizer steps log besides their own: the round's metrics and phase timings."""
 
-    tensors: dict[str, Tensor]
-    prompts: list[Any]
-    completions: list[Any]
-    metrics: dict[str, float] = field(default_factory=dict)
-    rewards_per_function: Tensor | None = None
-    reward_names: list[str] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return self.tensors["completion_ids"].shape[0]
+    metrics: dict[str, float]
+    timer: PhaseTimer
+    prep_seconds: float
+    steps: int = 0
 
 
 class RLTrainerBase:
@@ -96,13 +94,13 @@ class RLTrainerBase:
         dev.seed_everything(args.seed)
         self.accelerator = self._make_accelerator()
         self.device = self.accelerator.device
+        self.ranks = Ranks(self.accelerator)
         self.plan: BatchPlan = args.batch_plan(self.accelerator.num_processes)
 
         self.model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
         policy = load_causal_lm(model)
         self.tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class)
         policy = apply_peft(policy, peft_config)
-        self._patch_for_device(policy)
         if args.gradient_checkpointing:
             if hasattr(policy, "activation_checkpointing_enable"):  # the name since transformers 5
                 policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -110,6 +108,7 @@ class RLTrainerBase:
                 policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             policy.config.use_cache = False
         self.policy = policy.to(self.device)
+        self._patch_for_device(self.policy)  # after placement: the kernels depend on the device it runs on
         self.is_peft = is_peft(self.policy)
         self._check_zero3_model()
         trainable, total = count_parameters(self.policy)
@@ -196,7 +195,7 @@ class RLTrainerBase:
         # The collective backend comes from the device layer; accelerate would pick the same one on
         # accelerators, but on the CPU it prefers MPI when torch has it. It may only be named when a
         # launcher started several processes (accelerate refuses a backend for a single process).
-        group = InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))
+        group = InitProcessGroupKwargs(timeout=dev.apply_collective_timeouts(requested, args.ddp_timeout))
         if _launched_distributed(on_cpu):
             group.backend = dev.dist_backend(requested)
         kwargs: dict[str, Any] = {
@@ -206,8 +205,6 @@ class RLTrainerBase:
             "cpu": on_cpu and not (_deepspeed_requested() and _launched_distributed(on_cpu)),
             "kwargs_handlers": [group],
         }
-        if args.report_to:
-            kwargs.update(log_with=list(args.report_to), project_dir=args.output_dir)
         accelerator = Accelerator(**kwargs)
         if dev.device_type(accelerator.device) != dev.device_type(requested):
             raise ConfigError(
@@ -221,8 +218,6 @@ class RLTrainerBase:
             fsdp.check_fsdp(accelerator, type(self).__name__, self._supports_fsdp)
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
             self._check_deepspeed(accelerator)
-        if args.report_to:
-            accelerator.init_trackers(Path(args.output_dir).name or "run")
         return accelerator
 
     def _decide_lora_merge(self) -> bool:
@@ -369,11 +364,10 @@ class RLTrainerBase:
         return zero3.gathered(trainable_parameters(self._trainable_module()), modifier_rank=modifier_rank)
 
     def _patch_for_device(self, model: nn.Module) -> None:
+        """Fused device kernels for the placed ``model``, chosen from the resolved device and its chip (logged)."""
         from grpo_ascend.npu_patches import apply_npu_patches
 
-        patched = apply_npu_patches(model)
-        if patched:
-            logger.info("fused device kernels: %s", ", ".join(patched))
+        apply_npu_patches(model, device=self.device)
 
     def _extra_trainable_parameters(self) -> list[nn.Parameter]:
         """Parameters beyond the policy's (PPO's value head)."""
@@ -410,114 +404,37 @@ class RLTrainerBase:
     def _autocast(self):
         return dev.autocast(self.device, self.precision)
 
-    def _timed(self, timings: dict[str, float], key: str, start: float) -> float:
-        dev.synchronize(self.device)
-        now = time.perf_counter()
-        timings[key] = timings.get(key, 0.0) + now - start
-        return now
-
-    def _next_rows(self, per_rank: int) -> list[dict[str, Any]]:
-        """This rank's share of the next ``per_rank × processes`` prompts.
-
-        Every rank draws the same global batch (the samplers stay in lockstep, so resume needs one
-        state) and keeps its own slice, so each prompt's G completions live on one rank.
-        """
-        rows = self.sampler.next_rows(per_rank * self.accelerator.num_processes)
-        rank = self.accelerator.process_index
-        return rows[rank * per_rank : (rank + 1) * per_rank]
-
-    def _sample_and_score(self, rows: list[dict[str, Any]], timings: dict[str, float]) -> Round:
-        """Generate G completions for each row's prompt and score them with every reward function."""
-        G = self.args.num_generations
-        prompts = [r["prompt"] for r in rows]
-        start = time.perf_counter()
+    def _rollout_context(self) -> contextlib.AbstractContextManager:
+        """Around generation: eval mode, autocast, the whole weights (sharded engines), LoRA folded in."""
         self.policy.eval()
-        merged = lora_merged(self.policy) if self.merge_lora_for_rollout else contextlib.nullcontext()
-        with torch.no_grad(), self._autocast(), self._whole_weights(), merged:
-            batch = self.engine.generate(prompts, generator=self.generator)
-        start = self._timed(timings, "generation", start)
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._autocast())
+        stack.enter_context(self._whole_weights())
+        if self.merge_lora_for_rollout:
+            stack.enter_context(lora_merged(self.policy))
+        return stack
 
-        repeated = [p for p in prompts for _ in range(G)]
-        texts = batch.completion_texts
-        completions: list[Any] = (
-            [[{"role": "assistant", "content": t}] for t in texts] if is_conversational(prompts[0]) else list(texts)
+    def _make_experience_maker(self, reference: bool, mask_truncated_completions: bool = False,
+                               importance_sampling: ImportanceSamplingSettings | None = None) -> ExperienceMaker:
+        """The round's experience pipeline over this trainer's sampler, engine, rewards and forwards."""
+        args = self.args
+        return ExperienceMaker(
+            sampler=self.sampler, engine=self.engine, rewards=self.rewards, ranks=self.ranks,
+            generator=self.generator, num_generations=args.num_generations,
+            micro_batch=args.per_device_train_batch_size, pad_token_id=self.tokenizer.pad_token_id,
+            rollout_context=self._rollout_context, policy_logprobs=self._policy_logprobs,
+            reference_logprobs=self._reference_logprobs if reference else None,
+            exact_sampling_logps=self.precision == "fp32",  # the engine's log-probs are the training forward's
+            mask_truncated_completions=mask_truncated_completions,
+            importance_sampling=importance_sampling,
         )
-        lengths = batch.completion_mask.sum(1)
-        ids_host = batch.completion_ids.tolist()
-        completion_ids = [ids[:n] for ids, n in zip(ids_host, lengths.tolist())]
-        columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-        state = {"step": self.step, "epoch": self.sampler.epochs_done}
-        scored = self.rewards(repeated, completions, completion_ids, columns, trainer_state=state)
-        self._timed(timings, "reward", start)
-        tensors = {
-            "prompt_ids": batch.prompt_ids,
-            "prompt_mask": batch.prompt_mask.long(),
-            "completion_ids": batch.completion_ids,
-            "completion_mask": batch.completion_mask.long(),
-            "sampling_logprobs": batch.sampling_logprobs,
-            "truncated": batch.truncated,
-            "rewards": scored.total.to(self.device, torch.float32),
-        }
-        rnd = Round(tensors, repeated, completions, rewards_per_function=scored.per_function, reward_names=scored.names)
-        # Every function's count, zeros included, so every rank reduces the same keys.
-        rnd.metrics.update({f"reward_errors/{k}": float(v) for k, v in scored.error_counts.items()})
-        return rnd
 
-    @staticmethod
-    def _pad_cat(parts: Sequence[Tensor], pad_value: int | float, left: bool) -> Tensor:
-        """Concatenate [n_i, L_i] tensors along dim 0, padding to the widest (left or right)."""
-        width = max(p.shape[1] for p in parts)
-        padded = []
-        for p in parts:
-            extra = width - p.shape[1]
-            if extra:
-                pad = p.new_full((p.shape[0], extra), pad_value)
-                p = torch.cat([pad, p] if left else [p, pad], dim=1)
-            padded.append(p)
-        return torch.cat(padded, dim=0)
+    def _trainer_state_for_rewards(self) -> dict[str, Any]:
+        """``trainer_state`` as reward functions receive it."""
+        return {"step": self.step, "epoch": self.sampler.epochs_done}
 
-    def _merge_rounds(self, rounds: list[Round]) -> Round:
-        """Join several sampled rounds (DAPO refills) into one."""
-        if len(rounds) == 1:
-            return rounds[0]
-        pad = self.tokenizer.pad_token_id
-        merged: dict[str, Tensor] = {}
-        for key in rounds[0].tensors:
-            parts = [r.tensors[key] for r in rounds]
-            if parts[0].dim() == 2:
-                fill = pad if key.endswith("_ids") else 0
-                merged[key] = self._pad_cat(parts, fill, left=key.startswith("prompt"))
-            else:
-                merged[key] = torch.cat(parts)
-        per_fn = torch.cat([r.rewards_per_function for r in rounds]) if rounds[0].rewards_per_function is not None else None
-        out = Round(merged, sum((r.prompts for r in rounds), []), sum((r.completions for r in rounds), []),
-                    rewards_per_function=per_fn, reward_names=rounds[0].reward_names)
-        for r in rounds:
-            for k, v in r.metrics.items():
-                out.metrics[k] = out.metrics.get(k, 0.0) + v
-        return out
-
-    @staticmethod
-    def _select(rnd: Round, index: Tensor) -> Round:
-        """Rows ``index`` of a round (tensors on device, python lists by host index)."""
-        host = index.tolist()
-        tensors = {k: v[index] for k, v in rnd.tensors.items()}
-        per_fn = rnd.rewards_per_function[index.to(rnd.rewards_per_function.device)] if rnd.rewards_per_function is not None else None
-        return Round(tensors, [rnd.prompts[i] for i in host], [rnd.completions[i] for i in host], dict(rnd.metrics),
-                     per_fn, rnd.reward_names)
-
-    @torch.no_grad()
-    def _forward_logprobs(self, rnd: Round, reference: bool = False) -> Tensor:
-        """Per-token log-probs of every completion of the round, in micro-batches, without grad."""
-        out = []
-        B = self.args.per_device_train_batch_size
-        t = rnd.tensors
-        for start in range(0, rnd.size, B):
-            sl = slice(start, start + B)
-            out.append(self._reference_logprobs(t, sl) if reference else self.logprob_model(
-                t["prompt_ids"][sl], t["prompt_mask"][sl], t["completion_ids"][sl], t["completion_mask"][sl],
-                temperature=self.args.temperature)[0])
-        return torch.cat(out)
+    def _policy_logprobs(self, *inputs: Tensor) -> Tensor:
+        return self.logprob_model(*inputs, temperature=self.args.temperature)[0]
 
     def _setup_reference(self) -> None:
         """The reference policy: the base with adapters disabled (LoRA), else a frozen copy."""
@@ -533,77 +450,37 @@ class RLTrainerBase:
                 ref, self.args.logprob_chunk_size, self.args.share_prompt_prefill
             ).to(self.device)
 
-    def _reference_logprobs(self, t: dict[str, Tensor], sl: slice) -> Tensor:
-        from grpo_ascend.models import adapters_disabled
-
-        inputs = (t["prompt_ids"][sl], t["prompt_mask"][sl], t["completion_ids"][sl], t["completion_mask"][sl])
+    def _reference_logprobs(self, *inputs: Tensor) -> Tensor:
         if self.ref_logprob_model is not None:
             with self._autocast():
                 return self.ref_logprob_model(*inputs, temperature=self.args.temperature)[0]
         with adapters_disabled(self.policy):
             return self.logprob_model(*inputs, temperature=self.args.temperature)[0]
 
-    # ------------------------------------------------------------------------------ metrics
-    def _reduce(self, values: dict[str, Tensor], op: str = "sum") -> dict[str, float]:
-        """Reduce scalar tensors across processes with one collective, then one host copy."""
-        if not values:
-            return {}
-        keys = list(values)
-        stacked = torch.stack([values[k].detach().float().reshape(()) for k in keys])
-        if self.accelerator.num_processes > 1:
-            stacked = self.accelerator.reduce(stacked, reduction=op)
-        return dict(zip(keys, stacked.tolist()))
-
-    def _completion_metrics(self, rnd: Round) -> dict[str, float]:
-        """Reward (total and per function), length and truncation statistics of a round, all ranks."""
-        t = rnd.tensors
-        rewards = self.accelerator.gather(t["rewards"])
-        lengths = self.accelerator.gather(t["completion_mask"].sum(1).float())
-        truncated = self.accelerator.gather(t["truncated"].float())
-        stats = torch.stack([rewards.mean(), rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
-                             lengths.mean(), lengths.min(), lengths.max(), truncated.mean()]).tolist()
-        metrics = dict(zip(["reward", "reward_std", "completion_length/mean", "completion_length/min",
-                            "completion_length/max", "truncated_fraction"], stats))
-        if rnd.rewards_per_function is not None:
-            per_fn = self.accelerator.gather(rnd.rewards_per_function.to(self.device))
-            means = torch.nanmean(per_fn, dim=0).tolist()
-            stds = [float(per_fn[:, i][~per_fn[:, i].isnan()].std()) if per_fn.shape[0] > 1 else 0.0
-                    for i in range(per_fn.shape[1])]
-            for name, m, s in zip(rnd.reward_names, means, stds):
-                metrics[f"rewards/{name}/mean"] = m
-                metrics[f"rewards/{name}/std"] = s
-        metrics["tokens_generated"] = float(lengths.sum())
-        metrics.update(self._reduce({k: torch.tensor(v, device=self.device) for k, v in rnd.metrics.items()}))
-        return metrics
-
-    def _sample_records(self, rnd: Round, advantages: Tensor | None) -> list[dict[str, Any]]:
-        n = min(self.args.num_completions_to_print, rnd.size)
-        rewards = rnd.tensors["rewards"][:n].tolist()
-        adv = advantages[:n].tolist() if advantages is not None and advantages.dim() == 1 else [None] * n
-        per_fn = rnd.rewards_per_function[:n].tolist() if rnd.rewards_per_function is not None else [[]] * n
-        return [
-            {
-                "prompt": rnd.prompts[i],
-                "completion": rnd.completions[i],
-                "reward": rewards[i],
-                "advantage": adv[i],
-                **{f"rewards/{name}": v for name, v in zip(rnd.reward_names, per_fn[i])},
-            }
-            for i in range(n)
-        ]
-
     # ------------------------------------------------------------------------------ loop
-    def _prepare_round(self, timings: dict[str, float]) -> tuple[Round, dict[str, float]]:
-        """Sample, score and turn one generation round into training tensors (subclass)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement _prepare_round")
+    def _train_round(self) -> None:
+        """One generation round and the optimizer steps it feeds (the algorithm's own)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _train_round")
 
-    def _optimizer_step(self, rnd: Round, rows: Tensor, round_ctx: dict[str, Any]) -> dict[str, float]:
-        """One optimizer step over ``rows`` of the round (subclass)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement _optimizer_step")
+    def _step_rows(self, size: int) -> Iterator[Tensor]:
+        """Rows of each optimizer step of a round of ``size`` rows: μ passes, each a fresh seeded shuffle.
 
-    def _round_context(self, rnd: Round) -> dict[str, Any]:
-        """Values shared by the optimizer steps of one round (e.g. global token counts)."""
-        return {}
+        Stops at ``max_steps``. Resets the peak-memory counter before each step (see :meth:`_end_step`).
+        """
+        per_step = self.plan.micro_batch * self.plan.grad_accum
+        for iteration in range(self.plan.num_iterations):
+            order = self._shuffled_rows(size, iteration)
+            for k in range(size // per_step):
+                if self.step >= self.max_steps:
+                    return
+                dev.reset_peak_memory(self.device)
+                yield order[k * per_step : (k + 1) * per_step]
+
+    def _micro_batches(self, rows: Tensor) -> Iterator[tuple[Tensor, bool]]:
+        """The step's micro-batches, each with whether it is the step's last (where gradients synchronise)."""
+        parts = rows.split(self.args.per_device_train_batch_size)
+        for i, part in enumerate(parts):
+            yield part, i == len(parts) - 1
 
     def _no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
         """Skip the gradient all-reduce on every micro-batch but the step's last.
@@ -627,9 +504,6 @@ class RLTrainerBase:
         else:
             self.accelerator.backward(loss)
 
-    def _sum_over_ranks(self, value: Tensor) -> Tensor:
-        return self.accelerator.reduce(value, reduction="sum") if self.accelerator.num_processes > 1 else value
-
     def _step_normaliser(self, step_mask: Tensor, generation_tokens_global: Tensor) -> LossNormaliser:
         """The optimizer step's loss normaliser (token counts over all ranks; see algorithms/losses.py)."""
         return LossNormaliser.for_step(
@@ -637,7 +511,7 @@ class RLTrainerBase:
             generation_tokens_global=generation_tokens_global,
             steps_per_generation=self.plan.steps_per_generation // self.plan.grad_accum,
             world_size=self.accelerator.num_processes,
-            step_tokens_global=self._sum_over_ranks(step_mask.sum()),
+            step_tokens_global=self.ranks.reduce(step_mask.sum()),
         )
 
     @staticmethod
@@ -709,6 +583,23 @@ class RLTrainerBase:
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, Any]:
         """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True."""
+        self._begin(resume_from_checkpoint)
+        try:
+            while self.step < self.max_steps:
+                self._train_round()
+                self.round_index += 1
+                if self._should_save():
+                    self._save()
+            if self._last_saved_step != self.step:
+                self._save()
+        except BaseException:
+            assert self.tracker is not None
+            self.tracker.abort()
+            raise
+        return self._finish()
+
+    def _begin(self, resume_from_checkpoint: str | bool | None) -> None:
+        """Resume if asked, prepare the output folder and the tracker."""
         from grpo_ascend import checkpoint as ckpt
 
         args = self.args
@@ -721,42 +612,11 @@ class RLTrainerBase:
             truncate_metrics(args.output_dir, self.step)
             print(self.plan.describe() + f"; {self.max_steps} optimizer steps", flush=True)
         self.tracker = RunTracker(args.output_dir, self.max_steps, enabled=self.is_main_process,
-                                  start_step=self.step, disable_tqdm=args.disable_tqdm, accelerator=self.accelerator)
-        dev.reset_peak_memory(self.device)
-        first_reward: float | None = None
-        last: dict[str, float] = {}
-        while self.step < self.max_steps:
-            round_start = time.perf_counter()
-            timings: dict[str, float] = {}
-            rnd, round_metrics = self._prepare_round(timings)
-            ctx = self._round_context(rnd)
-            round_prep = time.perf_counter() - round_start
-            steps_this_round = 0
-            for iteration in range(self.plan.num_iterations):
-                order = self._shuffled_rows(rnd.size, iteration)
-                per_step = self.plan.micro_batch * self.plan.grad_accum
-                for k in range(rnd.size // per_step):
-                    if self.step >= self.max_steps:
-                        break
-                    step_start = time.perf_counter()
-                    metrics = self._optimizer_step(rnd, order[k * per_step : (k + 1) * per_step], ctx)
-                    self.step += 1
-                    steps_this_round += 1
-                    train_time = time.perf_counter() - step_start
-                    if self.step % args.logging_steps == 0 or self.step == self.max_steps:
-                        last = self._log_step(metrics, round_metrics, timings, train_time, round_prep, steps_this_round)
-                        if first_reward is None:
-                            first_reward = last.get("reward")
-                    self.tracker.advance()
-                    if args.log_completions_steps and self.step % args.log_completions_steps == 0:
-                        self.tracker.log_samples(self.step, self._sample_records(rnd, rnd.tensors.get("advantages")))
-            self.round_index += 1
-            if self._should_save():
-                self._save()
-        if self._last_saved_step != self.step:
-            self._save()
-        summary = self._finish(first_reward, last)
-        return summary
+                                  start_step=self.step, disable_tqdm=args.disable_tqdm,
+                                  report_to=args.report_to, config=args.to_dict())
+        self._first_reward: float | None = None
+        self._last_record: dict[str, float] = {}
+        self._peak_gb = 0.0
 
     def _shuffled_rows(self, n: int, iteration: int) -> Tensor:
         """Row order for one pass over a round: seeded by (seed, round, iteration), so resume is exact.
@@ -782,30 +642,47 @@ class RLTrainerBase:
         # falls inside a round is taken at its end.
         return self.step // every > max(self._last_saved_step, 0) // every
 
-    def _log_step(self, metrics: dict[str, float], round_metrics: dict[str, float], timings: dict[str, float],
-                  train_time: float, round_prep: float, steps_this_round: int) -> dict[str, float]:
-        mem = dev.memory_stats(self.device)
-        first_of_round = steps_this_round == 1
-        prep = round_prep if first_of_round else 0.0
-        step_time = train_time + prep
+    def _end_step(self, step_metrics: dict[str, float], log: RoundLog, exp: Experience, started: float) -> None:
+        """Count the optimizer step just taken, log it and write sample completions when due."""
+        args = self.args
+        self.step += 1
+        log.steps += 1
+        train_time = time.perf_counter() - started
+        step_peak = dev.memory_stats(self.device)["peak"] / 2**30
+        self._peak_gb = max(self._peak_gb, step_peak, *log.timer.peak_gb.values())
+        if self.step % args.logging_steps == 0 or self.step == self.max_steps:
+            self._log_step(step_metrics, log, train_time, step_peak)
+        assert self.tracker is not None
+        self.tracker.advance()
+        if args.log_completions_steps and self.step % args.log_completions_steps == 0:
+            self.tracker.log_samples(self.step, exp.samples(args.num_completions_to_print))
+
+    def _log_step(self, step_metrics: dict[str, float], log: RoundLog, train_time: float, step_peak: float) -> None:
+        """One metrics.jsonl record; the round's phases are charged to its first step (zeros after)."""
+        first = log.steps == 1
+        prep = log.prep_seconds if first else 0.0
+        phases = {k: (v if first else 0.0) for k, v in log.timer.metrics().items()}
         record = {
-            **metrics,
-            **round_metrics,
+            **step_metrics,
+            **log.metrics,
             "learning_rate": self.scheduler.get_last_lr()[0],
             "epoch": self.sampler.epochs_done,
             "skipped_steps": float(self.skipped_steps),
-            **{f"time/{k}": (v if first_of_round else 0.0) for k, v in timings.items()},
+            **phases,
             "time/training": train_time,
-            "time/step": step_time,
-            "tokens_per_second": round_metrics.get("tokens_generated", 0.0) / max(prep, 1e-9) if first_of_round else 0.0,
-            "memory/peak_gb": mem["peak"] / 2**30,
-            "memory/allocated_gb": mem["allocated"] / 2**30,
+            "time/step": train_time + prep,
+            "tokens_per_second": log.metrics.get("tokens_generated", 0.0) / max(prep, 1e-9) if first else 0.0,
+            "memory/peak_gb": self._peak_gb,
+            "memory/peak_gb/training": step_peak,
+            "memory/allocated_gb": dev.memory_stats(self.device)["allocated"] / 2**30,
         }
         assert self.tracker is not None
         self.tracker.log(self.step, record)
-        return record
+        if self._first_reward is None:
+            self._first_reward = record.get("reward")
+        self._last_record = record
 
-    def _finish(self, first_reward: float | None, last: dict[str, float]) -> dict[str, Any]:
+    def _finish(self) -> dict[str, Any]:
         args = self.args
         export_dir = None
         if args.export_adapter_at_end:
@@ -821,17 +698,15 @@ class RLTrainerBase:
         assert self.tracker is not None
         summary = {
             "steps": self.step,
-            "reward_first": first_reward,
-            "reward_last": last.get("reward"),
+            "reward_first": self._first_reward,
+            "reward_last": self._last_record.get("reward"),
             "skipped_steps": self.skipped_steps,
-            "peak_memory_gb": round(dev.memory_stats(self.device)["peak"] / 2**30, 3),
+            "peak_memory_gb": round(self._peak_gb, 3),
             "output_dir": args.output_dir,
         }
         if export_dir:
             summary["adapter"] = export_dir
         out = self.tracker.close(summary)
-        if self.accelerator.trackers:
-            self.accelerator.end_training()
         return out
 
     def _restore_rank_random_state(self, extra: dict[str, Tensor], saved_world_size: int) -> None:
@@ -901,23 +776,20 @@ class RLTrainerBase:
             gathered = gather_for_checkpoint(self._trainable_module(), self.optimizer.optimizer, self.is_main_process)
         with self._gathered_trainable():  # ZeRO-3: every rank gathers, the main rank writes
             if self.is_main_process:
-                ckpt.save_checkpoint(
-                    self.args.output_dir,
-                    self.step,
+                contents = ckpt.CheckpointContents(
                     model=self._trainable_module(),
+                    trainer_state=self._trainer_state(),
                     optimizer=None if self.is_deepspeed else gathered.optimizer if gathered else self.optimizer.optimizer,
                     scheduler=self.scheduler,
                     scaler=self.accelerator.scaler,
-                    trainer_state=self._trainer_state(),
                     config=self.args.to_dict(),
                     tokenizer=self.tokenizer,
                     extra_tensors={"sampling_generator": self.generator.get_state(), **per_rank},
                     rng_device=self.device,
-                    save_total_limit=self.args.save_total_limit,
-                    staging_dir=staging,
-                    optimizer_shards=shards,
                     trainable_weights=gathered.weights if gathered else None,
                 )
+                ckpt.save_checkpoint(self.args.output_dir, self.step, contents, save_total_limit=self.args.save_total_limit,
+                                     staging_dir=staging, optimizer_shards=shards)
         self._last_saved_step = self.step
         self.accelerator.wait_for_everyone()
 

@@ -5,6 +5,8 @@ Use it like TRL's ``GRPOTrainer``::
     trainer = GRPOTrainer(model="builtin:tiny-warm", reward_funcs=[accuracy], args=GRPOConfig(...),
                           train_dataset=dataset, peft_config=LoraConfig(...))
     trainer.train()
+
+One round is :meth:`GRPOTrainer._train_round`, top to bottom.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ import time
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from grpo_ascend.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
     select_informative_groups,
 )
+from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSettings
 from grpo_ascend.algorithms.losses import (
     POLICY_LOSSES,
     PolicyLossBatch,
@@ -27,7 +29,9 @@ from grpo_ascend.algorithms.losses import (
     policy_loss,
 )
 from grpo_ascend.config import GRPOConfig
-from grpo_ascend.trainers.base import RLTrainerBase, Round
+from grpo_ascend.experience import Experience, experience_metrics
+from grpo_ascend.phases import PhaseTimer
+from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
 
 
 class GRPOTrainer(RLTrainerBase):
@@ -56,134 +60,109 @@ class GRPOTrainer(RLTrainerBase):
             entropy_coef=cfg.entropy_coef,
             importance_sampling_level=cfg.importance_sampling_level,
             max_completion_length=cfg.max_completion_length,
+            kl_estimator=cfg.kl_estimator,
+            use_bias_correction_kl=cfg.use_bias_correction_kl,
+            sapo_temperature_pos=cfg.sapo_temperature_pos,
+            sapo_temperature_neg=cfg.sapo_temperature_neg,
         )
         super().__init__(model, reward_funcs, cfg, train_dataset, processing_class, peft_config)
         if self.args.beta > 0:
             self._setup_reference()
+        correction = ImportanceSamplingSettings(
+            cfg.importance_sampling_mode, cfg.importance_sampling_clip_max, cfg.importance_sampling_clip_min
+        ) if cfg.importance_sampling_correction else None
+        self.experience = self._make_experience_maker(self.args.beta > 0, cfg.mask_truncated_completions, correction)
+        self._policy_params = [p for p in self.policy.parameters() if p.requires_grad]
 
-    # ------------------------------------------------------------------------------ rollouts
-    def _prepare_round(self, timings: dict[str, float]) -> tuple[Round, dict[str, float]]:
-        args, G = self.args, self.args.num_generations
-        prompts_per_rank = self.plan.completions_per_generation // self.accelerator.num_processes // G
-        rnd = self._sample_and_score(self._next_rows(prompts_per_rank), timings)
-        metrics = self._completion_metrics(rnd)
-        if args.dynamic_sampling:
-            rnd, ds_metrics = self._dynamic_sampling(rnd, prompts_per_rank, timings)
-            metrics.update(ds_metrics)
-
-        t = rnd.tensors
-        all_rewards = self.accelerator.gather(t["rewards"])
-        adv = compute_advantages(args.advantage_estimator, all_rewards, G, args.scale_rewards)
-        rank = self.accelerator.process_index
-        t["advantages"] = adv.advantages[rank * rnd.size : (rank + 1) * rnd.size].float()
-        loss_mask = t["completion_mask"].float()
-        if args.mask_truncated_completions:
-            loss_mask = loss_mask * (~t["truncated"]).float().unsqueeze(1)
-        t["loss_mask"] = loss_mask
-
-        start = time.perf_counter()
-        if self.plan.optimizer_steps_per_generation > 1:
-            # Several optimizer steps use this batch: the sampling policy's log-probs are needed.
-            # The engine's are exact in fp32; under autocast the training forward is recomputed.
-            t["old_logps"] = t["sampling_logprobs"] if self.precision == "fp32" else self._forward_logprobs(rnd)
-            start = self._timed(timings, "old_logprobs", start)
-        if args.beta > 0:
-            t["ref_logps"] = self._forward_logprobs(rnd, reference=True)
-            self._timed(timings, "reference", start)
-
-        std = adv.group_std.float()
-        metrics.update(
-            {
-                "advantages/mean": float(adv.advantages.mean()),
-                "advantages/std": float(adv.advantages.std()) if adv.advantages.numel() > 1 else 0.0,
-                "advantages/abs_max": float(adv.advantages.abs().max()),
-                "frac_reward_zero_std": float(adv.zero_variance.float().mean()),
-                "reward_group_std/mean": float(std.mean()),
-            }
+    def _train_round(self) -> None:
+        """Experience → group-relative advantages → μ passes of optimizer steps over micro-batches → log."""
+        args, ranks = self.args, self.ranks
+        timer, started = PhaseTimer(self.device), time.perf_counter()
+        exp = self.experience.make(
+            self.plan.prompts_per_rank, timer, old_logps=self.plan.optimizer_steps_per_generation > 1,
+            trainer_state=self._trainer_state_for_rewards, refill=self._refill if args.dynamic_sampling else None,
         )
-        return rnd, metrics
+        metrics = experience_metrics(exp, ranks)
+        adv = compute_advantages(args.advantage_estimator, ranks.gather(exp.rewards), args.num_generations,
+                                 args.scale_rewards)
+        exp.advantages = adv.advantages[ranks.rank * exp.size : (ranks.rank + 1) * exp.size].float()
+        metrics.update(adv.metrics())
+        tokens_global = ranks.reduce(exp.loss_mask.sum())  # the round's loss normaliser (see LossNormaliser)
+        log = RoundLog(metrics, timer, prep_seconds=time.perf_counter() - started)
 
-    def _dynamic_sampling(self, rnd: Round, want: int, timings: dict[str, float]) -> tuple[Round, dict[str, float]]:
-        """DAPO: keep groups whose rewards differ; sample more prompts to refill, up to a cap."""
-        G = self.args.num_generations
-        kept: list[Round] = []
-        spare: list[Round] = []
-        have = 0
-        rounds = 0
-        sampled = 0
+        for rows in self._step_rows(exp.size):
+            step_start, sums = time.perf_counter(), {}
+            normaliser = self._step_normaliser(exp.loss_mask[rows], tokens_global)
+            self.policy.train()
+            for micro, last in self._micro_batches(rows):
+                with self._no_sync(self.logprob_model, last):
+                    logps, entropies = self.logprob_model(*exp.model_inputs(micro), temperature=args.temperature,
+                                                          with_entropy=True)
+                    batch = PolicyLossBatch(
+                        logps=logps, advantages=exp.advantages[micro], mask=exp.loss_mask[micro],
+                        old_logps=None if exp.old_logps is None else exp.old_logps[micro],
+                        ref_logps=None if exp.ref_logps is None else exp.ref_logps[micro],
+                        entropies=entropies if args.entropy_coef or entropies is None else entropies.detach(),
+                        weights=None if exp.token_weights is None else exp.token_weights[micro],
+                    )
+                    loss, stats = policy_loss(args.loss_type, batch, self.loss_settings, normaliser)
+                    self._backward(loss)
+                self._accumulate(sums, {"loss": loss, **stats})
+            grad_norm, _ = self._clip_and_step(self._policy_params, torch.isfinite(sums["loss"]))
+            totals = ranks.sum_scalars(sums)
+            step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm,
+                            **self._policy_metrics(totals)}
+            if args.beta > 0:
+                step_metrics["kl"] = totals.get("kl_sum", 0.0) / max(totals.get("token_count", 0.0), 1.0)
+            self._end_step(step_metrics, log, exp, step_start)
+
+    def _refill(self, exp: Experience, timer: PhaseTimer) -> Experience:
+        """DAPO dynamic sampling: keep groups whose rewards differ; draw more prompts to refill, up to a cap.
+
+        Ranks refill in lockstep (same draws, same number of extra rounds) so their samplers stay
+        aligned; groups that could not be replaced within the cap are kept as they are.
+        """
+        G, want = self.args.num_generations, self.plan.prompts_per_rank
+        kept: list[Experience] = []
+        spare: list[Experience] = []
+        have = rounds = sampled = 0
+        counts = dict(exp.counts)  # each draw's counts once, however its rows are split
         while True:
-            informative = select_informative_groups(rnd.tensors["rewards"], G)
+            informative = select_informative_groups(exp.rewards, G)
             sampled += informative.numel()
             good = torch.nonzero(informative).flatten()
             bad = torch.nonzero(~informative).flatten()
             take = good[: want - have]
             if take.numel():
-                kept.append(self._select(rnd, self._group_rows(take, G)))
+                kept.append(exp.select(_group_rows(take, G)))
                 have += take.numel()
             if bad.numel():
-                spare.append(self._select(rnd, self._group_rows(bad, G)))
-            # Ranks refill in lockstep (same draws, same number of rounds) so samplers stay aligned.
-            shortfall = torch.tensor(float(want - have), device=self.device)
-            if self.accelerator.num_processes > 1:
-                shortfall = self.accelerator.reduce(shortfall, reduction="max")
-            need = int(shortfall)
+                spare.append(exp.select(_group_rows(bad, G)))
+            need = int(self.ranks.reduce(torch.tensor(float(want - have), device=self.device), "max"))
             if need == 0 or rounds >= self.args.max_dynamic_sampling_rounds:
                 break
             rounds += 1
-            rnd = self._sample_and_score(self._next_rows(need), timings)
+            exp = self.experience.sample_and_score(need, timer, self._trainer_state_for_rewards)
+            for k, v in exp.counts.items():
+                counts[k] = counts.get(k, 0.0) + v
         filled = 0
-        for s in spare:
+        for part in spare:
             if have >= want:
                 break
-            n = min(want - have, s.size // G)
-            kept.append(self._select(s, torch.arange(n * G, device=self.device)))
+            n = min(want - have, part.size // G)
+            kept.append(part.select(torch.arange(n * G, device=self.device)))
             have += n
             filled += n
-        return self._merge_rounds(kept), {
-            "dynamic_sampling/extra_rounds": float(rounds),
+        out = Experience.concat(kept, self.tokenizer.pad_token_id)
+        # Counts are summed over ranks: the extra rounds (the same on every rank) are entered per rank.
+        out.counts = {**counts,
+            "dynamic_sampling/extra_rounds": rounds / self.ranks.world,
             "dynamic_sampling/groups_sampled": float(sampled),
             "dynamic_sampling/zero_std_groups_kept": float(filled),
         }
+        return out
 
-    def _group_rows(self, groups: Tensor, G: int) -> Tensor:
-        return (groups.unsqueeze(1) * G + torch.arange(G, device=groups.device)).flatten()
 
-    def _round_context(self, rnd: Round) -> dict[str, Any]:
-        return {"generation_tokens_global": self._sum_over_ranks(rnd.tensors["loss_mask"].sum())}
-
-    # ------------------------------------------------------------------------------ training
-    def _optimizer_step(self, rnd: Round, rows: Tensor, round_ctx: dict[str, Any]) -> dict[str, float]:
-        args, t = self.args, rnd.tensors
-        normaliser = self._step_normaliser(t["loss_mask"][rows], round_ctx["generation_tokens_global"])
-        self.policy.train()
-        micro_batches = rows.split(args.per_device_train_batch_size)
-        sums: dict[str, Tensor] = {}
-        for i, m in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with self._no_sync(self.logprob_model, last):
-                logps, entropies = self.logprob_model(
-                    t["prompt_ids"][m], t["prompt_mask"][m], t["completion_ids"][m], t["completion_mask"][m],
-                    temperature=args.temperature, with_entropy=True,
-                )
-                if entropies is not None and not args.entropy_coef:
-                    entropies = entropies.detach()
-                batch = PolicyLossBatch(
-                    logps=logps,
-                    advantages=t["advantages"][m],
-                    mask=t["loss_mask"][m],
-                    old_logps=t["old_logps"][m] if "old_logps" in t else None,
-                    ref_logps=t["ref_logps"][m] if "ref_logps" in t else None,
-                    entropies=entropies,
-                )
-                loss, stats = policy_loss(args.loss_type, batch, self.loss_settings, normaliser)
-                self._backward(loss)
-            self._accumulate(sums, {"loss": loss, **stats})
-        grad_norm, _ = self._clip_and_step(
-            [p for p in self.policy.parameters() if p.requires_grad], torch.isfinite(sums["loss"])
-        )
-        totals = self._reduce(sums)
-        metrics = {"loss": totals["loss"] / self.accelerator.num_processes, "grad_norm": grad_norm,
-                   **self._policy_metrics(totals)}
-        if args.beta > 0:
-            metrics["kl"] = totals.get("kl_sum", 0.0) / max(totals.get("token_count", 0.0), 1.0)
-        return metrics
+def _group_rows(groups: torch.Tensor, G: int) -> torch.Tensor:
+    """Row indices of whole groups."""
+    return (groups.unsqueeze(1) * G + torch.arange(G, device=groups.device)).flatten()

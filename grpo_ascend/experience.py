@@ -1,0 +1,300 @@
+"""One generation round as a typed record, made the same way for every algorithm.
+
+:class:`ExperienceMaker` turns the next prompts into an :class:`Experience`: this rank's slice of
+one global draw, G sampled completions per prompt, rewards per function, and the old (sampling
+policy) and reference log-probs the update needs. GRPO and PPO differ only in what they add on
+top (advantages; values and returns) and in their update.
+
+Two masks describe the completion tokens: ``completion_mask`` marks the tokens in the context
+(up to and including EOS); ``loss_mask`` marks those that count in the loss, the KL and every
+token count. They differ for tokens the policy did not generate (a tool's response) and for
+completions a setting leaves out of the loss (``mask_truncated_completions``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grpo_ascend.algorithms.importance_sampling import (
+    ImportanceSamplingSettings,
+    importance_sampling_metrics,
+    importance_sampling_weights,
+    reduce_stats,
+)
+from grpo_ascend.data import PromptSampler, is_conversational
+from grpo_ascend.phases import PhaseTimer
+from grpo_ascend.ranks import Ranks
+
+#: ``fn(prompt_ids, prompt_mask, completion_ids, completion_mask) -> [rows, Lc]`` log-probs.
+LogprobFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass
+class Experience:
+    """A round's completions on this rank; rows ``i*G .. i*G+G-1`` share prompt ``i``.
+
+    Tensors live on the training device. ``group_ids`` number the prompts of the global draw
+    (equal ids = one group, also across ranks). ``advantages`` is [B] (one per completion) or
+    [B, Lc] (per token); ``extras`` holds an algorithm's own per-row tensors (PPO's values and
+    returns) and travels through :meth:`select` and :meth:`concat` like the rest.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    loss_mask: Tensor
+    sampling_logps: Tensor
+    truncated: Tensor
+    rewards: Tensor
+    rewards_per_function: Tensor
+    reward_names: list[str]
+    group_ids: Tensor
+    prompts: list[Any]
+    completions: list[Any]
+    old_logps: Tensor | None = None
+    ref_logps: Tensor | None = None
+    #: Importance weights of the sampler/trainer mismatch per token (None: all 1) and their statistics.
+    token_weights: Tensor | None = None
+    importance_stats: dict[str, Tensor] = field(default_factory=dict)
+    advantages: Tensor | None = None
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    #: Counts summed over the draws that made this experience (reward errors, refills).
+    counts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def model_inputs(self, rows: Tensor | slice) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The four tensors the log-prob forward takes, for ``rows``."""
+        return (self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows], self.completion_mask[rows])
+
+    def _tensor_fields(self) -> dict[str, Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), Tensor)}
+
+    def select(self, index: Tensor) -> Experience:
+        """Rows ``index`` (a device tensor) of this experience."""
+        host = index.tolist()
+        tensors = {k: v[index.to(v.device)] for k, v in self._tensor_fields().items()}
+        return dataclasses.replace(
+            self, **tensors, prompts=[self.prompts[i] for i in host], completions=[self.completions[i] for i in host],
+            extras={k: v[index.to(v.device)] for k, v in self.extras.items()}, counts=dict(self.counts),
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[Experience], pad_token_id: int) -> Experience:
+        """Join experiences row-wise; prompts are left-padded and completions right-padded to the widest."""
+        if len(parts) == 1:
+            return parts[0]
+        first = parts[0]
+        joined = {name: _cat([getattr(p, name) for p in parts], name, pad_token_id) for name in first._tensor_fields()}
+        extras = {k: _cat([p.extras[k] for p in parts], k, pad_token_id) for k in first.extras}
+        counts: dict[str, float] = {}
+        for p in parts:
+            for k, v in p.counts.items():
+                counts[k] = counts.get(k, 0.0) + v
+        return dataclasses.replace(
+            first, **joined, prompts=[x for p in parts for x in p.prompts],
+            completions=[x for p in parts for x in p.completions], extras=extras, counts=counts,
+        )
+
+    def samples(self, n: int) -> list[dict[str, Any]]:
+        """The first ``n`` rows as JSON-ready records for samples.jsonl."""
+        n = min(n, self.size)
+        rewards = self.rewards[:n].tolist()
+        adv = self.advantages
+        advantages = adv[:n].tolist() if adv is not None and adv.dim() == 1 else [None] * n
+        per_fn = self.rewards_per_function[:n].tolist()
+        return [
+            {
+                "prompt": self.prompts[i],
+                "completion": self.completions[i],
+                "reward": rewards[i],
+                "advantage": advantages[i],
+                **{f"rewards/{name}": v for name, v in zip(self.reward_names, per_fn[i])},
+            }
+            for i in range(n)
+        ]
+
+
+def _cat(parts: list[Tensor], name: str, pad_token_id: int) -> Tensor:
+    """Concatenate along rows; 2-D tensors are padded to the widest (prompt side on the left)."""
+    if parts[0].dim() != 2 or name == "rewards_per_function":
+        return torch.cat(parts)
+    width = max(p.shape[1] for p in parts)
+    fill = pad_token_id if name.endswith("_ids") else 0
+    left = name.startswith("prompt")
+    padded = []
+    for p in parts:
+        extra = width - p.shape[1]
+        if extra:
+            pad = p.new_full((p.shape[0], extra), fill)
+            p = torch.cat([pad, p] if left else [p, pad], dim=1)
+        padded.append(p)
+    return torch.cat(padded)
+
+
+@torch.no_grad()
+def batched_logprobs(fn: LogprobFn, exp: Experience, micro_batch: int) -> Tensor:
+    """Per-token log-probs of every completion under ``fn``, in micro-batches, without grad."""
+    out = [fn(*exp.model_inputs(slice(s, s + micro_batch))) for s in range(0, exp.size, micro_batch)]
+    return torch.cat(out)
+
+
+class ExperienceMaker:
+    """Samples, scores and annotates one round of completions on this rank.
+
+    ``rollout_context`` is entered around generation (the strategy's whole weights, a LoRA merge,
+    autocast); ``policy_logprobs``/``reference_logprobs`` are the no-grad forwards of the
+    training policy and of the reference (None: no reference). ``exact_sampling_logps``: the
+    engine's sampling log-probs equal the training forward's (fp32), so the old log-probs need
+    no extra forward. ``importance_sampling``: weight each token by the (bounded) ratio of the
+    trainer's old log-probs to the sampler's (see algorithms/importance_sampling.py).
+    """
+
+    def __init__(
+        self,
+        *,
+        sampler: PromptSampler,
+        engine: Any,
+        rewards: Any,
+        ranks: Ranks,
+        generator: torch.Generator,
+        num_generations: int,
+        micro_batch: int,
+        pad_token_id: int,
+        rollout_context: Callable[[], contextlib.AbstractContextManager],
+        policy_logprobs: LogprobFn,
+        reference_logprobs: LogprobFn | None,
+        exact_sampling_logps: bool,
+        mask_truncated_completions: bool = False,
+        importance_sampling: ImportanceSamplingSettings | None = None,
+    ) -> None:
+        self.sampler = sampler
+        self.engine = engine
+        self.rewards = rewards
+        self.ranks = ranks
+        self.generator = generator
+        self.G = num_generations
+        self.micro_batch = micro_batch
+        self.pad_token_id = pad_token_id
+        self.rollout_context = rollout_context
+        self.policy_logprobs = policy_logprobs
+        self.reference_logprobs = reference_logprobs
+        self.exact_sampling_logps = exact_sampling_logps
+        self.mask_truncated_completions = mask_truncated_completions
+        self.importance_sampling = importance_sampling
+
+    def make(
+        self,
+        prompts_per_rank: int,
+        timer: PhaseTimer,
+        *,
+        old_logps: bool,
+        trainer_state: Callable[[], dict[str, Any]],
+        refill: Callable[[Experience, PhaseTimer], Experience] | None = None,
+    ) -> Experience:
+        """The next round: draw, generate, score (``refill`` may replace groups), then log-probs.
+
+        ``trainer_state()`` is what reward functions receive as ``trainer_state``.
+        """
+        exp = self.sample_and_score(prompts_per_rank, timer, trainer_state)
+        if refill is not None:
+            exp = refill(exp, timer)
+        if old_logps or self.importance_sampling is not None:
+            with timer.phase("old_logprobs"):
+                exp.old_logps = exp.sampling_logps if self.exact_sampling_logps else batched_logprobs(
+                    self.policy_logprobs, exp, self.micro_batch)
+        if self.importance_sampling is not None:
+            weights = importance_sampling_weights(exp.sampling_logps, exp.old_logps, exp.loss_mask,
+                                                  self.importance_sampling)
+            exp.token_weights, exp.importance_stats = weights.weights, weights.stats
+        if self.reference_logprobs is not None:
+            with timer.phase("reference"):
+                exp.ref_logps = batched_logprobs(self.reference_logprobs, exp, self.micro_batch)
+        return exp
+
+    def draw(self, prompts_per_rank: int) -> tuple[list[dict[str, Any]], Tensor]:
+        """This rank's slice of the next ``prompts_per_rank × processes`` prompts and their global ids.
+
+        Every rank draws the same global batch (the samplers stay in lockstep, so resume needs one
+        state) and keeps its own slice: the ranks' prompts are disjoint, a group lives on one rank.
+        """
+        start = self.sampler.draws
+        rows = self.sampler.next_rows(prompts_per_rank * self.ranks.world)
+        first = self.ranks.rank * prompts_per_rank
+        ids = torch.arange(start + first, start + first + prompts_per_rank)
+        return rows[first : first + prompts_per_rank], ids
+
+    def sample_and_score(
+        self, prompts_per_rank: int, timer: PhaseTimer, trainer_state: Callable[[], dict[str, Any]]
+    ) -> Experience:
+        """Draw prompts, generate G completions each and score them with every reward function."""
+        rows, prompt_ids = self.draw(prompts_per_rank)
+        G = self.G
+        prompts = [r["prompt"] for r in rows]
+        with timer.phase("generation"), torch.no_grad(), self.rollout_context():
+            batch = self.engine.generate(prompts, generator=self.generator)
+        with timer.phase("reward"):
+            repeated = [p for p in prompts for _ in range(G)]
+            texts = batch.completion_texts
+            completions: list[Any] = (
+                [[{"role": "assistant", "content": t}] for t in texts] if is_conversational(prompts[0]) else list(texts)
+            )
+            lengths = batch.completion_mask.sum(1).tolist()
+            completion_ids = [ids[:n] for ids, n in zip(batch.completion_ids.tolist(), lengths)]
+            columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+            scored = self.rewards(repeated, completions, completion_ids, columns, trainer_state=trainer_state())
+        device = batch.completion_ids.device
+        loss_mask = batch.completion_mask.float()
+        if self.mask_truncated_completions:
+            loss_mask = loss_mask * (~batch.truncated).float().unsqueeze(1)
+        return Experience(
+            prompt_ids=batch.prompt_ids,
+            prompt_mask=batch.prompt_mask.long(),
+            completion_ids=batch.completion_ids,
+            completion_mask=batch.completion_mask.long(),
+            loss_mask=loss_mask,
+            sampling_logps=batch.sampling_logprobs,
+            truncated=batch.truncated,
+            rewards=scored.total.to(device, torch.float32),
+            rewards_per_function=scored.per_function.to(device, torch.float32),
+            reward_names=list(scored.names),
+            group_ids=prompt_ids.repeat_interleave(G).to(device),
+            prompts=repeated,
+            completions=completions,
+            # Every function's count, zeros included, so every rank reduces the same keys.
+            counts={f"reward_errors/{k}": float(v) for k, v in scored.error_counts.items()},
+        )
+
+
+def experience_metrics(exp: Experience, ranks: Ranks) -> dict[str, float]:
+    """Reward (total and per function), length and truncation statistics over every rank's rows."""
+    rewards = ranks.gather(exp.rewards)
+    lengths = ranks.gather(exp.completion_mask.sum(1).float())
+    truncated = ranks.gather(exp.truncated.float())
+    stats = torch.stack([rewards.mean(), rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
+                         lengths.mean(), lengths.min(), lengths.max(), truncated.mean()]).tolist()
+    metrics = dict(zip(["reward", "reward_std", "completion_length/mean", "completion_length/min",
+                        "completion_length/max", "truncated_fraction"], stats))
+    per_fn = ranks.gather(exp.rewards_per_function)
+    means = torch.nanmean(per_fn, dim=0).tolist()
+    stds = [float(per_fn[:, i][~per_fn[:, i].isnan()].std()) if per_fn.shape[0] > 1 else 0.0
+            for i in range(per_fn.shape[1])]
+    for name, m, s in zip(exp.reward_names, means, stds):
+        metrics[f"rewards/{name}/mean"] = m
+        metrics[f"rewards/{name}/std"] = s
+    metrics["tokens_generated"] = float(lengths.sum())
+    if exp.importance_stats:
+        metrics.update(importance_sampling_metrics(reduce_stats(exp.importance_stats, ranks.sum_scalars)))
+    metrics.update(ranks.sum_scalars({k: torch.tensor(v, device=exp.rewards.device) for k, v in exp.counts.items()}))
+    return metrics

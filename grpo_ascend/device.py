@@ -343,9 +343,9 @@ def compile_for_decode(module: torch.nn.Module, device: torch.device | str) -> t
 def default_compile_decode(device: torch.device | str) -> bool:
     """Whether the rollout engine compiles its decode step when ``compile_decode`` is None: never yet.
 
-    CPU: measured (docs/benchmarks.md) -- on the `small` model the compiled decode is about 15 %
-    faster per token but the first compile takes minutes on a 2-core machine, more than a short
-    run's whole rollout time. CUDA and NPU: not measured here, so opt-in.
+    CPU: measured (docs/benchmarks.md) -- on the `small` model the compiled decode is no faster
+    (0.97x at 1 thread, 0.82x at 2) and its first compile takes minutes; the decode is bound by
+    its matrix multiplies, not by Python overhead. CUDA and NPU: not measured here, so opt-in.
     """
     return False
 

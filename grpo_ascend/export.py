@@ -184,7 +184,9 @@ def _save_model(model: torch.nn.Module, out: Path, dtype: torch.dtype) -> None:
 def _merge(out: Path, base: str, config: dict[str, Any], tensors: Mapping[str, torch.Tensor],
            extra: Mapping[str, torch.Tensor], dtype: torch.dtype | None, source: str) -> None:
     """Load ``base``, apply the adapter (checked tensor by tensor), fold it in and save the model."""
-    from peft import PeftConfig, get_peft_model
+    from peft import PeftConfig
+
+    from grpo_ascend.models import apply_peft
 
     model = _load_base(base)
     target_dtype = dtype or _stored_dtype(model)
@@ -193,7 +195,7 @@ def _merge(out: Path, base: str, config: dict[str, Any], tensors: Mapping[str, t
     peft_config = PeftConfig.from_peft_type(**values)
     peft_config.inference_mode = False
     try:
-        peft_model = get_peft_model(model, peft_config)
+        peft_model = apply_peft(model, peft_config)
     except (ValueError, RuntimeError) as exc:
         raise CheckpointError(f"the adapter from {source} does not fit base model {base!r}: {exc}") from exc
     check_tensors(

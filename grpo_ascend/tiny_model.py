@@ -21,16 +21,49 @@ from grpo_ascend.synthetic import arithmetic_problems, conversation
 
 logger = logging.getLogger(__name__)
 
-BUILD_VERSION = 2
+# Version 3: tool-calling tokens appended to the vocabulary (their embedding rows added after the
+# warm start, so every other weight equals version 2's) and a chat template that renders tools.
+BUILD_VERSION = 3
 VOCAB_SIZE = 1024
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
+#: Qwen-style tool tags, one token each; not "special", so decoding with skip_special_tokens keeps them.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# Qwen2.5-style: with ``tools`` the system turn lists their JSON schemas; assistant ``tool_calls``
+# render as <tool_call> JSON blocks; consecutive ``tool`` messages form one user turn of
+# <tool_response> blocks. Without tools it renders exactly as the plain ChatML template.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if call.get('function') %}{%- set call = call['function'] %}{%- endif %}"
+    "{%- if not loop.first or message['content'] %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + call['name'] + '\\\", \\\"arguments\\\": ' }}"
+    "{%- if call['arguments'] is string %}{{- call['arguments'] }}{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 
@@ -75,7 +108,7 @@ def _tokenizer_corpus(seed: int = 0, n: int = 4000) -> list[str]:
 
 def build_tokenizer(vocab_size: int = VOCAB_SIZE, seed: int = 0):
     """Train the byte-level BPE tokenizer (digits split one per token) and wrap it for transformers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -90,6 +123,8 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE, seed: int = 0):
         show_progress=False,
     )
     tok.train_from_iterator(_tokenizer_corpus(seed), trainer=trainer)
+    # Added after training so the BPE vocabulary and every other id stay as in version 2.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, padding_side="left"
     )
@@ -98,13 +133,20 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE, seed: int = 0):
 
 
 def build_model(size: str, tokenizer, seed: int = 0):
-    """A randomly initialised Qwen2ForCausalLM of the given built-in size, reproducible by ``seed``."""
+    """A randomly initialised Qwen2ForCausalLM of the given built-in size, reproducible by ``seed``,
+    with embeddings for the whole tokenizer (tool tokens included)."""
+    return add_tool_token_embeddings(_build_base_model(size, tokenizer, seed), tokenizer, seed)
+
+
+def _build_base_model(size: str, tokenizer, seed: int = 0):
+    """The model over the BPE vocabulary only (without the tool tokens added after training): the
+    same weights as build version 2, so the warm start is unchanged."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     spec = _size(size)
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
@@ -122,6 +164,22 @@ def build_model(size: str, tokenizer, seed: int = 0):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = None
     model.to(torch.float32)
+    return model
+
+
+def add_tool_token_embeddings(model, tokenizer, seed: int = 0):
+    """Grow the (tied) embeddings to the tokenizer's full size; the tool tokens' rows are drawn from
+    the existing embeddings' mean and covariance (transformers' mean resizing), reproducibly."""
+    from transformers.utils import logging as hf_logging
+
+    if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the resize explains mean resizing at warning level
+        try:
+            with _seeded(seed + 1):
+                model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
     return model
 
 
@@ -201,9 +259,10 @@ def build_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         tokenizer = build_tokenizer(seed=seed)
-        model = build_model(size, tokenizer, seed=seed)
+        model = _build_base_model(size, tokenizer, seed=seed)
         if warm:
             warm_start(model, tokenizer, seed=seed)
+        add_tool_token_embeddings(model, tokenizer, seed=seed)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if target.exists():

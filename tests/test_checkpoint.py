@@ -36,11 +36,13 @@ def _base(model_dir):
 
 
 def _lora(model_dir, r=4, alpha=8, dropout=0.1, seed=0, targets="all-linear"):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from grpo_ascend.models import apply_peft
 
     torch.manual_seed(seed)  # LoRA B starts at zero; A's init depends on this seed
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
-    return get_peft_model(_base(model_dir), config)
+    return apply_peft(_base(model_dir), config)
 
 
 def _trainer_objects(model):
@@ -170,6 +172,8 @@ def test_full_finetune_saves_tied_weights_once_and_resumes_exactly(tmp_path, tin
 # --------------------------------------------------------------------------------------------
 
 
+# Loading with plain PEFT, as a user would: peft itself reads transformers' deprecated property.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_layout_manifest_and_peft_loadable(lora_checkpoint, tiny_model_dir):
     from peft import PeftModel
     from transformers import AutoTokenizer
@@ -289,9 +293,11 @@ _CRASH_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from transformers import AutoModelForCausalLM
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from grpo_ascend.models import apply_peft
     from grpo_ascend.checkpoint import CheckpointContents, save_checkpoint
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(sys.argv[1]),
+    model = apply_peft(AutoModelForCausalLM.from_pretrained(sys.argv[1]),
                            LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear", task_type="CAUSAL_LM"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     save_checkpoint(sys.argv[2], 4, CheckpointContents(model=model, optimizer=opt, trainer_state={}), save_total_limit=1)

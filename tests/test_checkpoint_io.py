@@ -159,12 +159,14 @@ def test_readers_name_the_bad_file(tmp_path):
 
 
 def _lora(tiny_model_dir):
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM
+
+    from grpo_ascend.models import apply_peft
 
     torch.manual_seed(0)
     config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
-    return get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config)
+    return apply_peft(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config)
 
 
 def test_is_peft_means_a_peft_model_and_nothing_that_looks_like_one(tiny_model_dir):

@@ -20,14 +20,19 @@ def _base(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir)
 
 
+# The tests load exports with plain PEFT, as users do; peft itself reads transformers' deprecated property.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, tmp_path_factory):
     """A LoRA policy trained a few steps (non-zero B), its checkpoint, and reference logits."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from transformers import AutoTokenizer
 
+    from grpo_ascend.models import apply_peft
+
     torch.manual_seed(0)
-    model = get_peft_model(
+    model = apply_peft(
         _base(tiny_model_dir),
         LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
     )

@@ -1,0 +1,410 @@
+"""Sandboxed Python execution: the built-in ``python`` tool and a runner for code-task rewards.
+
+Each call runs ``python -I main.py`` in a fresh temporary folder (removed afterwards) under a
+supervisor process in its own session (``_sandbox_launcher.py``), with a clean environment and:
+
+- a wall-clock timeout that kills the whole process group (and, as root, every process of the
+  call's sandbox uid, so children that left the group die too);
+- ``resource`` limits on CPU seconds, address space, file size and number of processes;
+- stdout/stderr kept up to ``max_output_bytes`` each; a program printing more than
+  ``output_kill_bytes`` in total is stopped;
+- no network when the kernel lets us create a network namespace (``unshare(CLONE_NEWNET)``: as
+  root with CAP_SYS_ADMIN, or unprivileged through a user namespace); ``SandboxResult.isolation``
+  says whether that happened;
+- as root, a dedicated unprivileged uid per concurrent call (``RLIMIT_NPROC`` is only enforced
+  for non-root users, and per user), so the code cannot signal the trainer or write its files.
+
+What is NOT isolated on Linux without extra privileges (no mount namespace, seccomp or cgroups):
+the code can read every world-readable file (as root's sandbox uid: only world-readable ones; as
+an ordinary user: everything that user can read) and, when the trainer is not root, it runs as the
+trainer's user and could signal the trainer's processes by pid. Use a container or VM for
+untrusted code beyond model-written snippets.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from grpo_ascend.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_LAUNCHER = str(Path(__file__).with_name("_sandbox_launcher.py"))
+#: Sandbox uids used when running as root: a block per trainer process, a slot per concurrent call.
+_UID_BASE = 2_000_000
+_UID_SLOTS = 64
+#: Seconds past the timeout after which the trainer kills the supervisor's group itself.
+_BACKSTOP_S = 1.0
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of one run. Sizes in bytes, times in seconds."""
+
+    timeout: float = 10.0
+    cpu_seconds: int = 10
+    memory_bytes: int = 1 << 30
+    file_size_bytes: int = 16 << 20
+    max_processes: int = 32
+    max_output_bytes: int = 8192
+    output_kill_bytes: int = 1 << 20
+    network: bool = False
+    #: Interpreter running the code (default: this one; as root, the first of this one and the
+    #: system ``python3`` that the unprivileged sandbox uid can execute).
+    interpreter: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "timeout",
+            "cpu_seconds",
+            "memory_bytes",
+            "file_size_bytes",
+            "max_processes",
+            "max_output_bytes",
+            "output_kill_bytes",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"sandbox limit {name} must be a positive number; got {value!r}")
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What happened. ``status``: ``ok`` (exit 0), ``error`` (non-zero exit, e.g. an exception or a
+    syntax error), ``timeout`` (wall clock), ``cpu_limit``, ``killed`` (by a signal),
+    ``output_limit`` or ``supervisor_killed`` (the code killed its supervising parent)."""
+
+    status: str
+    stdout: str
+    stderr: str
+    exit_code: int | None = None
+    signal: int | None = None
+    duration: float = 0.0
+    truncated: bool = False
+    isolation: dict[str, Any] = field(default_factory=dict)
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def message(self) -> str:
+        """The text returned to the model: the output, and what went wrong when something did."""
+        out = self.stdout
+        if self.stderr:
+            out = f"{out}\n{self.stderr}" if out else self.stderr
+        note = {
+            "ok": "",
+            "error": f"Error: the program exited with code {self.exit_code}.",
+            "timeout": f"Error: the program did not finish within {self.limits.timeout:g} s and was killed.",
+            "cpu_limit": f"Error: the program used more than {self.limits.cpu_seconds} s of CPU time and was killed.",
+            "killed": f"Error: the program was killed by signal {self.signal} ({_signal_name(self.signal)}).",
+            "output_limit": (
+                f"Error: the program printed more than {self.limits.output_kill_bytes} bytes and was stopped."
+            ),
+            "supervisor_killed": "Error: the program killed its supervising process and was stopped.",
+        }[self.status]
+        if self.truncated and self.status != "output_limit":
+            note = f"{note} (output truncated to {self.limits.max_output_bytes} bytes per stream)".strip()
+        if not out.strip() and not note:
+            return "(no output)"
+        return f"{out.rstrip()}\n{note}".strip() if note else out.rstrip()
+
+
+def _signal_name(number: int | None) -> str:
+    try:
+        return signal.Signals(number).name if number is not None else "?"
+    except ValueError:
+        return f"signal {number}"
+
+
+class _UidSlots:
+    """Sandbox uids of this process when running as root; blocks when all slots are busy."""
+
+    def __init__(self) -> None:
+        self._free = list(range(_UID_SLOTS))
+        self._cond = threading.Condition()
+
+    def acquire(self) -> int:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            slot = self._free.pop(0)  # least recently used: a slot's leftovers have longest to go
+        return _UID_BASE + (os.getpid() % 30_000) * _UID_SLOTS + slot
+
+    def release(self, uid: int) -> None:
+        with self._cond:
+            self._free.append((uid - _UID_BASE) % _UID_SLOTS)
+            self._cond.notify()
+
+
+_SLOTS = _UidSlots()
+
+
+def _clean_env(workdir: str) -> dict[str, str]:
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "LANG": "C.UTF-8",
+        "PYTHONIOENCODING": "utf-8",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """Ask the supervisor to kill the program, sweep and report (it then exits on its own)."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _sweep_uid(uid: int) -> None:
+    """Kill every process of ``uid`` (used when the supervisor could not do it itself)."""
+    code = f"import os,signal\nos.setgid({uid})\nos.setuid({uid})\ntry: os.kill(-1, signal.SIGKILL)\nexcept OSError: pass"
+    subprocess.run([sys.executable, "-I", "-S", "-c", code], timeout=10, check=False, env={})
+
+
+_USABLE: dict[str, bool] = {}
+_USABLE_LOCK = threading.Lock()
+
+
+def _interpreter(configured: str | None, uid: int | None) -> str | None:
+    """The interpreter for a run as ``uid``: None when, as root, none is executable by the sandbox uid
+    (e.g. a virtualenv under /root), in which case the run keeps root's uid and says so."""
+    if uid is None:
+        return configured or sys.executable
+    candidates = (
+        [configured] if configured else [sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"]
+    )
+    for path in candidates:
+        with _USABLE_LOCK:
+            if path not in _USABLE:
+                _USABLE[path] = os.path.exists(path) and _probe(path, uid)
+                if not _USABLE[path]:
+                    logger.warning(
+                        "sandbox: %s cannot be run by an unprivileged uid; trying the next interpreter", path
+                    )
+            if _USABLE[path]:
+                return path
+    logger.warning("sandbox: no interpreter runs under an unprivileged uid; sandboxed code keeps root's uid")
+    return None
+
+
+def _probe(interpreter: str, uid: int) -> bool:
+    workdir = tempfile.mkdtemp(prefix="grpo-sandbox-probe-")
+    try:
+        script = os.path.join(workdir, "main.py")
+        with open(script, "w") as f:
+            f.write("print('ok')")
+        os.chown(workdir, uid, uid)
+        os.chown(script, uid, uid)
+        result = _supervise(script, workdir, uid, SandboxLimits(timeout=20), None, interpreter)
+        return result.ok and result.stdout.strip() == "ok"
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_python(code: str, limits: SandboxLimits | None = None, stdin: str | None = None) -> SandboxResult:
+    """Run ``code`` in a fresh sandboxed interpreter and report the outcome (never raises for bad code)."""
+    limits = limits or SandboxLimits()
+    as_root = os.geteuid() == 0
+    uid = _SLOTS.acquire() if as_root else None
+    interpreter = _interpreter(limits.interpreter, uid)
+    if interpreter is None:
+        _SLOTS.release(uid)
+        uid = None
+        interpreter = limits.interpreter or sys.executable
+    workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
+    try:
+        script = os.path.join(workdir, "main.py")
+        with open(script, "w", encoding="utf-8") as f:
+            f.write(code)
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+            os.chown(script, uid, uid)
+        result = _supervise(script, workdir, uid, limits, stdin, interpreter)
+        if as_root and uid is None:
+            result.isolation["uid"] = "not dropped: no interpreter executable by an unprivileged uid"
+        return result
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if uid is not None:
+            _SLOTS.release(uid)
+
+
+def _supervise(
+    script: str, workdir: str, uid: int | None, limits: SandboxLimits, stdin: str | None, interpreter: str
+) -> SandboxResult:
+    status_r, status_w = os.pipe()
+    config = {
+        "python": interpreter,
+        "script": script,
+        "env": _clean_env(workdir),
+        "uid": uid,
+        "gid": uid,
+        "network": limits.network,
+        "status_fd": status_w,
+        "timeout": limits.timeout,
+        "limits": {
+            "cpu_seconds": limits.cpu_seconds,
+            "memory_bytes": limits.memory_bytes,
+            "file_size_bytes": limits.file_size_bytes,
+            "max_processes": limits.max_processes,
+        },
+    }
+    start = time.monotonic()
+    stdin_file = None
+    if stdin is not None:
+        # A file, not a pipe: a program that never reads its input cannot block the trainer.
+        stdin_path = os.path.join(workdir, ".stdin")
+        with open(stdin_path, "w", encoding="utf-8") as f:
+            f.write(stdin)
+        stdin_file = open(stdin_path, "rb")  # closed right after Popen
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-B", _LAUNCHER, json.dumps(config)],
+            stdin=stdin_file if stdin_file is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=workdir,
+            env=_clean_env(workdir),
+            start_new_session=True,
+            pass_fds=(status_w,),
+        )
+    except BaseException:
+        os.close(status_r)
+        raise
+    finally:
+        os.close(status_w)
+        if stdin_file is not None:
+            stdin_file.close()
+    streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", status_r: "status"}
+    kept: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray(), "status": bytearray()}
+    printed = 0
+    truncated = False
+    stopped: str | None = None
+    exited_at: float | None = None
+    selector = selectors.DefaultSelector()
+    for fd in streams:
+        selector.register(fd, selectors.EVENT_READ)
+    try:
+        while selector.get_map():
+            now = time.monotonic()
+            if now - start > limits.timeout + _BACKSTOP_S:
+                stopped = "timeout"  # the supervisor did not stop it: it was killed or is stuck
+                break
+            if exited_at is None and proc.poll() is not None:
+                exited_at = now
+                _kill_group(proc.pid)  # anything left in the group once the supervisor is gone
+            if exited_at is not None and now - exited_at > 0.5:
+                break  # a process outside the group holds the pipes open
+            for key, _ in selector.select(timeout=0.05):
+                data = os.read(key.fd, 65536)
+                name = streams[key.fd]
+                if not data:
+                    selector.unregister(key.fd)
+                    continue
+                if name == "status":
+                    kept[name] += data
+                    continue
+                printed += len(data)
+                if stopped is not None:
+                    continue
+                room = limits.max_output_bytes - len(kept[name])
+                if len(data) > room:
+                    truncated = True
+                kept[name] += data[: max(room, 0)]
+            if printed > limits.output_kill_bytes and stopped is None:
+                stopped = "output_limit"
+                _terminate(proc)
+    finally:
+        selector.close()
+        _kill_group(proc.pid)
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            stream.close()
+        os.close(status_r)
+    duration = time.monotonic() - start
+    reports = [
+        json.loads(line) for line in kept["status"].decode(errors="replace").splitlines() if line.strip()
+    ]
+    isolation = reports[0] if reports else {}
+    child = next((r["child"] for r in reports if "child" in r), None)
+    finished = next((r for r in reports if {"exit_code", "signal", "stopped"} & set(r)), None)
+    if finished is None and child is not None:
+        _kill_group(child)  # the supervisor died before killing the program's group
+    if uid is not None and finished is None:
+        _sweep_uid(uid)  # the supervisor died before it could kill the uid's leftovers
+    exit_code = finished.get("exit_code") if finished else None
+    sig = finished.get("signal") if finished else None
+    if stopped is None and finished is not None and "stopped" in finished:
+        # "terminated" without our request: the program sent SIGTERM to its supervisor.
+        stopped = "timeout" if finished["stopped"] == "timeout" else "supervisor_killed"
+    if stopped is not None:
+        status = stopped
+    elif finished is None:
+        status = "supervisor_killed"
+    elif sig is not None:
+        status = "cpu_limit" if sig == signal.SIGXCPU else "killed"
+    else:
+        status = "ok" if exit_code == 0 else "error"
+    return SandboxResult(
+        status=status,
+        stdout=kept["stdout"].decode(errors="replace"),
+        stderr=_clean_traceback(kept["stderr"].decode(errors="replace"), workdir),
+        exit_code=exit_code,
+        signal=sig,
+        duration=duration,
+        truncated=truncated,
+        isolation=isolation,
+        limits=limits,
+    )
+
+
+def _clean_traceback(text: str, workdir: str) -> str:
+    """Tracebacks name ``main.py`` instead of the temporary folder's path."""
+    return text.replace(os.path.join(workdir, ""), "")
+
+
+def make_python_tool(**limit_options: Any) -> Callable[[str], str]:
+    """The ``python`` tool with the given :class:`SandboxLimits` fields (e.g. ``timeout=5``)."""
+    try:
+        limits = replace(SandboxLimits(), **limit_options)
+    except TypeError as exc:
+        valid = ", ".join(SandboxLimits.__dataclass_fields__)
+        raise ConfigError(f"unknown option for the python tool ({exc}); valid options: {valid}") from exc
+
+    def python(code: str) -> str:
+        """Run a Python program in a sandbox and return what it prints.
+
+        Args:
+            code: The complete Python program to run. Use print() to show results.
+        """
+        return run_python(code, limits).message()
+
+    return python

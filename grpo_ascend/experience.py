@@ -29,6 +29,7 @@ from grpo_ascend.algorithms.importance_sampling import (
     reduce_stats,
 )
 from grpo_ascend.data import PromptSampler, is_conversational
+from grpo_ascend.errors import DataError
 from grpo_ascend.phases import PhaseTimer
 from grpo_ascend.ranks import Ranks
 
@@ -68,6 +69,9 @@ class Experience:
     extras: dict[str, Tensor] = field(default_factory=dict)
     #: Counts summed over the draws that made this experience (reward errors, refills).
     counts: dict[str, float] = field(default_factory=dict)
+    #: What reward functions logged: ``log_metric`` values by name, ``log_extra`` columns (one value per row).
+    reward_metrics: dict[str, list[float]] = field(default_factory=dict)
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -88,6 +92,7 @@ class Experience:
         return dataclasses.replace(
             self, **tensors, prompts=[self.prompts[i] for i in host], completions=[self.completions[i] for i in host],
             extras={k: v[index.to(v.device)] for k, v in self.extras.items()}, counts=dict(self.counts),
+            extra_columns={k: [v[i] for i in host] for k, v in self.extra_columns.items()},
         )
 
     @classmethod
@@ -99,12 +104,18 @@ class Experience:
         joined = {name: _cat([getattr(p, name) for p in parts], name, pad_token_id) for name in first._tensor_fields()}
         extras = {k: _cat([p.extras[k] for p in parts], k, pad_token_id) for k in first.extras}
         counts: dict[str, float] = {}
+        metrics: dict[str, list[float]] = {}
         for p in parts:
             for k, v in p.counts.items():
                 counts[k] = counts.get(k, 0.0) + v
+            for k, values in p.reward_metrics.items():
+                metrics.setdefault(k, []).extend(values)
+        names = {k for p in parts for k in p.extra_columns}
+        columns = {k: [x for p in parts for x in p.extra_columns.get(k, [None] * p.size)] for k in sorted(names)}
         return dataclasses.replace(
             first, **joined, prompts=[x for p in parts for x in p.prompts],
             completions=[x for p in parts for x in p.completions], extras=extras, counts=counts,
+            reward_metrics=metrics, extra_columns=columns,
         )
 
     def samples(self, n: int) -> list[dict[str, Any]]:
@@ -121,6 +132,7 @@ class Experience:
                 "reward": rewards[i],
                 "advantage": advantages[i],
                 **{f"rewards/{name}": v for name, v in zip(self.reward_names, per_fn[i])},
+                **{column: values[i] for column, values in self.extra_columns.items()},
             }
             for i in range(n)
         ]
@@ -253,7 +265,19 @@ class ExperienceMaker:
             lengths = batch.completion_mask.sum(1).tolist()
             completion_ids = [ids[:n] for ids, n in zip(batch.completion_ids.tolist(), lengths)]
             columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-            scored = self.rewards(repeated, completions, completion_ids, columns, trainer_state=trainer_state())
+            logged: dict[str, list[float]] = {}
+            extra: dict[str, list[Any]] = {}
+            scored = self.rewards(
+                repeated, completions, completion_ids, columns, trainer_state=trainer_state(),
+                log_metric=lambda name, value: logged.setdefault(str(name), []).append(float(value)),
+                log_extra=lambda column, values: extra.setdefault(str(column), []).extend(values),
+            )
+            for column, values in extra.items():
+                if len(values) != len(completions):
+                    raise DataError(
+                        f"log_extra({column!r}, values) got {len(values)} values for {len(completions)} completions; "
+                        "a reward function logs one value per completion, once per call"
+                    )
         device = batch.completion_ids.device
         loss_mask = batch.completion_mask.float()
         if self.mask_truncated_completions:
@@ -274,6 +298,8 @@ class ExperienceMaker:
             completions=completions,
             # Every function's count, zeros included, so every rank reduces the same keys.
             counts={f"reward_errors/{k}": float(v) for k, v in scored.error_counts.items()},
+            reward_metrics=logged,
+            extra_columns=extra,
         )
 
 
@@ -294,6 +320,8 @@ def experience_metrics(exp: Experience, ranks: Ranks) -> dict[str, float]:
         metrics[f"rewards/{name}/mean"] = m
         metrics[f"rewards/{name}/std"] = s
     metrics["tokens_generated"] = float(lengths.sum())
+    metrics.update(ranks.mean_over_ranks(
+        {name: sum(values) / len(values) for name, values in exp.reward_metrics.items() if values}))
     if exp.importance_stats:
         metrics.update(importance_sampling_metrics(reduce_stats(exp.importance_stats, ranks.sum_scalars)))
     metrics.update(ranks.sum_scalars({k: torch.tensor(v, device=exp.rewards.device) for k, v in exp.counts.items()}))

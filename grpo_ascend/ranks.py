@@ -45,3 +45,16 @@ class Ranks:
     def any(self, flag: Tensor) -> bool:
         """Whether ``flag`` (a bool scalar tensor) holds on at least one rank."""
         return bool(self.reduce(flag.float().reshape(1), "max")[0] > 0)
+
+    def mean_over_ranks(self, local: dict[str, float]) -> dict[str, float]:
+        """Mean over the ranks that have each name (names may differ between ranks; all ranks must call)."""
+        names = sorted(local)
+        if self.world > 1:
+            from accelerate.utils import gather_object
+
+            names = sorted({name for part in gather_object([names]) for name in part})
+        if not names:
+            return {}
+        values = torch.tensor([local.get(n, float("nan")) for n in names], device=self.accelerator.device)
+        gathered = self.gather(values.reshape(1, -1)).reshape(-1, len(names))
+        return dict(zip(names, torch.nanmean(gathered, dim=0).tolist()))

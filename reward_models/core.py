@@ -36,7 +36,22 @@ logger = logging.getLogger(__name__)
 REWARD_ERROR_MODES = ("raise", "zero")
 # Dataset columns TRL does not forward to reward functions, and names the call itself uses.
 _DROPPED_COLUMNS = ("prompt", "completion", "completion_ids")
-_RESERVED_COLUMNS = ("prompts", "completions", "trainer_state")
+_RESERVED_COLUMNS = ("prompts", "completions", "trainer_state", "log_metric", "log_extra")
+#: Keyword arguments TRL 1.16 also passes (``log_metric(name, value)``, ``log_extra(column, values)``);
+#: a function gets each only if it names it or takes ``**kwargs``, so older functions keep working.
+OPTIONAL_KWARGS = ("log_metric", "log_extra")
+
+
+def _optional_dropped(fn: Callable[..., Any]) -> frozenset[str]:
+    """The optional keyword arguments ``fn`` cannot take (neither named nor covered by ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return frozenset()
+    names = {p.name for p in params}
+    return frozenset(k for k in OPTIONAL_KWARGS if k not in names)
 
 
 @dataclass
@@ -143,12 +158,13 @@ class _Batch:
     completion_ids: list
     columns: dict[str, list]
     state: Any
+    optional: dict[str, Any]
 
     @property
     def n(self) -> int:
         return len(self.completions)
 
-    def kwargs(self) -> dict[str, Any]:
+    def kwargs(self, drop: frozenset[str] = frozenset()) -> dict[str, Any]:
         out: dict[str, Any] = {
             "prompts": list(self.prompts),
             "completions": list(self.completions),
@@ -156,9 +172,10 @@ class _Batch:
         }
         out.update({k: list(v) for k, v in self.columns.items()})
         out["trainer_state"] = self.state
+        out.update({k: v for k, v in self.optional.items() if k not in drop})
         return out
 
-    def kwargs_for(self, i: int) -> dict[str, Any]:
+    def kwargs_for(self, i: int, drop: frozenset[str] = frozenset()) -> dict[str, Any]:
         out: dict[str, Any] = {
             "prompts": [self.prompts[i]],
             "completions": [self.completions[i]],
@@ -166,6 +183,7 @@ class _Batch:
         }
         out.update({k: [v[i]] for k, v in self.columns.items()})
         out["trainer_state"] = self.state
+        out.update({k: v for k, v in self.optional.items() if k not in drop})
         return out
 
     def describe(self, i: int) -> str:
@@ -300,6 +318,7 @@ class RewardSet:
         self.reward_timeout = float(reward_timeout) if reward_timeout is not None else None
         self.total_error_counts: dict[str, int] = dict.fromkeys(self.names, 0)
         self._async = [_is_async(f) for f in self.funcs]
+        self._dropped = [_optional_dropped(f) for f in self.funcs]
         self._signatures_ok: set[tuple[int, frozenset[str]]] = set()
         self._warned: set[str] = set()
 
@@ -418,7 +437,7 @@ class RewardSet:
         fn = self.funcs[j]
         result = _Result([None] * batch.n)
         try:
-            out = self._call_sync(fn, batch.kwargs())
+            out = self._call_sync(fn, batch.kwargs(self._dropped[j]))
         except Exception as exc:
             result = self._after_failure(j, batch, exc) or self._locate_sync(j, batch, exc)
         else:
@@ -431,7 +450,7 @@ class RewardSet:
         result = _Result([None] * batch.n)
         for i in range(batch.n):
             try:
-                out = self._call_sync(self.funcs[j], batch.kwargs_for(i))
+                out = self._call_sync(self.funcs[j], batch.kwargs_for(i, self._dropped[j]))
             except _Timeout as exc:  # too slow even alone: give up on the whole batch
                 result.batch_error = exc
                 break
@@ -450,13 +469,13 @@ class RewardSet:
         fn = self.funcs[j]
         result = _Result([None] * batch.n)
         try:
-            out = await self._call_async(fn, batch.kwargs())
+            out = await self._call_async(fn, batch.kwargs(self._dropped[j]))
         except Exception as exc:
             result = self._after_failure(j, batch, exc)
             if result is None:
                 result = _Result([None] * batch.n)
                 outs = await asyncio.gather(
-                    *(self._call_async(fn, batch.kwargs_for(i)) for i in range(batch.n)),
+                    *(self._call_async(fn, batch.kwargs_for(i, self._dropped[j])) for i in range(batch.n)),
                     return_exceptions=True,
                 )
                 for i, single in enumerate(outs):
@@ -504,17 +523,21 @@ class RewardSet:
         completion_ids: list[list[int]],
         columns: dict[str, list] | None = None,
         trainer_state: dict | None = None,
+        log_metric: Callable[[str, float], None] | None = None,
+        log_extra: Callable[[str, list], None] | None = None,
     ) -> RewardOutput:
         """Score N completions with every function and combine them (see :class:`RewardOutput`).
 
         ``columns`` holds the extra dataset columns, one entry per completion (``prompt``,
         ``completion`` and ``completion_ids`` columns are dropped, as TRL does). ``trainer_state``
         (``step``, ``epoch``) reaches the functions as a :class:`TrainerStateView`; None gives step 0.
+        ``log_metric(name, value)`` / ``log_extra(column, values)`` reach the functions that take them
+        (TRL 1.16's names: a scalar averaged into the step's metrics, a column of samples.jsonl).
         """
         batch = self._batch(prompts, completions, completion_ids, columns, trainer_state)
-        keys = list(batch.kwargs())
+        batch.optional = {k: v for k, v in (("log_metric", log_metric), ("log_extra", log_extra)) if v is not None}
         for j in range(len(self.funcs)):
-            self._check_signature(j, keys)
+            self._check_signature(j, list(batch.kwargs(self._dropped[j])))
         results: list[_Result | None] = [None] * len(self.funcs)
         if batch.n:
             async_idx = [j for j, a in enumerate(self._async) if a]
@@ -566,7 +589,7 @@ class RewardSet:
             if trainer_state is not None and not isinstance(trainer_state, Mapping)
             else TrainerStateView(trainer_state)
         )
-        return _Batch(list(prompts), list(completions), list(completion_ids), cleaned, state)
+        return _Batch(list(prompts), list(completions), list(completion_ids), cleaned, state, {})
 
     def _combine(self, batch: _Batch, results: list[_Result | None]) -> RewardOutput:
         n, f = batch.n, len(self.funcs)

@@ -159,3 +159,25 @@ def test_importance_sampling_correction_is_wired_and_exact_in_fp32(tmp_path, tin
     assert record["sampling/importance_sampling_clipped_fraction"] == 0.0
     for name in weights[False]:
         assert torch.equal(weights[False][name], weights[True][name]), name
+
+
+def test_reward_functions_log_metrics_and_columns_as_in_trl(tmp_path, tiny_model_dir):
+    """TRL 1.16's reward kwargs: log_metric(name, value) is averaged into the step's metrics, log_extra(column,
+    values) becomes a samples.jsonl column; a function that takes neither still works."""
+
+    def judged(completions, log_metric, log_extra, **kwargs):
+        log_metric("judge/calls", 1.0)
+        log_metric("judge/calls", 3.0)
+        log_extra("judge_note", [f"note {i}" for i in range(len(completions))])
+        return [0.5] * len(completions)
+
+    def plain(prompts, completions, completion_ids, answer, trainer_state):  # no **kwargs: gets no loggers
+        return [0.0] * len(completions)
+
+    cfg = _config(tmp_path, max_steps=2, log_completions_steps=1, num_completions_to_print=3)
+    GRPOTrainer(str(tiny_model_dir), [judged, plain], cfg, arithmetic_dataset(8),
+                peft_config=default_lora_config(r=4)).train()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["judge/calls"] for r in records] == [2.0, 2.0]
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [s["judge_note"] for s in samples[:3]] == ["note 0", "note 1", "note 2"]

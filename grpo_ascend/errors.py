@@ -34,3 +34,7 @@ def closest(name: str, candidates: Iterable[str]) -> str:
     """Return ' (did you mean X?)' for the closest candidate to ``name``, or '' if none is close."""
     match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+class CompatError(GrpoAscendError, RuntimeError):
+    """An installed library changed an internal grpo-ascend relies on (see the dist/compat_* modules)."""

@@ -154,9 +154,9 @@ def completion_hidden_states(
     completion tokens) instead of every row's prompt + completion, with the same result up to
     float rounding. Under activation checkpointing (which drops the cache) every row runs whole.
     ``fixed_calls``: take the cached two-call path even when no prompt repeats (each row its own
-    run), so the decoder is called the same number of times whatever the batch holds -- under
-    DeepSpeed ZeRO-3 and FSDP every call gathers weights collectively, and all ranks must make the
-    same calls.
+    run), so the decoder is called the same number of times whatever the batch holds -- under a
+    parameter-sharding strategy (grpo_ascend/dist) every call gathers weights collectively, and all
+    ranks must make the same calls.
     """
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
     positions = position_ids_from_mask(mask)
@@ -196,7 +196,7 @@ class CompletionLogprobs(nn.Module):
     runs in chunks and never materialises a [B, T, V] float32 tensor. ``share_prompts``: see
     :func:`completion_hidden_states` (a GRPO group's prompt runs once).
 
-    ``fixed_calls`` (set under DeepSpeed ZeRO-3 and FSDP, where each module call gathers its
+    ``fixed_calls`` (set by the parameter-sharding strategies, where each module call gathers its
     weights collectively, so every rank must call the same modules in the same order):
     every rank makes the same calls whatever its batch holds -- the decoder takes the two-call
     path even without repeated prompts, and the completions are right-padded (masked) to the
@@ -280,23 +280,15 @@ def _mergeable_lora_layers(model: nn.Module) -> list[tuple[nn.Module, list[str]]
     Only plain linear LoRA layers qualify: variants (DoRA, ...) and quantised or custom layer types
     compute more than ``W + B·A·scaling``.
     """
-    try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
-        from peft.tuners.lora.layer import LoraLayer
-    except ImportError:
-        return None
+    from grpo_ascend import compat_peft
+
     found = []
-    for module in model.modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        if module.merged or module.disable_adapters:
-            continue
-        active = [a for a in module.active_adapters if a in module.lora_A]
-        if not active:
-            continue
-        if type(module) is not LoraLinear or any(a in module.lora_variant for a in active):
+    for module in compat_peft.lora_layers(model):
+        active = compat_peft.mergeable_adapters(module)
+        if active is None:
             return None
-        found.append((module, active))
+        if active:
+            found.append((module, active))
     return found
 
 
@@ -305,7 +297,9 @@ def lora_merge_bytes(model: nn.Module) -> int | None:
     layers = _mergeable_lora_layers(model) if is_peft(model) else None
     if not layers:
         return None
-    return sum(m.get_base_layer().weight.nbytes for m, _ in layers)
+    from grpo_ascend.compat_peft import base_weight
+
+    return sum(base_weight(m).nbytes for m, _ in layers)
 
 
 @contextlib.contextmanager
@@ -323,21 +317,23 @@ def lora_merged(model: nn.Module) -> Iterator[bool]:
     if not layers:
         yield False
         return
+    from grpo_ascend.compat_peft import base_weight, delta_weight, set_adapter_path
+
     swapped: list[tuple[nn.Module, Tensor]] = []
     try:
         with torch.no_grad():
             for module, active in layers:
-                weight = module.get_base_layer().weight
-                delta = sum(module.get_delta_weight(a) for a in active)
+                weight = base_weight(module)
+                delta = sum(delta_weight(module, a) for a in active)
                 original = weight.data
                 weight.data = original + delta.to(original.dtype)
                 swapped.append((module, original))
-                module._disable_adapters = True
+                set_adapter_path(module, False)
         yield True
     finally:
         for module, original in swapped:
-            module.get_base_layer().weight.data = original
-            module._disable_adapters = False
+            base_weight(module).data = original
+            set_adapter_path(module, True)
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -353,8 +349,10 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts, shared tensors counted once (DeepSpeed ZeRO-3 partitions whole)."""
+    """(trainable, total) parameter counts, shared tensors counted once (partitioned parameters whole)."""
+    from grpo_ascend.dist import full_numel
+
     seen: dict[int, tuple[int, bool]] = {}
     for p in model.parameters():
-        seen[id(p)] = (int(getattr(p, "ds_numel", p.numel())), p.requires_grad)
+        seen[id(p)] = (full_numel(p), p.requires_grad)
     return sum(n for n, t in seen.values() if t), sum(n for n, _ in seen.values())

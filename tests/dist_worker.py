@@ -6,14 +6,12 @@ in a gloo process group on the CPU. Each rank writes its results to ``OUT_DIR/<n
 (never into the trainer's output_dir, whose writers the ``train`` mode audits).
 
 Modes:
-  grads  one optimizer step per loss type on a fixed global batch (this rank's slice); saves the
-         gradients after DDP averaging and the reported loss. With ``"real_step": true`` (DeepSpeed,
-         whose ZeRO-2 gradients live in per-rank partitions) the step is taken at learning rate 0
-         and the reported loss and global gradient norm are saved instead (also used under FSDP,
-         with ``"max_grad_norm": 0`` to read the unclipped norm). Under ZeRO-3 the (partitioned)
-         trainable weights are gathered to be set or read.
   draws  a short GRPO or PPO run (``"algorithm"``) whose reward records the dataset rows it scores;
          saves those row ids per round and the logged epochs.
+  contract  the strategy contract (tests/test_strategy_contract.py) on a fixed global batch (this
+         rank's slice): gradients (where whole), loss and global gradient norm of real steps at
+         learning rate 0, the NaN skip, a checkpoint round trip and a no-sync micro-batch, in one
+         launch. Under ZeRO-3 the (partitioned) trainable weights are gathered to be set or read.
   train  a short GRPO run (optionally resumed, or preempted right after the save at some step;
          ``"lora": false`` fine-tunes the whole model); saves the trainable weights and every
          write this rank made under output_dir.
@@ -137,15 +135,11 @@ def nan_then_finite_step(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict
             t["rewards"][0] = float("nan")
         return run_round(trainer, _experience(t))
 
-    def weights() -> list[torch.Tensor]:
-        with trainer._gathered_trainable():  # ZeRO-3 partitions them
-            return [whole(p.detach()).clone() for p in trainer.policy.parameters() if p.requires_grad]
-
-    before = weights()
+    before = trainable_weights(trainer)
     bad = step(poison=True)
-    after_bad = weights()
+    after_bad = trainable_weights(trainer)
     step(poison=False)
-    after_good = weights()
+    after_good = trainable_weights(trainer)
     return {
         "skipped_steps": trainer.skipped_steps,
         "bad_grad_norm": bad["grad_norm"],
@@ -153,6 +147,103 @@ def nan_then_finite_step(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict
         "moved": any(not torch.equal(a, b) for a, b in zip(after_bad, after_good)),
         "finite_after": all(bool(torch.isfinite(w).all()) for w in after_good),
     }
+
+
+def trainable_weights(trainer: Any) -> list[torch.Tensor]:
+    """Whole copies of the trainable parameters (every rank must call: partitions are gathered)."""
+    with trainer._gathered_trainable():
+        return [whole(p.detach()).clone() for p in trainer.policy.parameters() if p.requires_grad]
+
+
+def _max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b))
+
+
+def checkpoint_round_trip(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Save, take a step, load the save back, take the same step again: the load restores the saved
+    weights and the replayed step (weights, optimizer state, loss, grad norm) equals the first."""
+    from helpers import run_round
+
+    def step() -> dict[str, float]:
+        trainer.max_steps = trainer.step + 1
+        record = run_round(trainer, _experience(tensors))
+        return {"loss": record["loss"], "grad_norm": record["grad_norm"]}
+
+    # A constant learning rate (the run's schedule has ended at max_steps; functions are not checkpointed).
+    trainer.scheduler.lr_lambdas = [lambda _: 1.0] * len(trainer.scheduler.lr_lambdas)
+    trainer.scheduler.base_lrs = [1e-2] * len(trainer.scheduler.base_lrs)
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = 1e-2
+    trainer._save()
+    saved_step = trainer.step
+    saved = trainable_weights(trainer)
+    first = step()
+    after_first = trainable_weights(trainer)
+    trainer._load(Path(trainer.args.output_dir) / f"checkpoint-{saved_step}")
+    restored = trainable_weights(trainer)
+    loaded_step = trainer.step
+    second = step()
+    after_second = trainable_weights(trainer)
+    return {"restored_diff": _max_difference(saved, restored), "replayed_diff": _max_difference(after_first, after_second),
+            "moved": _max_difference(saved, after_first), "first": first, "second": second,
+            "saved_step": saved_step, "loaded_step": loaded_step}
+
+
+def unsynced_micro_batch(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Forward and backward of this rank's rows inside the strategy's ``no_sync`` for a micro-batch that is
+    not the step's last; reports what each engine shows of an unreduced gradient (run last: the
+    accumulated gradient is left in place)."""
+    model = trainer.logprob_model
+    inputs = [tensors[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+    trainer.policy.train()
+    with trainer._no_sync(model, last=False):
+        logps, _ = model(*inputs, temperature=1.0)
+        trainer._backward((logps * tensors["completion_mask"]).sum(), model)
+    boundary = getattr(model, "is_gradient_accumulation_boundary", None)
+    params = [p for p in trainer.policy.parameters() if p.requires_grad]
+    return {"boundary": boundary() if callable(boundary) else None,
+            "grads_present": sum(p.grad is not None for p in params),
+            "grad_norms": [float(p.grad.norm()) for p in params if p.grad is not None]}
+
+
+def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's rows of the global batch, its completions as wide as its longest (as a rollout pads).
+
+    The ranks then differ in width, in head chunks (logprob_chunk_size=8) and in prompt sharing, and
+    must still agree (ZeRO-3 and FSDP gather weights collectively at every module call).
+    """
+    per_rank = batch["completion_ids"].shape[0] // world
+    mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
+    width = int(mine["completion_mask"].sum(1).max())
+    return {k: v[:, :width] if k in ("completion_ids", "completion_mask", "old_logps", "ref_logps")
+            else v for k, v in mine.items()}
+
+
+def run_contract(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
+    """The strategy contract in one launch: elementwise gradients (where the engine keeps them whole),
+    loss and global gradient norm of real steps, the NaN skip, and a checkpoint round trip."""
+    cfg = grads_config(str(out / "run"), world)
+    if "max_grad_norm" in spec:
+        cfg = cfg.replace(max_grad_norm=spec["max_grad_norm"])
+    trainer = make_trainer(spec["model_dir"], cfg)
+    with trainer._gathered_trainable(modifier_rank=0):  # ZeRO-3: rank 0's values are partitioned back
+        deterministic_trainable_init(trainer.policy)
+    zero = getattr(trainer.optimizer, "optimizer", None)
+    if hasattr(zero, "_restore_from_bit16_weights"):  # ZeRO's fp32 master copy of the re-initialised weights
+        zero._restore_from_bit16_weights()
+    mine = rank_slice(fixed_global_batch(), rank, world)
+    results: dict[str, Any] = {"strategy": trainer.strategy.name, "sharded": sharded(trainer)}
+    if spec.get("elementwise"):
+        for loss_type in spec["loss_types"]:
+            grads, loss = step_gradients(trainer, mine, loss_type)
+            results[f"grads/{loss_type}"] = {"grads": grads, "loss": loss}
+        del trainer._clip_and_step  # back to the strategy's step
+    for loss_type in spec["loss_types"]:
+        results[loss_type] = step_loss_and_norm(trainer, mine, loss_type)
+    results["nan_step"] = nan_then_finite_step(trainer, mine)
+    results["round_trip"] = checkpoint_round_trip(trainer, mine)
+    results["no_sync"] = unsynced_micro_batch(trainer, mine)
+    torch.save(results, out / f"contract_rank{rank}.pt")
 
 
 def grads_config(output_dir: str, world_size: int) -> Any:
@@ -175,40 +266,6 @@ def make_trainer(model_dir: str, cfg: Any, dataset_size: int = 8, dataset_seed: 
 
     return GRPOTrainer(model_dir, even_token_fraction, cfg, arithmetic_dataset(dataset_size, seed=dataset_seed),
                        peft_config=default_lora_config(r=4) if lora else None)
-
-
-def run_grads(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
-    cfg = grads_config(str(out / "unused"), world)
-    if "max_grad_norm" in spec:
-        cfg = cfg.replace(max_grad_norm=spec["max_grad_norm"])
-    trainer = make_trainer(spec["model_dir"], cfg)
-    with trainer._gathered_trainable(modifier_rank=0):  # ZeRO-3: rank 0's values are partitioned back
-        deterministic_trainable_init(trainer.policy)
-    zero = getattr(trainer.optimizer, "optimizer", None)
-    if hasattr(zero, "_restore_from_bit16_weights"):
-        # DeepSpeed ZeRO copied the weights into its fp32 master partitions at start-up and writes
-        # those back after every step: refresh them from the re-initialised weights.
-        zero._restore_from_bit16_weights()
-    batch = fixed_global_batch()
-    per_rank = batch["completion_ids"].shape[0] // world
-    mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
-    # Each rank's completions as wide as its longest (as a rollout would pad them): the ranks then
-    # differ in width, in head chunks (logprob_chunk_size=8) and in prompt sharing, and must still
-    # agree (ZeRO-3 gathers weights collectively at every module call).
-    width = int(mine["completion_mask"].sum(1).max())
-    mine = {k: v[:, :width] if k in ("completion_ids", "completion_mask", "old_logps", "ref_logps")
-            else v for k, v in mine.items()}
-    results = {}
-    for loss_type in spec["loss_types"]:
-        if spec.get("real_step"):
-            results[loss_type] = step_loss_and_norm(trainer, mine, loss_type)
-            continue
-        grads, loss = step_gradients(trainer, mine, loss_type)
-        results[loss_type] = {"grads": grads, "loss": loss}
-    if spec.get("real_step"):
-        results["nan_step"] = nan_then_finite_step(trainer, mine)
-    results["sharded"] = sharded(trainer)
-    torch.save(results, out / f"grads_rank{rank}.pt")
 
 
 class WriteAudit:
@@ -336,10 +393,10 @@ def main() -> int:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out.mkdir(parents=True, exist_ok=True)
-    if mode == "grads":
-        run_grads(out, spec, rank, world)
-    elif mode == "train":
+    if mode == "train":
         run_train(out, spec, rank)
+    elif mode == "contract":
+        run_contract(out, spec, rank, world)
     elif mode == "draws":
         run_draws(out, spec, rank, world)
     else:

@@ -127,3 +127,30 @@ def test_cli_imports_without_torch(tmp_path):
     code = "import sys, grpo_ascend, grpo_ascend.cli, grpo_ascend.doctor; assert 'torch' not in sys.modules"
     assert _run(code, tmp_path, autoload="1").returncode == 0
     assert _run("import torch", tmp_path, autoload="1").returncode != 0  # the fake really breaks torch
+
+
+# Distributed engines (DeepSpeed, FSDP2, ...) are named only by their strategy modules in
+# grpo_ascend/dist/: the trainer calls a strategy and never asks which engine runs. Unlike device
+# names this covers prose too (docstrings, comments, help texts), as the pre-commit hook greps.
+ENGINE_NAME = re.compile(r"deepspeed|DeepSpeed|FSDP|fully_shard|DTensor|DistributedType")
+ENGINE_PACKAGE = Path("grpo_ascend/dist")
+
+
+def test_only_strategy_modules_name_distributed_engines():
+    problems = []
+    for path in sorted((REPO / "grpo_ascend").rglob("*.py")):
+        relative = path.relative_to(REPO)
+        if ENGINE_PACKAGE in relative.parents:
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            problems += [f"{relative}:{number}: {m.group(0)}" for m in ENGINE_NAME.finditer(line)]
+    assert not problems, (
+        "only grpo_ascend/dist/ may name a distributed engine; call the run's strategy instead:\n"
+        + "\n".join(problems)
+    )
+
+
+def test_engine_checker_matches_what_the_hook_greps():
+    assert ENGINE_NAME.search("import deepspeed") and ENGINE_NAME.search("FSDP2 shards")
+    assert ENGINE_NAME.search("x: DTensor") and ENGINE_NAME.search("DistributedType.NO")
+    assert not ENGINE_NAME.search("ZeRO-3 partitions parameters; fsdp_version")  # the hook is case-sensitive

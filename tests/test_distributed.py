@@ -117,53 +117,6 @@ def assert_resumed_run_matches(full: Path, resumed: Path, steps: list[int], rel:
             torch.testing.assert_close(got[name], expected[name], rtol=rtol, atol=atol, msg=f"rank {rank}, {name}")
 
 
-def assert_real_steps_match_one_process(ranks: list[dict[str, Any]], model_dir: Path, tmp_path: Path,
-                                        norm_rel: float) -> None:
-    """Check the ``"real_step"`` grads reports: each rank's loss and global gradient norm equal one
-    process's over the same global batch (every loss type), and a NaN gradient on one rank skipped
-    the step on every rank with the weights untouched, the next finite step being taken."""
-    import math
-
-    single = dist_worker.make_trainer(str(model_dir), dist_worker.grads_config(str(tmp_path / "one"), 1))
-    dist_worker.deterministic_trainable_init(single.policy)
-    batch = dist_worker.fixed_global_batch()
-    for loss_type in LOSS_TYPES:
-        grads, loss = dist_worker.step_gradients(single, batch, loss_type)
-        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
-        for r in range(WORLD):
-            got = ranks[r][loss_type]
-            assert got["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7), (loss_type, r)
-            assert got["grad_norm"] == pytest.approx(norm, rel=norm_rel), (loss_type, r)
-    for r in range(WORLD):
-        nan = ranks[r]["nan_step"]
-        assert nan["skipped_steps"] == 1 and nan["untouched"] and nan["moved"] and nan["finite_after"], (r, nan)
-        assert not math.isfinite(nan["bad_grad_norm"]), (r, nan)
-
-
-def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path, tiny_model_dir):
-    """DDP-averaged gradients of 2 ranks (each holding half of a fixed batch whose halves have very
-    different token counts) equal the gradient one process computes over the whole batch."""
-    launch("grads", tmp_path / "dist", {"model_dir": str(tiny_model_dir), "loss_types": LOSS_TYPES})
-    ranks = [torch.load(tmp_path / "dist" / f"grads_rank{r}.pt", weights_only=True) for r in range(WORLD)]
-
-    single = dist_worker.make_trainer(str(tiny_model_dir), dist_worker.grads_config(str(tmp_path / "one"), 1))
-    dist_worker.deterministic_trainable_init(single.policy)
-    batch = dist_worker.fixed_global_batch()
-    halves = batch["completion_mask"].split(batch["completion_mask"].shape[0] // WORLD)
-    assert halves[0].sum() * 3 < halves[1].sum()  # the ranks' token counts really differ
-    for loss_type in LOSS_TYPES:
-        expected, expected_loss = dist_worker.step_gradients(single, batch, loss_type)
-        for r in range(WORLD):
-            got = ranks[r][loss_type]
-            assert len(got["grads"]) == len(expected)
-            for a, b in zip(got["grads"], expected):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=f"{loss_type}, rank {r}")
-            assert got["loss"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7), loss_type
-        # Both ranks hold the same averaged gradient bit for bit.
-        for a, b in zip(ranks[0][loss_type]["grads"], ranks[1][loss_type]["grads"]):
-            assert torch.equal(a, b), loss_type
-
-
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_ranks_share_one_global_draw(tmp_path, tiny_model_dir, algorithm):
     """Through the real round preparation, the ranks score disjoint prompts that together are one

@@ -3,7 +3,7 @@
 The multi-process tests start tests/dist_worker.py once per rank with the environment
 ``accelerate launch --config_file recipes/accelerate/fsdp2_1node_8cards.yaml`` sets
 (ACCELERATE_USE_FSDP, FSDP_VERSION=2, FSDP_AUTO_WRAP_POLICY=TRANSFORMER_BASED_WRAP). accelerate
-1.15 enables its FSDP plugin only for accelerator processes; grpo_ascend.trainers.fsdp switches the
+1.15 enables its FSDP plugin only for accelerator processes; grpo_ascend.dist.compat_accelerate switches the
 CPU processes' accelerate state to FSDP, so the same fully_shard wrapping runs here.
 """
 
@@ -22,13 +22,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import dist_worker  # noqa: E402
 from test_distributed import (  # noqa: E402
-    LOSS_TYPES,
     SAMPLED,
     WORLD,
     _reports,
     _stable_metrics,
     _weights,
-    assert_real_steps_match_one_process,
     assert_resumed_run_matches,
     launch,
 )
@@ -128,36 +126,6 @@ def test_fsdp_resume_is_exact(fsdp_run, tmp_path, tiny_model_dir):
     assert_resumed_run_matches(fsdp_run, out, [1, 2, 3, 4], rel=1e-5, abs_=1e-8, rtol=1e-5, atol=1e-7)
 
 
-def test_fsdp_gradients_match_one_process(tmp_path, tiny_model_dir):
-    """Sharded, reduce-scattered gradients of 2 ranks × 2 accumulated micro-batches (no sync on the
-    first) equal the gradient one process computes over the whole batch, for every loss type."""
-    launch("grads", tmp_path / "dist", {"model_dir": str(tiny_model_dir), "loss_types": LOSS_TYPES},
-           extra_env=FSDP_ENV)
-    ranks = [torch.load(tmp_path / "dist" / f"grads_rank{r}.pt", weights_only=True) for r in range(WORLD)]
-    assert all(r["sharded"] == {"units": 5, "dtensor": True} for r in ranks)
-    single = dist_worker.make_trainer(str(tiny_model_dir), dist_worker.grads_config(str(tmp_path / "one"), 1))
-    dist_worker.deterministic_trainable_init(single.policy)
-    batch = dist_worker.fixed_global_batch()
-    for loss_type in LOSS_TYPES:
-        expected, expected_loss = dist_worker.step_gradients(single, batch, loss_type)
-        for r in range(WORLD):
-            got = ranks[r][loss_type]
-            assert len(got["grads"]) == len(expected)
-            for a, b in zip(got["grads"], expected):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=f"{loss_type}, rank {r}")
-            assert got["loss"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7), loss_type
-
-
-def test_fsdp_grad_norm_and_nan_skip(tmp_path, tiny_model_dir):
-    """A real step (learning rate 0, no clipping): loss and the global norm of the sharded gradients
-    equal one process's; a NaN on one rank skips the step on both, weights untouched."""
-    out = tmp_path / "dist"
-    launch("grads", out, {"model_dir": str(tiny_model_dir), "loss_types": LOSS_TYPES, "real_step": True,
-                          "max_grad_norm": 0}, extra_env=FSDP_ENV)
-    ranks = [torch.load(out / f"grads_rank{r}.pt", weights_only=True) for r in range(WORLD)]
-    assert_real_steps_match_one_process(ranks, tiny_model_dir, tmp_path, norm_rel=1e-5)
-
-
 # ---------------------------------------------------------------------------------------------
 # refusals (no processes started)
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +181,7 @@ def test_ppo_under_fsdp_is_refused(monkeypatch, tmp_path, tiny_model_dir):
 def test_fsdp_on_the_cpu_is_switched_on_only_when_requested(monkeypatch):
     from accelerate.utils import DistributedType
 
-    from grpo_ascend.trainers.fsdp import enable_on_cpu
+    from grpo_ascend.dist.compat_accelerate import switch_cpu_processes_to_fsdp as enable_on_cpu
 
     accelerator = SimpleNamespace(state=SimpleNamespace(distributed_type=DistributedType.MULTI_CPU,
                                                         mixed_precision="no"))

@@ -11,7 +11,6 @@ import contextlib
 import io
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSetting
 from grpo_ascend.algorithms.losses import LossNormaliser
 from grpo_ascend.config import BaseRLConfig, BatchPlan
 from grpo_ascend.data import PromptSampler
+from grpo_ascend.dist import make_accelerator, select_strategy
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, ExperienceMaker
 from grpo_ascend.models import (
@@ -43,22 +43,8 @@ from grpo_ascend.models import (
 from grpo_ascend.phases import PhaseTimer
 from grpo_ascend.ranks import Ranks
 from grpo_ascend.tracking import RunTracker, truncate_metrics
-from grpo_ascend.trainers import zero3
 
 logger = logging.getLogger(__name__)
-
-
-def _launched_distributed(on_cpu: bool) -> bool:
-    """Whether accelerate will start a process group here (mirrors its own test of the launcher env)."""
-    if int(os.environ.get("LOCAL_RANK", "-1")) != -1:
-        return True
-    sizes = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "WORLD_SIZE")
-    return on_cpu and any(int(os.environ.get(name, "1")) > 1 for name in sizes)
-
-
-def _deepspeed_requested() -> bool:
-    """Whether ``accelerate launch`` was told to use DeepSpeed (its config or ``--use_deepspeed``)."""
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
 @dataclass
@@ -75,6 +61,8 @@ class RLTrainerBase:
     """Shared machinery; see the module docstring."""
 
     config_class: type[BaseRLConfig] = BaseRLConfig
+    #: Models handed to accelerate's prepare (PPO: policy and critic); engines taking one refuse more.
+    prepared_models: int = 1
 
     def __init__(
         self,
@@ -92,7 +80,10 @@ class RLTrainerBase:
             raise ConfigError("train_dataset is required: a datasets.Dataset with a 'prompt' column")
         args = self.args
         dev.seed_everything(args.seed)
-        self.accelerator = self._make_accelerator()
+        self.accelerator, self.precision = make_accelerator(args)
+        # Chosen once; refuses a launch its engine can't run. The trainer never asks which engine runs.
+        self.strategy = select_strategy(self.accelerator, args, self.precision, type(self).__name__,
+                                        self.prepared_models)
         self.device = self.accelerator.device
         self.ranks = Ranks(self.accelerator)
         self.plan: BatchPlan = args.batch_plan(self.accelerator.num_processes)
@@ -110,7 +101,7 @@ class RLTrainerBase:
         self.policy = policy.to(self.device)
         self._patch_for_device(self.policy)  # after placement: the kernels depend on the device it runs on
         self.is_peft = is_peft(self.policy)
-        self._check_zero3_model()
+        self.strategy.validate_model(self.is_peft)
         trainable, total = count_parameters(self.policy)
         if trainable == 0:
             raise ConfigError("the model has no trainable parameters; pass a peft_config or a trainable model")
@@ -131,21 +122,10 @@ class RLTrainerBase:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda())
         self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
-        if self.is_deepspeed:
-            self._configure_deepspeed()
-        self._unsharded_reference: nn.Module | None = None
-        if self.is_fsdp:
-            self._configure_fsdp()
-        self.logprob_model, self.optimizer = self.accelerator.prepare(self.logprob_model, self.optimizer)
-        if self.is_zero3:
-            self._setup_zero3_forward()
-        if self.is_fsdp:
-            # FSDP2 all-gathers a decoder layer at each call: every rank must make the same calls.
-            self.accelerator.unwrap_model(self.logprob_model).fixed_calls = True
-        if self.is_fsdp and self.precision != "fp32":
-            from grpo_ascend.trainers.fsdp import autocast_forward
-
-            autocast_forward(self.logprob_model, self._autocast)
+        self.strategy.configure(self.policy, self.plan)
+        self._unsharded_reference = self.strategy.unsharded_reference(
+            self.policy, self.is_peft, wants_reference=getattr(args, "beta", 0.0) > 0)
+        self.logprob_model, self.optimizer = self.strategy.prepare(self.logprob_model, self.optimizer, self.policy)
 
         from grpo_ascend.rollout.engine import RolloutEngine
         from grpo_ascend.rollout.sampling import SamplingParams
@@ -183,56 +163,10 @@ class RLTrainerBase:
         self.tracker: RunTracker | None = None
 
     # ------------------------------------------------------------------------------ setup
-    def _make_accelerator(self):
-        from accelerate import Accelerator
-        from accelerate.utils import DistributedType, InitProcessGroupKwargs
-
-        args = self.args
-        requested = dev.resolve_device(args.device)  # fails clearly if the device is unusable
-        bf16 = args.bf16 if args.bf16 is not None else (dev.is_accelerator(requested) and dev.bf16_supported(requested))
-        self.precision = "bf16" if bf16 else "fp16" if args.fp16 else "fp32"
-        on_cpu = dev.device_type(requested) == "cpu"
-        # The collective backend comes from the device layer; accelerate would pick the same one on
-        # accelerators, but on the CPU it prefers MPI when torch has it. It may only be named when a
-        # launcher started several processes (accelerate refuses a backend for a single process).
-        group = InitProcessGroupKwargs(timeout=dev.apply_collective_timeouts(requested, args.ddp_timeout))
-        if _launched_distributed(on_cpu):
-            group.backend = dev.dist_backend(requested)
-        kwargs: dict[str, Any] = {
-            "mixed_precision": dev.mixed_precision_for_accelerate(bool(bf16), args.fp16),
-            # accelerate ignores its DeepSpeed launch settings when told cpu=True; on the CPU it then
-            # picks the CPU device by itself (and DeepSpeed its CPU accelerator).
-            "cpu": on_cpu and not (_deepspeed_requested() and _launched_distributed(on_cpu)),
-            "kwargs_handlers": [group],
-        }
-        accelerator = Accelerator(**kwargs)
-        if dev.device_type(accelerator.device) != dev.device_type(requested):
-            raise ConfigError(
-                f"accelerate chose device {accelerator.device} but {args.device!r} was requested; "
-                "check the accelerate config (accelerate env) or the device setting"
-            )
-        from grpo_ascend.trainers import fsdp
-
-        fsdp.enable_on_cpu(accelerator)
-        if accelerator.distributed_type == DistributedType.FSDP:
-            fsdp.check_fsdp(accelerator, type(self).__name__, self._supports_fsdp)
-        if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            self._check_deepspeed(accelerator)
-        return accelerator
-
     def _decide_lora_merge(self) -> bool:
         """Whether rollouts run with LoRA folded into the weights (``rollout_merge_lora``)."""
         wanted = self.args.rollout_merge_lora
-        if self.is_zero3:
-            if wanted:
-                logger.warning("rollout_merge_lora is off under DeepSpeed ZeRO-3: the merge swaps the base weights' "
-                               "storage, which ZeRO-3 owns; generating with the adapters unmerged")
-            else:
-                logger.info("DeepSpeed ZeRO-3: rollouts run with the adapters unmerged")
-            return False
-        if self.is_fsdp:
-            if wanted is not False and self.is_peft:
-                logger.info("rollouts keep LoRA unmerged under FSDP (merging into gathered weights is untested)")
+        if not self.strategy.may_merge_lora(wanted, self.is_peft):
             return False
         extra = lora_merge_bytes(self.policy)
         if wanted is False or extra is None:
@@ -248,120 +182,13 @@ class RLTrainerBase:
                 return False
         return True
 
-    @property
-    def is_deepspeed(self) -> bool:
-        """Whether accelerate runs the policy under a DeepSpeed engine (ZeRO-1/2/3)."""
-        from accelerate.utils import DistributedType
-
-        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
-
-    def _check_deepspeed(self, accelerator: Any) -> None:
-        """Refuse the DeepSpeed setups grpo-ascend cannot run correctly (ZeRO-0, PPO)."""
-        stage = int(accelerator.state.deepspeed_plugin.zero_stage)
-        if stage not in (1, 2, 3):
-            raise ConfigError(
-                f"DeepSpeed zero_stage={stage} is not supported; use zero_stage 2 "
-                "(recipes/accelerate/deepspeed_zero2.yaml), 3 (deepspeed_zero3.yaml) or plain data parallelism: "
-                "ZeRO-0 adds nothing over plain data parallelism"
-            )
-        if not self._supports_deepspeed:
-            raise ConfigError(
-                f"{type(self).__name__} does not support DeepSpeed: it trains two accelerate-prepared models "
-                "(policy and critic), and accelerate gives DeepSpeed one engine per model. Launch PPO with plain "
-                "data parallelism (distributed_type MULTI_NPU / MULTI_GPU, or grpo-ascend train --num_processes N)"
-            )
-
-    #: Whether the trainer drives its one prepared model through a DeepSpeed engine (GRPO does).
-    _supports_deepspeed = True
-    #: Whether the trainer's one prepared model may be sharded by FSDP2 (GRPO: yes; PPO prepares two).
-    _supports_fsdp = True
-
-    @property
-    def is_fsdp(self) -> bool:
-        """Whether accelerate shards the policy with FSDP2 (see grpo_ascend/trainers/fsdp.py)."""
-        from accelerate.utils import DistributedType
-
-        return self.accelerator.distributed_type == DistributedType.FSDP
-
-    def _configure_fsdp(self) -> None:
-        """Before sharding: units and mixed precision (fsdp.configure_plugin); an unsharded full-FT reference."""
-        from grpo_ascend.models import frozen_copy
-        from grpo_ascend.trainers import fsdp
-
-        fsdp.configure_plugin(self.accelerator, self.policy)
-        if not self.is_peft and getattr(self.args, "beta", 0.0) > 0:
-            logger.warning("FSDP with full fine-tuning and beta > 0: the reference model is a whole, unsharded "
-                           "copy on every rank")
-            self._unsharded_reference = frozen_copy(self.policy)
-
     def _whole_weights(self) -> contextlib.AbstractContextManager:
-        """The whole policy on every rank for one generation round (FSDP, ZeRO-3); nothing otherwise."""
-        if self.is_zero3:
-            return zero3.whole_model_for_generation(self.logprob_model)
-        if not self.is_fsdp:
-            return contextlib.nullcontext()
-        from grpo_ascend.trainers import fsdp
-
-        return fsdp.whole_weights(self.logprob_model)
-
-    def _configure_deepspeed(self) -> None:
-        """Fill the DeepSpeed config from this run's config: micro-batch, accumulation and clipping.
-
-        grpo-ascend normalises each optimizer step's loss itself, marks the accumulation boundary on
-        the engine and calls the engine's backward without its gradient-accumulation scaling, so the
-        config's values only have to be consistent; values set in the accelerate/DeepSpeed config
-        that disagree with the run's are overridden with a warning.
-        """
-        args, plan = self.args, self.plan
-        ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
-        wanted: dict[str, Any] = {
-            "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-            "gradient_accumulation_steps": plan.grad_accum,
-            "train_batch_size": args.per_device_train_batch_size * plan.grad_accum * self.accelerator.num_processes,
-            "gradient_clipping": float(args.max_grad_norm or 0.0),
-        }
-        for key, value in wanted.items():
-            have = ds.get(key, "auto")
-            if have not in ("auto", None) and have != value:
-                logger.warning("DeepSpeed config %s=%r replaced by %r from the grpo-ascend config", key, have, value)
-            ds[key] = value
-        self.accelerator.gradient_accumulation_steps = plan.grad_accum  # accelerate warns when it disagrees
-        if "optimizer" in ds or "scheduler" in ds:
-            raise ConfigError(
-                "the DeepSpeed config defines an 'optimizer' or 'scheduler'; grpo-ascend builds its own AdamW and "
-                "LR schedule from the run config (learning_rate, lr_scheduler_type, ...): remove them"
-            )
-
-    # ------------------------------------------------------------------------------ DeepSpeed ZeRO-3
-    @property
-    def is_zero3(self) -> bool:
-        """Whether DeepSpeed ZeRO-3 partitions the policy's parameters over the ranks (see trainers/zero3.py)."""
-        return self.is_deepspeed and zero3.zero_stage(self.accelerator) == 3
-
-    def _check_zero3_model(self) -> None:
-        """Refuse full fine-tuning under ZeRO-3: its reference policy is a frozen copy of the weights."""
-        if self.is_zero3 and not self.is_peft:
-            raise ConfigError(
-                "full fine-tuning (no peft_config) is not supported under DeepSpeed ZeRO-3: the reference policy "
-                "would be a deep copy of partitioned weights, and whole-model checkpoints are not gathered. Train a "
-                "LoRA adapter (peft_config / the recipe's lora section) under ZeRO-3, or fully fine-tune under "
-                "ZeRO-2 (recipes/accelerate/deepspeed_zero2.yaml)"
-            )
-
-    def _setup_zero3_forward(self) -> None:
-        """Make every rank issue the same ZeRO-3 gathers in the log-prob forward, whatever its batch holds."""
-        from grpo_ascend.models import backbone_and_head
-
-        module = self.accelerator.unwrap_model(self.logprob_model)
-        module.fixed_calls = True  # the decoder runs the same calls with or without repeated prompts
-        _, head = backbone_and_head(self.policy)
-        zero3.keep_gathered_per_forward(module, head.parameters())  # the head runs once per token chunk
+        """The whole policy on every rank for one generation round (the strategy's; all ranks enter)."""
+        return self.strategy.whole_weights(self.logprob_model)
 
     def _gathered_trainable(self, modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
-        """ZeRO-3: the trainable parameters whole on every rank (all ranks must enter); else nothing to do."""
-        if not self.is_zero3:
-            return contextlib.nullcontext()
-        return zero3.gathered(trainable_parameters(self._trainable_module()), modifier_rank=modifier_rank)
+        """The trainable parameters whole on every rank inside the block (all ranks must enter)."""
+        return self.strategy.gathered(trainable_parameters(self._trainable_module()), modifier_rank=modifier_rank)
 
     def _patch_for_device(self, model: nn.Module) -> None:
         """Fused device kernels for the placed ``model``, chosen from the resolved device and its chip (logged)."""
@@ -483,26 +310,13 @@ class RLTrainerBase:
             yield part, i == len(parts) - 1
 
     def _no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-        """Skip the gradient all-reduce on every micro-batch but the step's last.
+        """One micro-batch of ``model``: gradients are reduced over ranks only on the step's ``last``."""
+        return self.strategy.no_sync(model, last)
 
-        Under DeepSpeed this marks the engine's gradient-accumulation boundary instead (the engine
-        decides when to reduce; the optimizer step comes after the last micro-batch).
-        """
-        if self.is_deepspeed:
-            model.set_gradient_accumulation_boundary(last)
-            return contextlib.nullcontext()
-        return contextlib.nullcontext() if last else self.accelerator.no_sync(model)
-
-    def _backward(self, loss: Tensor) -> None:
-        """Backward of an already normalised micro-batch loss (see :meth:`_step_normaliser`).
-
-        Under DeepSpeed the engine's backward runs without its division by gradient_accumulation_steps
-        (the normaliser already accounts for accumulation); the step itself is :meth:`_clip_and_step`'s.
-        """
-        if self.is_deepspeed:
-            self.logprob_model.backward(loss, scale_wrt_gas=False)
-        else:
-            self.accelerator.backward(loss)
+    def _backward(self, loss: Tensor, model: nn.Module | None = None) -> None:
+        """Backward of an already normalised micro-batch loss (see :meth:`_step_normaliser`) through
+        ``model``'s engine (the log-prob model by default); the step is :meth:`_clip_and_step`'s."""
+        self.strategy.backward(self.logprob_model if model is None else model, loss)
 
     def _step_normaliser(self, step_mask: Tensor, generation_tokens_global: Tensor) -> LossNormaliser:
         """The optimizer step's loss normaliser (token counts over all ranks; see algorithms/losses.py)."""
@@ -533,53 +347,14 @@ class RLTrainerBase:
         }
 
     def _clip_and_step(self, params: list[nn.Parameter], loss_finite: Tensor) -> tuple[float, bool]:
-        """Clip, check for NaN/inf, and step — or skip the step leaving the weights untouched."""
-        if self.is_deepspeed:
-            return self._deepspeed_step()
-        max_norm = self.args.max_grad_norm
-        if max_norm and max_norm > 0:
-            grad_norm = self.accelerator.clip_grad_norm_(params, max_norm)
-            if self.is_fsdp:  # sharded gradients: the norm comes back as a DTensor
-                from grpo_ascend.trainers.fsdp import full_value
-
-                grad_norm = full_value(grad_norm)
-        elif self.is_fsdp:
-            from grpo_ascend.trainers.fsdp import total_grad_norm
-
-            grad_norm = total_grad_norm(params)
-        else:
-            grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
-            grad_norm = torch.stack(grads).norm() if grads else torch.zeros((), device=self.device)
-        grad_norm = torch.as_tensor(grad_norm, device=self.device).float()
-        if self.accelerator.num_processes > 1:
-            # The averaged gradient is the same on every rank but the loss is not: all ranks must
-            # agree to step or to skip, or their weights drift apart.
-            loss_finite = self.accelerator.reduce((~loss_finite).float().reshape(1), reduction="max")[0] == 0
-        finite = bool(torch.isfinite(grad_norm) & loss_finite)
-        if finite:
-            self.optimizer.step()
+        """Clip, check for NaN/inf (all ranks agree), and step — or skip the step leaving the weights untouched."""
+        grad_norm, stepped = self.strategy.clip_and_step(self.logprob_model, self.optimizer, params, loss_finite)
+        if stepped:
             self.scheduler.step()
         else:
             self.skipped_steps += 1
             logger.warning("step %d: loss or gradient is NaN/inf; step skipped, weights untouched", self.step + 1)
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm), finite
-
-    def _deepspeed_step(self) -> tuple[float, bool]:
-        """The DeepSpeed engine's step: it clips (gradient_clipping = max_grad_norm) and skips the step when
-        the global gradient norm is NaN/inf (ZeRO-1/2 check it in every precision), then zeroes the grads."""
-        engine = self.logprob_model
-        engine.optimizer.check_grad_overflow = True  # also under bf16/fp32, where it may be off by default
-        engine.step()
-        norm = engine.get_global_grad_norm()
-        grad_norm = float(norm) if norm is not None else float("nan")
-        finite = bool(engine.was_step_applied())
-        if finite:
-            self.scheduler.step()
-        else:
-            self.skipped_steps += 1
-            logger.warning("step %d: gradient is NaN/inf; DeepSpeed skipped the step, weights untouched", self.step + 1)
-        return grad_norm, finite
+        return grad_norm, stepped
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, Any]:
         """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True."""
@@ -688,9 +463,8 @@ class RLTrainerBase:
         if args.export_adapter_at_end:
             from grpo_ascend.export import export_checkpoint
 
-            # Under FSDP the live weights are sharded: export the final checkpoint (saved just before).
-            source = Path(args.output_dir) / f"checkpoint-{self.step}" if self.is_fsdp else self.policy
-            with self._gathered_trainable():  # ZeRO-3: every rank gathers, the main rank writes
+            source = self.strategy.export_source(self.policy, Path(args.output_dir) / f"checkpoint-{self.step}")
+            with self._gathered_trainable():  # every rank gathers (if partitioned), the main rank writes
                 if self.is_main_process:
                     export_dir = str(export_checkpoint(source, Path(args.output_dir) / "adapter",
                                                        tokenizer=self.tokenizer, base_model=self.model_name))
@@ -758,69 +532,26 @@ class RLTrainerBase:
 
         self.accelerator.wait_for_everyone()
         per_rank = self._per_rank_random_state()
-        staging, shards = None, None
-        if self.is_deepspeed:
-            # ZeRO-1/2: every rank writes its optimizer shard into the main rank's staging folder; the
-            # main rank then completes the checkpoint (manifest over all shards) and renames it.
-            from accelerate.utils import broadcast_object_list
-
-            made = [str(ckpt.make_staging_dir(self.args.output_dir, self.step)) if self.is_main_process else None]
-            staging = broadcast_object_list(made, from_process=0)[0]
-            ckpt.write_optimizer_shard(staging, self.accelerator.process_index, self._deepspeed_optimizer_state())
-            shards = self.accelerator.num_processes
-            self.accelerator.wait_for_everyone()
-        gathered = None
-        if self.is_fsdp:  # every rank takes part in the gather; the main rank writes
-            from grpo_ascend.trainers.fsdp import gather_for_checkpoint
-
-            gathered = gather_for_checkpoint(self._trainable_module(), self.optimizer.optimizer, self.is_main_process)
-        with self._gathered_trainable():  # ZeRO-3: every rank gathers, the main rank writes
+        module = self._trainable_module()
+        state = self.strategy.save_state(module, self.optimizer, self.args.output_dir, self.step)
+        with self._gathered_trainable():  # every rank gathers (if partitioned), the main rank writes
             if self.is_main_process:
                 contents = ckpt.CheckpointContents(
-                    model=self._trainable_module(),
+                    model=module,
                     trainer_state=self._trainer_state(),
-                    optimizer=None if self.is_deepspeed else gathered.optimizer if gathered else self.optimizer.optimizer,
+                    optimizer=state.optimizer,
                     scheduler=self.scheduler,
                     scaler=self.accelerator.scaler,
                     config=self.args.to_dict(),
                     tokenizer=self.tokenizer,
                     extra_tensors={"sampling_generator": self.generator.get_state(), **per_rank},
                     rng_device=self.device,
-                    trainable_weights=gathered.weights if gathered else None,
+                    trainable_weights=state.trainable_weights,
                 )
                 ckpt.save_checkpoint(self.args.output_dir, self.step, contents, save_total_limit=self.args.save_total_limit,
-                                     staging_dir=staging, optimizer_shards=shards)
+                                     staging_dir=state.staging_dir, optimizer_shards=state.optimizer_shards)
         self._last_saved_step = self.step
         self.accelerator.wait_for_everyone()
-
-    def _deepspeed_optimizer_state(self) -> dict[str, Any]:
-        """This rank's ZeRO optimizer state as plain values (readable with ``torch.load(weights_only=True)``).
-
-        DeepSpeed's state dict holds its loss-scaler object (kept as its plain attributes) and the
-        parameter-slice mappings (rebuilt by DeepSpeed at start-up, dropped here).
-        """
-        state = dict(self.optimizer.optimizer.state_dict())
-        scaler = state.pop("loss_scaler", None)
-        state.pop("param_slice_mappings", None)
-        if "zero_stage" in state:
-            state["zero_stage"] = int(state["zero_stage"])
-        plain = (bool, int, float, str, type(None))
-        state["loss_scaler_state"] = {k: v for k, v in vars(scaler).items() if isinstance(v, plain)} if scaler else {}
-        return state
-
-    def _load_deepspeed_optimizer_state(self, path: Path) -> None:
-        """Restore this rank's ZeRO optimizer shard: Adam state and fp32 master partition, loss scale."""
-        from grpo_ascend import checkpoint as ckpt
-
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        state = ckpt.load_optimizer_shard(path, rank, world)
-        scaler_state = state.pop("loss_scaler_state", {})
-        zero = self.optimizer.optimizer
-        state.setdefault("loss_scaler", zero.loss_scaler)  # ZeRO-3 reads it back; its values are set below
-        # DeepSpeed indexes the list by data-parallel rank; only this rank's entry is read.
-        zero.load_state_dict([state] * world, load_optimizer_states=True, load_from_fp32_weights=True)
-        for key, value in scaler_state.items():
-            setattr(zero.loss_scaler, key, value)
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
@@ -838,24 +569,17 @@ class RLTrainerBase:
     def _load(self, path: Path) -> None:
         from grpo_ascend import checkpoint as ckpt
 
-        fsdp_module = None
-        if self.is_fsdp:
-            from grpo_ascend.trainers import fsdp as fsdp_module
-        # FSDP: every rank loads whole tensors into its shards; ZeRO-3: rank 0's values are partitioned back.
-        whole = fsdp_module.loading_whole_tensors() if fsdp_module else self._gathered_trainable(modifier_rank=0)
-        with whole:
+        module = self._trainable_module()
+        with self.strategy.loading(module):  # every rank reads the whole tensors into its (sharded) weights
             loaded = ckpt.load_checkpoint(
                 path,
-                model=self._trainable_module(),
-                optimizer=None if self.is_deepspeed else self.optimizer.optimizer,
+                model=module,
+                optimizer=self.strategy.optimizer_to_load(self.optimizer),
                 scheduler=self.scheduler,
                 scaler=self.accelerator.scaler,
                 rng_device=self.device,
             )
-        if fsdp_module:  # every rank read the whole Adam state: keep this rank's slices
-            fsdp_module.shard_optimizer_state(self.optimizer.optimizer)
-        if self.is_deepspeed:  # after the weights: each rank reads its own shard
-            self._load_deepspeed_optimizer_state(path)
+        self.strategy.after_load(path, self.optimizer)
         state = loaded.trainer_state
         self.step = int(state["step"])
         self.round_index = int(state["round_index"])

@@ -55,8 +55,7 @@ class PPOTrainer(RLTrainerBase):
 
     config_class = PPOConfig
     args: PPOConfig
-    _supports_deepspeed = False  # two prepared models (policy, critic): accelerate gives DeepSpeed one engine each
-    _supports_fsdp = False  # likewise: accelerate's FSDP2 prepares one model
+    prepared_models = 2  # policy and critic: engines that take one model per run refuse PPO
 
     def __init__(
         self,
@@ -140,7 +139,7 @@ class PPOTrainer(RLTrainerBase):
                     v_loss, v_stats = ppo_value_loss(self.critic_model(*inputs), exp.extras["values"][micro],
                                                      exp.extras["returns"][micro], mask, args.cliprange_value,
                                                      normaliser)
-                    self.accelerator.backward(args.vf_coef * v_loss)
+                    self._backward(args.vf_coef * v_loss, self.critic_model)
                 with self._no_sync(self.logprob_model, last):
                     logps, entropies = self.logprob_model(*inputs, temperature=args.temperature, with_entropy=True)
                     batch = PolicyLossBatch(
@@ -148,7 +147,7 @@ class PPOTrainer(RLTrainerBase):
                         entropies=entropies if args.entropy_coef or entropies is None else entropies.detach(),
                     )
                     pg_loss, stats = policy_loss(args.loss_type, batch, self.loss_settings, normaliser)
-                    self.accelerator.backward(pg_loss)
+                    self._backward(pg_loss)
                 self._accumulate(sums, {"policy_loss": pg_loss, "value_loss": v_loss,
                                         "value_clipped": v_stats["value_clipped"], **stats})
             total = sums["policy_loss"] + args.vf_coef * sums["value_loss"]

@@ -5,19 +5,22 @@ accelerate shards the prepared :class:`~grpo_ascend.models.CompletionLogprobs` w
 model's ``_no_split_modules``) and the root holding the embeddings, final norm and LM head. The
 training forwards all enter through the root (its pre-forward hook gathers the root's weights
 before the backbone and head run, and each layer gathers its own, also when the backbone runs
-twice for a shared prompt prefix). What this module adds around that:
+twice for a shared prompt prefix). What this strategy adds around that:
 
+- every rank makes the same decoder calls in the log-prob forward (``fixed_calls``), since each
+  call all-gathers a layer;
 - rollouts: the engine calls the policy token by token, below the root, so every unit is gathered
-  once before generation (:func:`whole_weights`) and resharded afterwards;
+  once before generation and resharded afterwards (:mod:`grpo_ascend.dist.compat_fsdp2`);
 - gradient norm: the gradients are sharded ``DTensor`` s; their global norm is reduced over ranks;
 - checkpoints: the trainable weights and the Adam state are gathered to whole tensors
   (:func:`gather_for_checkpoint`), so rank 0 writes the same files as without FSDP (export and a
   resume without FSDP keep working); on resume every rank reads the whole tensors and keeps its
-  shard (:func:`loading_whole_tensors`, :func:`shard_optimizer_state`).
+  shard (:func:`loading_whole_tensors`, :func:`shard_optimizer_state`);
+- full fine-tuning with a KL reference: the reference is a whole, unsharded frozen copy.
 
-FSDP1 (``fsdp_version: 1``), accelerate's own activation checkpointing, parameter offload and the
-PPO trainer are refused with a ConfigError (:func:`check_fsdp`). accelerate 1.15 enables FSDP only
-for accelerator processes; :func:`enable_on_cpu` does it for CPU (gloo) processes.
+FSDP1 (``fsdp_version: 1``), accelerate's own activation checkpointing, parameter offload and
+trainers with two prepared models (PPO) are refused with a ConfigError. CPU processes are
+switched to FSDP by :func:`grpo_ascend.dist.compat_accelerate.switch_cpu_processes_to_fsdp`.
 """
 
 from __future__ import annotations
@@ -25,49 +28,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from grpo_ascend import device as dev
+from grpo_ascend.config import BatchPlan
+from grpo_ascend.dist import compat_fsdp2
+from grpo_ascend.dist.base import SaveState
+from grpo_ascend.dist.plain import PlainStrategy
 from grpo_ascend.errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-
-def fsdp_requested() -> bool:
-    """Whether ``accelerate launch`` was told to use FSDP (its config or ``--use_fsdp``)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-
-
-def enable_on_cpu(accelerator: Any) -> bool:
-    """Switch accelerate's state to FSDP for CPU processes launched with an FSDP config; returns whether it did.
-
-    accelerate 1.15 turns its FSDP plugin on only for accelerator processes and silently runs CPU
-    processes (gloo) as plain data parallelism. FSDP2 itself runs on the CPU, so the state is set as
-    accelerate sets it on a device: distributed type FSDP, plugin read from the launcher environment.
-    """
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    state = accelerator.state
-    if not fsdp_requested() or state.distributed_type != DistributedType.MULTI_CPU:
-        return False
-    from accelerate.state import PartialState
-
-    plugin = FullyShardedDataParallelPlugin()
-    if state.mixed_precision != "no":
-        plugin.set_mixed_precision(state.mixed_precision)
-    # AcceleratorState copies PartialState's fields whenever it is instantiated again: set both.
-    process = PartialState()
-    if process.distributed_type == DistributedType.MULTI_CPU:
-        process.distributed_type = DistributedType.FSDP
-    state.distributed_type = DistributedType.FSDP
-    state.fsdp_plugin = plugin
-    return True
 
 
 def check_fsdp(accelerator: Any, trainer_name: str, supported: bool) -> None:
@@ -152,49 +129,69 @@ def autocast_forward(model: nn.Module, autocast: Callable[[], contextlib.Abstrac
     model.forward = forward
 
 
-def _fsdp_modules(root: nn.Module) -> list[nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in root.modules() if isinstance(m, FSDPModule)]
 
 
-@contextlib.contextmanager
-def whole_weights(root: nn.Module) -> Iterator[None]:
-    """Every FSDP unit under ``root`` holds its whole (all-gathered) weights inside the block.
+class FSDPStrategy(PlainStrategy):
+    """FSDP2 sharding of the one prepared model; see the module docstring."""
 
-    For generation, which calls the policy below the root, token by token: each unit is gathered
-    once and kept (no reshard after each layer's forward), then resharded on exit. ``root`` must be
-    the module ``fully_shard`` was applied to last (the prepared log-prob wrapper).
-    """
-    modules = _fsdp_modules(root)
-    if not modules:
-        yield
-        return
-    # FSDP2 picks its root at the first forward it sees; rollouts run before any training forward
-    # and enter below the root, so the real root is initialised first. Keeping the units gathered
-    # across forwards means switching off their reshard-after-forward; both use FSDP2 internals.
-    try:
-        state = root._get_fsdp_state()
-        state._lazy_init()
-        groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
-        saved = [(g, g.post_forward_mesh_info, g._post_forward_indices) for g in groups]
-        order = state._comm_ctx.post_forward_order
-    except AttributeError as exc:
-        raise RuntimeError(f"torch {torch.__version__} changed the FSDP2 internals grpo-ascend uses to keep the "
-                           f"weights gathered during rollouts ({exc}); use torch 2.13") from exc
-    try:
-        for group, _, _ in saved:
-            group.post_forward_mesh_info = None  # = reshard_after_forward False
-        for module in modules:
-            module.unshard()
-        yield
-    finally:
-        for group, info, indices in saved:
-            group.post_forward_mesh_info = info
-            indices.clear()  # forward records (prefetch order) of the no-grad decoding steps
-        order.clear()
-        for module in modules:
-            module.reshard()
+    name = "fsdp"
+
+    def validate(self, trainer_name: str, prepared_models: int) -> None:
+        check_fsdp(self.accelerator, trainer_name, prepared_models == 1)
+
+    def configure(self, policy: nn.Module, plan: BatchPlan) -> None:
+        configure_plugin(self.accelerator, policy)
+
+    def unsharded_reference(self, policy: nn.Module, is_peft: bool, wants_reference: bool) -> nn.Module | None:
+        if is_peft or not wants_reference:
+            return None
+        from grpo_ascend.models import frozen_copy
+
+        logger.warning("FSDP with full fine-tuning and beta > 0: the reference model is a whole, unsharded "
+                       "copy on every rank")
+        return frozen_copy(policy)
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                policy: nn.Module) -> tuple[nn.Module, Any]:
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        # FSDP2 all-gathers a decoder layer at each call: every rank must make the same calls.
+        self.accelerator.unwrap_model(model).fixed_calls = True
+        if self.precision != "fp32":
+            autocast_forward(model, lambda: dev.autocast(self.device, self.precision))
+        return model, optimizer
+
+    def may_merge_lora(self, wanted: bool | None, is_peft: bool) -> bool:
+        if wanted is not False and is_peft:
+            logger.info("rollouts keep LoRA unmerged under FSDP (merging into gathered weights is untested)")
+        return False
+
+    def whole_weights(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Every unit gathered once for generation and kept (no reshard after each layer's forward)."""
+        return compat_fsdp2.units_stay_gathered(model)
+
+    def grad_norm(self, params: list[nn.Parameter]) -> Tensor:
+        max_norm = self.args.max_grad_norm
+        if max_norm and max_norm > 0:  # sharded gradients: the norm comes back as a DTensor
+            return full_value(self.accelerator.clip_grad_norm_(params, max_norm))
+        return total_grad_norm(params)
+
+    def save_state(self, module: nn.Module, optimizer: Any, output_dir: str | Path, step: int) -> SaveState:
+        """Every rank takes part in the gather; the main rank keeps the whole tensors and writes them."""
+        gathered = gather_for_checkpoint(module, optimizer.optimizer, self.accelerator.is_main_process)
+        if gathered is None:
+            return SaveState()
+        return SaveState(optimizer=gathered.optimizer, trainable_weights=gathered.weights)
+
+    def loading(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        return loading_whole_tensors()
+
+    def after_load(self, path: Path, optimizer: Any) -> None:
+        """Every rank read the whole Adam state: keep this rank's slices."""
+        shard_optimizer_state(optimizer.optimizer)
+
+    def export_source(self, policy: nn.Module, last_checkpoint: Path) -> nn.Module | Path:
+        """The live weights are sharded: export the final checkpoint (saved just before)."""
+        return last_checkpoint
 
 
 def full_value(value: Any) -> Any:

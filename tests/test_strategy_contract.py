@@ -1,0 +1,118 @@
+"""The contract every distributed strategy keeps, checked the same way for each one.
+
+One 2-process launch per strategy (plain DDP, DeepSpeed ZeRO-2, ZeRO-3, FSDP2; gloo on the CPU)
+runs ``dist_worker.py contract`` on a fixed global batch whose halves hold very different token
+counts, with 2 accumulated micro-batches per rank (the strategy's no-sync on the first):
+
+- exact normalised gradient: the loss and the pre-clipping global gradient norm of a real step
+  equal one process's over the whole batch, for every loss type; where the engine keeps whole
+  gradients (DDP, FSDP2) each gradient element does too;
+- NaN skip: a NaN gradient on one rank skips the step on every rank, weights untouched, and the
+  next finite step is taken;
+- checkpoint round trip: a save, a step, the load of that save and the same step again restore
+  the saved weights exactly and replay the step (weights, loss, grad norm);
+- no-sync: a micro-batch that is not the step's last leaves its gradient unreduced (DDP: each
+  rank's own; FSDP2: no reduce-scatter yet; DeepSpeed: not an accumulation boundary).
+
+The one-process reference is computed once for all strategies.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import dist_worker  # noqa: E402
+from test_deepspeed import ZERO2_ENV, _zero3_env  # noqa: E402
+from test_distributed import LOSS_TYPES, WORLD, launch  # noqa: E402
+from test_fsdp import FSDP_ENV  # noqa: E402
+
+
+def _ddp_env(folder: Path) -> dict[str, str]:
+    return {}
+
+
+# name -> (launch environment, whether gradients are whole on every rank, worker settings, norm tolerance)
+STRATEGIES: dict[str, tuple[Any, bool, dict[str, Any], float]] = {
+    "plain": (_ddp_env, True, {}, 1e-5),
+    "deepspeed-zero2": (lambda folder: ZERO2_ENV, False, {}, 1e-4),
+    "deepspeed-zero3": (_zero3_env, False, {}, 1e-4),
+    # No clipping: the global norm of the sharded gradients is reduced by the strategy itself.
+    "fsdp": (lambda folder: FSDP_ENV, True, {"max_grad_norm": 0}, 1e-5),
+}
+NEEDS_DEEPSPEED = {"deepspeed-zero2", "deepspeed-zero3"}
+# DeepSpeed start-up is slow (~10 s per launch here): those two are deselected by scripts/test.sh --fast.
+PARAMS = [pytest.param(name, marks=[pytest.mark.slow] if name in NEEDS_DEEPSPEED else []) for name in STRATEGIES]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_model_dir) -> dict[str, Any]:
+    """Gradients, loss and gradient norm of one process over the whole batch, per loss type."""
+    out = tmp_path_factory.mktemp("one")
+    single = dist_worker.make_trainer(str(tiny_model_dir), dist_worker.grads_config(str(out), 1))
+    dist_worker.deterministic_trainable_init(single.policy)
+    batch = dist_worker.fixed_global_batch()
+    halves = batch["completion_mask"].split(batch["completion_mask"].shape[0] // WORLD)
+    assert halves[0].sum() * 3 < halves[1].sum()  # the ranks' token counts really differ
+    reference = {}
+    for loss_type in LOSS_TYPES:
+        grads, loss = dist_worker.step_gradients(single, batch, loss_type)
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+        reference[loss_type] = {"grads": grads, "loss": loss, "grad_norm": norm}
+    return reference
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_strategy_contract(name, one_process, tmp_path, tiny_model_dir):
+    if name in NEEDS_DEEPSPEED:
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'grpo-ascend[deepspeed]')")
+    env, elementwise, settings, norm_rel = STRATEGIES[name]
+    out = tmp_path / name
+    launch("contract", out, {"model_dir": str(tiny_model_dir), "loss_types": LOSS_TYPES,
+                             "elementwise": elementwise, **settings}, extra_env=env(tmp_path))
+    ranks = [torch.load(out / f"contract_rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    assert {r["strategy"] for r in ranks} == {name.split("-")[0]}
+    if name == "fsdp":
+        assert all(r["sharded"] == {"units": 5, "dtensor": True} for r in ranks)
+
+    for loss_type in LOSS_TYPES:
+        expected = one_process[loss_type]
+        for r, got in enumerate(ranks):
+            # exact normalised gradient (2 micro-batches per rank, no sync on the first)
+            assert got[loss_type]["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-7), (loss_type, r)
+            assert got[loss_type]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=norm_rel), (loss_type, r)
+            if elementwise:
+                grads = got[f"grads/{loss_type}"]
+                assert grads["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-7), loss_type
+                assert len(grads["grads"]) == len(expected["grads"])
+                for a, b in zip(grads["grads"], expected["grads"]):
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=f"{loss_type}, rank {r}")
+        if name == "plain":  # both ranks hold the same averaged gradient bit for bit
+            for a, b in zip(ranks[0][f"grads/{loss_type}"]["grads"], ranks[1][f"grads/{loss_type}"]["grads"]):
+                assert torch.equal(a, b), loss_type
+
+    for r, got in enumerate(ranks):
+        nan = got["nan_step"]  # the NaN gradient is on rank 0 only; every rank skips
+        assert nan["skipped_steps"] == 1 and nan["untouched"] and nan["moved"] and nan["finite_after"], (r, nan)
+        assert not math.isfinite(nan["bad_grad_norm"]), (r, nan)
+        trip = got["round_trip"]
+        assert trip["loaded_step"] == trip["saved_step"] and trip["moved"] > 0, (r, trip)
+        assert trip["restored_diff"] == 0, (r, trip)
+        assert trip["replayed_diff"] == 0 and trip["first"] == trip["second"], (r, trip)
+
+    # no-sync: a micro-batch that is not the step's last leaves its gradient unreduced
+    unsynced = [got["no_sync"] for got in ranks]
+    if name == "plain":  # each rank holds its own local gradient, not the average
+        assert all(u["grads_present"] > 0 for u in unsynced)
+        assert unsynced[0]["grad_norms"] != unsynced[1]["grad_norms"]
+    elif name == "fsdp":  # no reduce-scatter yet: the sharded gradients are not there
+        assert all(u["grads_present"] == 0 for u in unsynced)
+    else:  # the engine was told this is not an accumulation boundary
+        assert all(u["boundary"] is False for u in unsynced)

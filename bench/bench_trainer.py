@@ -282,7 +282,7 @@ def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[rule_reward], args=cfg, train_dataset=ds,
                           processing_class=tokenizer, peft_config=lora_config(s))
     if s.lengths == "fixed":
-        trainer.sampling.ignore_eos = True  # the engine holds this SamplingParams object
+        trainer.engine.params.ignore_eos = True
     ends: list[float] = []
     cpu_ends: list[float] = []
     log_step = trainer._log_step

@@ -15,6 +15,7 @@ from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend import device as dev
 from grpo_ascend.models import default_lora_config, load_causal_lm, load_tokenizer
 from grpo_ascend.synthetic import arithmetic_dataset
+from grpo_ascend.trainers import base as trainer_base
 from grpo_ascend.trainers.base import RLTrainerBase
 
 
@@ -50,13 +51,17 @@ def _trainer_until_optimizer(monkeypatch, tmp_path, model, tokenizer):
     built = {}
     real_device = torch.device
 
-    def make_accelerator(self):
+    def make_accelerator(args):
         with monkeypatch.context() as scoped:  # torch.device('npu:0') parses only while resolving
             scoped.setattr(torch, "device", lambda spec: FakeDevice(spec) if spec.startswith("npu") else real_device(spec))
             requested = dev.resolve_device("npu")  # through the fake torch.npu: set_device, runtime defaults
-        self.precision = "fp32"
+        return _AcceleratorOnDevice(Accelerator(cpu=True), FakeDevice(str(requested))), "fp32"
+
+    build_training = RLTrainerBase._build_training
+
+    def record_trainer(self, *args, **kwargs):
         built["trainer"] = self
-        return _AcceleratorOnDevice(Accelerator(cpu=True), FakeDevice(str(requested)))
+        return build_training(self, *args, **kwargs)
 
     real_to = torch.nn.Module.to
 
@@ -70,7 +75,8 @@ def _trainer_until_optimizer(monkeypatch, tmp_path, model, tokenizer):
         built["params"] = list(params)
         raise _OptimizerBuilt
 
-    monkeypatch.setattr(RLTrainerBase, "_make_accelerator", make_accelerator)
+    monkeypatch.setattr(trainer_base, "make_accelerator", make_accelerator)
+    monkeypatch.setattr(RLTrainerBase, "_build_training", record_trainer)
     monkeypatch.setattr(torch.nn.Module, "to", to)
     monkeypatch.setattr(torch.optim, "AdamW", optimizer)
     cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), "num_generations": 2})

@@ -8,11 +8,9 @@ A subclass implements :meth:`RLTrainerBase._train_round`: one generation round (
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
-import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,18 +29,23 @@ from grpo_ascend.experience import Experience, ExperienceMaker
 from grpo_ascend.models import (
     CompletionLogprobs,
     adapters_disabled,
-    apply_peft,
-    count_parameters,
     is_peft,
-    load_causal_lm,
-    load_tokenizer,
-    lora_merge_bytes,
     lora_merged,
     trainable_parameters,
 )
 from grpo_ascend.phases import PhaseTimer
 from grpo_ascend.ranks import Ranks
 from grpo_ascend.tracking import RunTracker, truncate_metrics
+from grpo_ascend.trainers.checkpointing import CheckpointingMixin
+from grpo_ascend.trainers.components import (
+    build_engine,
+    build_optimizer,
+    build_policy,
+    build_rewards,
+    lr_factor,
+    merge_lora_for_rollout,
+    total_steps,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ class RoundLog:
     steps: int = 0
 
 
-class RLTrainerBase:
+class RLTrainerBase(CheckpointingMixin):
     """Shared machinery; see the module docstring."""
 
     config_class: type[BaseRLConfig] = BaseRLConfig
@@ -67,12 +70,16 @@ class RLTrainerBase:
     def __init__(
         self,
         model: str | nn.Module,
-        reward_funcs: Any,
         args: BaseRLConfig | None = None,
         train_dataset: Any = None,
         processing_class: Any = None,
         peft_config: Any = None,
     ):
+        """The run and its policy: accelerator, distributed strategy, batch plan, policy and tokenizer.
+
+        A subclass then builds what the policy trains with (:meth:`_build_training`), adding its
+        own parts in between (PPO: the critic, whose parameters the optimizer also updates).
+        """
         self.args = args if args is not None else self.config_class()
         if not isinstance(self.args, self.config_class):
             raise ConfigError(f"args must be a {self.config_class.__name__}, got {type(self.args).__name__}")
@@ -87,73 +94,29 @@ class RLTrainerBase:
         self.device = self.accelerator.device
         self.ranks = Ranks(self.accelerator)
         self.plan: BatchPlan = args.batch_plan(self.accelerator.num_processes)
-
         self.model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
-        policy = load_causal_lm(model)
-        self.tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class)
-        policy = apply_peft(policy, peft_config)
-        if args.gradient_checkpointing:
-            if hasattr(policy, "activation_checkpointing_enable"):  # the name since transformers 5
-                policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            policy.config.use_cache = False
-        self.policy = policy.to(self.device)
-        self._patch_for_device(self.policy)  # after placement: the kernels depend on the device it runs on
+        self.policy, self.tokenizer = build_policy(model, processing_class, peft_config, args, self.device)
         self.is_peft = is_peft(self.policy)
         self.strategy.validate_model(self.is_peft)
-        trainable, total = count_parameters(self.policy)
-        if trainable == 0:
-            raise ConfigError("the model has no trainable parameters; pass a peft_config or a trainable model")
-        logger.info("parameters: %d trainable of %d (%.2f%%)", trainable, total, 100 * trainable / total)
-
-        self.optimizer = torch.optim.AdamW(
-            trainable_parameters(self.policy) + self._extra_trainable_parameters(),
-            lr=args.learning_rate,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_epsilon,
-            weight_decay=args.weight_decay,
-        )
         self.train_dataset = train_dataset
-        self.sampler = PromptSampler(train_dataset, seed=args.seed, shuffle=args.shuffle_dataset)
-        self.max_steps = self._total_steps()
-        self.length_bucket = (
-            args.length_bucket if args.length_bucket is not None else dev.default_length_bucket(self.device)
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda())
+
+    def _build_training(self, reward_funcs: Any, extra_parameters: Sequence[nn.Parameter] = ()) -> None:
+        """Optimizer and schedule, the prepared log-prob model, rollout engine, rewards and sampling stream."""
+        args = self.args
+        self.optimizer = build_optimizer(trainable_parameters(self.policy) + list(extra_parameters), args)
+        self.sampler = PromptSampler(self.train_dataset, seed=args.seed, shuffle=args.shuffle_dataset)
+        self.max_steps = total_steps(args, len(self.train_dataset), self.plan)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(args, self.max_steps))
         self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
         self.strategy.configure(self.policy, self.plan)
         self._unsharded_reference = self.strategy.unsharded_reference(
             self.policy, self.is_peft, wants_reference=getattr(args, "beta", 0.0) > 0)
         self.logprob_model, self.optimizer = self.strategy.prepare(self.logprob_model, self.optimizer, self.policy)
-
-        from grpo_ascend.rollout.engine import RolloutEngine
-        from grpo_ascend.rollout.sampling import SamplingParams
-        from reward_models import RewardSet
-
-        self.sampling = SamplingParams(
-            num_generations=args.num_generations,
-            max_completion_length=args.max_completion_length,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            stop_strings=list(args.stop_strings),
-            max_prompt_length=args.max_prompt_length,
-            prompt_truncation=args.prompt_truncation,
-            length_bucket=self.length_bucket,
-        )
-        self.engine = RolloutEngine(self.policy, self.tokenizer, self.sampling)
-        self.merge_lora_for_rollout = self._decide_lora_merge()
-        self.rewards = RewardSet(
-            reward_funcs,
-            reward_weights=args.reward_weights,
-            reward_errors=args.reward_errors,
-            reward_timeout=args.reward_timeout,
-            device=self.device,
-            processing_class=self.tokenizer,
-        )
+        self.engine = build_engine(self.policy, self.tokenizer, args, self.device)
+        self.merge_lora_for_rollout = merge_lora_for_rollout(
+            self.policy, args.rollout_merge_lora, self.strategy.may_merge_lora(args.rollout_merge_lora, self.is_peft),
+            self.is_peft, self.device)
+        self.rewards = build_rewards(reward_funcs, args, self.device, self.tokenizer)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed + 1000 * self.accelerator.process_index)
         self.step = 0
@@ -163,25 +126,6 @@ class RLTrainerBase:
         self.tracker: RunTracker | None = None
 
     # ------------------------------------------------------------------------------ setup
-    def _decide_lora_merge(self) -> bool:
-        """Whether rollouts run with LoRA folded into the weights (``rollout_merge_lora``)."""
-        wanted = self.args.rollout_merge_lora
-        if not self.strategy.may_merge_lora(wanted, self.is_peft):
-            return False
-        extra = lora_merge_bytes(self.policy)
-        if wanted is False or extra is None:
-            if wanted and self.is_peft:
-                logger.warning("rollout_merge_lora: these adapters can't be folded into the weights "
-                               "(a LoRA variant or non-linear layer); generating with the adapters unmerged")
-            return False
-        if wanted is None:
-            free, _ = dev.free_memory(self.device)
-            if not free or extra > free // 4:
-                logger.info("rollouts keep LoRA unmerged: a merged copy needs %.1f GiB, free memory is %.1f GiB",
-                            extra / 2**30, free / 2**30)
-                return False
-        return True
-
     def _whole_weights(self) -> contextlib.AbstractContextManager:
         """The whole policy on every rank for one generation round (the strategy's; all ranks enter)."""
         return self.strategy.whole_weights(self.logprob_model)
@@ -189,39 +133,6 @@ class RLTrainerBase:
     def _gathered_trainable(self, modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
         """The trainable parameters whole on every rank inside the block (all ranks must enter)."""
         return self.strategy.gathered(trainable_parameters(self._trainable_module()), modifier_rank=modifier_rank)
-
-    def _patch_for_device(self, model: nn.Module) -> None:
-        """Fused device kernels for the placed ``model``, chosen from the resolved device and its chip (logged)."""
-        from grpo_ascend.npu_patches import apply_npu_patches
-
-        apply_npu_patches(model, device=self.device)
-
-    def _extra_trainable_parameters(self) -> list[nn.Parameter]:
-        """Parameters beyond the policy's (PPO's value head)."""
-        return []
-
-    def _total_steps(self) -> int:
-        if self.args.max_steps > 0:
-            return self.args.max_steps
-        rounds = math.ceil(self.args.num_train_epochs * len(self.train_dataset) / self.plan.prompts_per_generation)
-        return max(1, rounds * self.plan.optimizer_steps_per_generation)
-
-    def _lr_lambda(self) -> Callable[[int], float]:
-        args, total = self.args, self.max_steps
-        warmup = args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total)
-        kind = args.lr_scheduler_type
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            if kind == "constant":
-                return 1.0
-            progress = (step - warmup) / max(1, total - warmup)
-            if kind == "linear":
-                return max(0.0, 1.0 - progress)
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-        return factor
 
     # ------------------------------------------------------------------------------ rollouts
     @property
@@ -482,110 +393,3 @@ class RLTrainerBase:
             summary["adapter"] = export_dir
         out = self.tracker.close(summary)
         return out
-
-    def _restore_rank_random_state(self, extra: dict[str, Tensor], saved_world_size: int) -> None:
-        """Give this rank its own saved RNG and sampling-generator states (load_checkpoint restored rank 0's)."""
-        rank = self.accelerator.process_index
-        rng_bytes = extra.get(f"rank{rank}/rng_state")
-        gen_state = extra.get(f"rank{rank}/sampling_generator")
-        if gen_state is None and rank == 0:
-            gen_state = extra.get("sampling_generator")
-        if rng_bytes is not None:
-            state = torch.load(io.BytesIO(rng_bytes.numpy().tobytes()), map_location="cpu", weights_only=True)
-            dev.set_rng_state(state, self.device)
-        if gen_state is not None:
-            self.generator.set_state(gen_state)
-        else:  # this rank did not exist in the saved run: a fresh stream, distinct per rank and step
-            self.generator.manual_seed(self.args.seed + 1000 * rank + 7919 * self.step)
-        if saved_world_size != self.accelerator.num_processes and self.is_main_process:
-            logger.warning(
-                "the checkpoint was written by %d process(es) and is resumed by %d: training continues, but "
-                "sampling does not replay the uninterrupted run exactly", saved_world_size, self.accelerator.num_processes
-            )
-
-    # ------------------------------------------------------------------------------ checkpoints
-    def _trainable_module(self) -> nn.Module:
-        return self.policy
-
-    def _per_rank_random_state(self) -> dict[str, Tensor]:
-        """Every rank's RNG and sampling-generator states, gathered to all ranks (several processes only).
-
-        Each rank draws from its own streams (the sampling generator is seeded per rank), so an exact
-        resume restores each rank's own. RNG states are stored as ``torch.save`` bytes and read back
-        with ``weights_only=True``.
-        """
-        if self.accelerator.num_processes == 1:
-            return {}
-        from accelerate.utils import gather_object
-
-        buffer = io.BytesIO()
-        torch.save(dev.rng_state(self.device), buffer)
-        mine = (buffer.getvalue(), self.generator.get_state().cpu())
-        out: dict[str, Tensor] = {}
-        for rank, (rng_bytes, gen_state) in enumerate(gather_object([mine])):
-            out[f"rank{rank}/rng_state"] = torch.frombuffer(bytearray(rng_bytes), dtype=torch.uint8)
-            out[f"rank{rank}/sampling_generator"] = gen_state
-        return out
-
-    def _save(self) -> None:
-        from grpo_ascend import checkpoint as ckpt
-
-        self.accelerator.wait_for_everyone()
-        per_rank = self._per_rank_random_state()
-        module = self._trainable_module()
-        state = self.strategy.save_state(module, self.optimizer, self.args.output_dir, self.step)
-        with self._gathered_trainable():  # every rank gathers (if partitioned), the main rank writes
-            if self.is_main_process:
-                contents = ckpt.CheckpointContents(
-                    model=module,
-                    trainer_state=self._trainer_state(),
-                    optimizer=state.optimizer,
-                    scheduler=self.scheduler,
-                    scaler=self.accelerator.scaler,
-                    config=self.args.to_dict(),
-                    tokenizer=self.tokenizer,
-                    extra_tensors={"sampling_generator": self.generator.get_state(), **per_rank},
-                    rng_device=self.device,
-                    trainable_weights=state.trainable_weights,
-                )
-                ckpt.save_checkpoint(self.args.output_dir, self.step, contents, save_total_limit=self.args.save_total_limit,
-                                     staging_dir=state.staging_dir, optimizer_shards=state.optimizer_shards)
-        self._last_saved_step = self.step
-        self.accelerator.wait_for_everyone()
-
-    def _trainer_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "round_index": self.round_index,
-            "skipped_steps": self.skipped_steps,
-            "sampler": self.sampler.state_dict(),
-            "model_name": self.model_name,
-            "world_size": self.accelerator.num_processes,
-        }
-
-    def _restore_trainer_state(self, state: dict[str, Any]) -> None:
-        """Subclass hook: restore what the subclass added to :meth:`_trainer_state`."""
-
-    def _load(self, path: Path) -> None:
-        from grpo_ascend import checkpoint as ckpt
-
-        module = self._trainable_module()
-        with self.strategy.loading(module):  # every rank reads the whole tensors into its (sharded) weights
-            loaded = ckpt.load_checkpoint(
-                path,
-                model=module,
-                optimizer=self.strategy.optimizer_to_load(self.optimizer),
-                scheduler=self.scheduler,
-                scaler=self.accelerator.scaler,
-                rng_device=self.device,
-            )
-        self.strategy.after_load(path, self.optimizer)
-        state = loaded.trainer_state
-        self.step = int(state["step"])
-        self.round_index = int(state["round_index"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.sampler.load_state_dict(state["sampler"])
-        self._restore_rank_random_state(loaded.extra_tensors, int(state.get("world_size", 1)))
-        self._restore_trainer_state(state)
-        self._last_saved_step = self.step
-        logger.info("resumed from %s at step %d", path, self.step)

@@ -65,7 +65,8 @@ class GRPOTrainer(RLTrainerBase):
             sapo_temperature_pos=cfg.sapo_temperature_pos,
             sapo_temperature_neg=cfg.sapo_temperature_neg,
         )
-        super().__init__(model, reward_funcs, cfg, train_dataset, processing_class, peft_config)
+        super().__init__(model, cfg, train_dataset, processing_class, peft_config)
+        self._build_training(reward_funcs)
         if self.args.beta > 0:
             self._setup_reference()
         correction = ImportanceSamplingSettings(

@@ -43,7 +43,7 @@ from grpo_ascend.algorithms.losses import (
     ppo_value_loss,
 )
 from grpo_ascend.config import PPOConfig
-from grpo_ascend.critic import Critic, active_adapter, build_critic, enable_critic_grads
+from grpo_ascend.critic import active_adapter, build_critic, enable_critic_grads
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, experience_metrics
 from grpo_ascend.phases import PhaseTimer
@@ -77,9 +77,10 @@ class PPOTrainer(RLTrainerBase):
             max_completion_length=cfg.max_completion_length,
         )
         self.kl_ctl = make_kl_controller(cfg.kl_coef, cfg.adaptive_kl, cfg.target_kl, cfg.kl_horizon)
-        self.critic: Critic | None = None
-        super().__init__(model, reward_funcs, cfg, train_dataset, processing_class, peft_config)
-        critic = self._critic
+        super().__init__(model, cfg, train_dataset, processing_class, peft_config)
+        self.critic = critic = build_critic(self.policy, cfg.critic_init, cfg.critic_model)
+        critic.module.share_prompts = cfg.share_prompt_prefill
+        self._build_training(reward_funcs, extra_parameters=critic.trainable)
         # The policy's data-parallel wrapper exists now without the critic's parameters; the critic
         # gets its own wrapper over exactly its trainable parameters.
         enable_critic_grads(critic)
@@ -94,19 +95,6 @@ class PPOTrainer(RLTrainerBase):
             self._setup_reference()
         self.experience = self._make_experience_maker(self.use_reference)
 
-    # ------------------------------------------------------------------------------ setup
-    def _extra_trainable_parameters(self) -> list[nn.Parameter]:
-        """Build the critic (the base calls this before it creates the optimizer)."""
-        self.critic = build_critic(self.policy, self.args.critic_init, self.args.critic_model)
-        self.critic.module.share_prompts = self.args.share_prompt_prefill
-        return list(self.critic.trainable)
-
-    @property
-    def _critic(self) -> Critic:
-        if self.critic is None:
-            raise RuntimeError("the critic is built during RLTrainerBase.__init__")
-        return self.critic
-
     def _trainable_module(self) -> nn.Module:
         """Policy adapter(s) + critic adapter and head (LoRA), or policy + critic modules (full)."""
         return self._ckpt_module
@@ -114,7 +102,7 @@ class PPOTrainer(RLTrainerBase):
     # ------------------------------------------------------------------------------ round
     def _train_round(self) -> None:
         """Experience → values → KL-penalised token rewards and GAE → epochs of critic + policy steps → log."""
-        args, ranks, critic = self.args, self.ranks, self._critic
+        args, ranks, critic = self.args, self.ranks, self.critic
         timer, started = PhaseTimer(self.device), time.perf_counter()
         exp = self.experience.make(self.plan.prompts_per_rank, timer, old_logps=True,
                                    trainer_state=self._trainer_state_for_rewards)
@@ -169,7 +157,7 @@ class PPOTrainer(RLTrainerBase):
         """Critic values [B, Tc] of every completion token state (zero past the completion), without grad."""
         out, size = [], self.args.per_device_train_batch_size
         self.critic_model.eval()
-        with active_adapter(self.policy, self._critic.adapter):
+        with active_adapter(self.policy, self.critic.adapter):
             for start in range(0, exp.size, size):
                 out.append(self.critic_model(*exp.model_inputs(slice(start, start + size))))
         return torch.cat(out).float() * exp.completion_mask

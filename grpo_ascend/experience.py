@@ -243,13 +243,17 @@ class ExperienceMaker:
         G = self.G
         prompts = [r["prompt"] for r in rows]
         with timer.phase("generation"), torch.no_grad(), self.rollout_context():
-            batch = self.engine.generate(prompts, generator=self.generator)
+            # Row-aware rollouts (tool environments, a user's rollout_func) see the whole dataset rows.
+            generate_rows = getattr(self.engine, "generate_rows", None)
+            batch = (generate_rows(rows, self.generator) if generate_rows is not None
+                     else self.engine.generate(prompts, generator=self.generator))
         with timer.phase("reward"):
             repeated = [p for p in prompts for _ in range(G)]
             completions = completions_for_rewards(batch, is_conversational(prompts[0]))
             lengths = batch.completion_mask.sum(1).tolist()
             completion_ids = [ids[:n] for ids, n in zip(batch.completion_ids.tolist(), lengths)]
             columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+            columns.update(getattr(batch, "extra_columns", None) or {})
             scored = self.rewards(repeated, completions, completion_ids, columns, trainer_state=trainer_state())
         device = batch.completion_ids.device
         loss_mask = rollout_loss_mask(batch, self.mask_truncated_completions)

@@ -63,6 +63,8 @@ class MultiTurnBatch(RolloutBatch):
     messages: list[list[dict[str, Any]]] = field(default_factory=list)
     num_turns: Tensor | None = None
     tool_metrics: dict[str, float] = field(default_factory=dict)
+    #: Per-row values the reward functions receive as keyword arguments (e.g. ``environments``).
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
 
 
 @dataclass

@@ -156,3 +156,37 @@ def test_recipe_tools_and_environment_keys(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match="grpo only"):
         build_trainer(RecipeConfig(model=str(tiny_model_dir), algorithm="ppo", tools=["python"]),
                       GRPOConfig(**SMALL_RUN))
+
+
+class NumberedEnv:
+    """reset's observation differs per rollout, so a group's rows cannot share one prompt."""
+
+    made = 0
+
+    def reset(self, **row):
+        NumberedEnv.made += 1
+        return f" Rollout {NumberedEnv.made}."
+
+    def noop(self) -> str:
+        """Do nothing."""
+        return ""
+
+
+def test_rollout_observations_that_differ_within_a_group_get_their_own_prompts(tiny_model_dir):
+    from grpo_ascend.rollout.engine import RolloutEngine
+    from grpo_ascend.rollout.row_rollouts import build_tool_rollout, prepare_tools
+    from grpo_ascend.rollout.sampling import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = ScriptedQwen2.from_pretrained(tiny_model_dir).eval()
+    model.script = {}
+    engine = RolloutEngine(model, tok, SamplingParams(num_generations=3, max_completion_length=4, max_prompt_length=1024,
+                                                      seed=0))
+    toolset, pool = prepare_tools(None, NumberedEnv)
+    rollout = build_tool_rollout(engine, tok, GRPOConfig(), toolset, pool)
+    NumberedEnv.made = 0
+    batch = rollout.generate_rows([{"prompt": PROMPT}, {"prompt": [{"role": "user", "content": "other"}]}])
+    assert len(batch) == 6 and batch.num_generations == 3 and batch.num_prompts == 2
+    for k, text in enumerate(batch.prompt_texts):
+        assert f"Rollout {k + 1}." in text and ("add two and three" in text) == (k < 3)
+    assert [type(e) for e in batch.extra_columns["environments"]] == [NumberedEnv] * 6

@@ -207,6 +207,10 @@ def _setup(s: Settings) -> tuple[Any, Any, Any]:
 
     torch.set_num_threads(s.threads)
     device = dev.resolve_device(s.device)
+    if s.model_config.startswith("qwen2.5-"):  # bench_real_shape's random-weight real-shape models
+        from bench_real_shape import build_real_shape_model
+
+        return device, build_real_shape_model(s.model_config), torch
     return device, build_tiny_model(s.model_config), torch
 
 
@@ -479,7 +483,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="fixed: every completion has --new-tokens tokens on both; natural: stop at EOS")
     parser.add_argument("--length-bucket", type=int, default=None,
                         help="our length_bucket (default: the config's, exact lengths off NPU and 64 on NPU)")
-    parser.add_argument("--model-config", default="small", choices=["tiny", "small"])
+    parser.add_argument("--model-config", default="small",
+                        help="tiny or small (built-in), or qwen2.5-0.5b-<N>l (bench_real_shape.py's models)")
+    parser.add_argument("--prompts-per-step", type=int, default=4,
+                        help="prompts per optimizer step (G=8 completions each, micro-batches of 8)")
     parser.add_argument("--max-operand", type=int, default=10,
                         help="arithmetic operands below this: 10 gives 63-token prompts, 20 gives 63-65")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=0,
@@ -508,7 +515,8 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device, dtype=args.dtype or ("bf16" if accelerator else "fp32"), threads=args.threads,
         model_config=args.model_config, new_tokens=args.new_tokens, loss_type=args.loss_type,
         warmup_steps=args.warmup_steps, steps=args.steps, lengths=args.lengths, length_bucket=args.length_bucket,
-        max_operand=args.max_operand,
+        max_operand=args.max_operand, prompts_per_step=args.prompts_per_step,
+        grad_accum=args.prompts_per_step * Settings.num_generations // Settings.micro_batch,
     )
     print(f"GRPO step, {s.model_config} model, {s.dtype} on {s.device}, {s.threads} thread(s): "
           f"{s.prompts_per_step} prompts × G={s.num_generations} = {s.micro_batch * s.grad_accum} completions per "

@@ -185,6 +185,10 @@ class BaseRLConfig(_Validated):
         None, "Fold LoRA into the weights while generating (one matmul per linear layer instead of three; "
         "costs a copy of the adapted weights meanwhile); null = when that copy fits in a quarter of free memory."
     )
+    compile_decode: bool | None = _f(
+        None, "Compile the rollout's decode step (torch.compile on CPU/CUDA, graph mode on NPU); null = the "
+        "device's default (off everywhere until measured to help: on the CPU it did not)."
+    )
     length_bucket: int | None = _f(
         None, "Pad prompt/completion lengths to multiples of this so NPUs compile few shapes; null = 64 on NPUs, "
         "exact lengths (1) elsewhere, where padding only costs compute."

@@ -189,6 +189,32 @@ def completion_hidden_states(
     return torch.cat([prefill[row_run, -1:], completion[:, :-1]], dim=1)
 
 
+def _fit_width(x: Tensor, width: int) -> Tensor:
+    """``x`` [B, W, ...] cut or right-padded with zeros to ``width`` columns."""
+    have = x.shape[1]
+    if width <= have:
+        return x[:, :width]
+    return nn.functional.pad(x, (0, width - have) if x.dim() == 2 else (0, 0, 0, width - have))
+
+
+def used_completion_width(completion_mask: Tensor) -> int:
+    """Columns up to the last one that any row attends to, rounded up to the device's length bucket.
+
+    Columns after it are padding in every row; causal attention never reads them for earlier
+    positions, so dropping them changes no log-prob. One host sync.
+    """
+    from grpo_ascend.device import default_length_bucket
+    from grpo_ascend.rollout.kv_cache import round_up
+
+    width = completion_mask.shape[1]
+    if width == 0:
+        return 0
+    used = completion_mask.ne(0).any(0)
+    last = int(used.long().cumsum(0).argmax())  # first index of the maximum: the last used column
+    needed = last + 1 if bool(used[last]) else 1
+    return min(width, round_up(needed, default_length_bucket(completion_mask.device)))
+
+
 class CompletionLogprobs(nn.Module):
     """Wraps a causal LM so one forward returns per-token log-probs (and entropies) of completions.
 
@@ -196,11 +222,16 @@ class CompletionLogprobs(nn.Module):
     runs in chunks and never materialises a [B, T, V] float32 tensor. ``share_prompts``: see
     :func:`completion_hidden_states` (a GRPO group's prompt runs once).
 
+    The completions are cut after the micro-batch's own longest one (:func:`used_completion_width`)
+    and the outputs padded back with zeros to the input width: a micro-batch of short answers does
+    not pay for the round's longest. Positions whose mask is 0 in every row hence read 0.
+
     ``fixed_calls`` (set by the parameter-sharding strategies, where each module call gathers its
     weights collectively, so every rank must call the same modules in the same order):
     every rank makes the same calls whatever its batch holds -- the decoder takes the two-call
-    path even without repeated prompts, and the completions are right-padded (masked) to the
-    widest over all ranks, so the head runs the same number of chunks (one scalar all-reduce).
+    path even without repeated prompts, and the completions are cut or right-padded (masked) to
+    the widest used width over all ranks, so the head runs the same number of chunks (one scalar
+    all-reduce).
     """
 
     def __init__(self, model: nn.Module, chunk_size: int = 128, share_prompts: bool = True):
@@ -220,17 +251,18 @@ class CompletionLogprobs(nn.Module):
         with_entropy: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         width = completion_ids.shape[1]
+        target = used_completion_width(completion_mask)
         if self.fixed_calls and torch.distributed.is_available() and torch.distributed.is_initialized():
-            widest = torch.tensor([width], dtype=torch.long, device=completion_ids.device)
+            widest = torch.tensor([target], dtype=torch.long, device=completion_ids.device)
             torch.distributed.all_reduce(widest, op=torch.distributed.ReduceOp.MAX)
-            extra = int(widest) - width
-            if extra > 0:  # positions after every real token: causal attention never reads them
-                completion_ids = nn.functional.pad(completion_ids, (0, extra))
-                completion_mask = nn.functional.pad(completion_mask, (0, extra))
-                logps, entropies = self._logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                                  temperature, with_entropy)
-                return logps[:, :width], None if entropies is None else entropies[:, :width]
-        return self._logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy)
+            target = int(widest)  # padded columns come after every real token: attention never reads them
+        if target == width:
+            return self._logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy)
+        logps, entropies = self._logprobs(
+            prompt_ids, prompt_mask, _fit_width(completion_ids, target), _fit_width(completion_mask, target),
+            temperature, with_entropy,
+        )
+        return _fit_width(logps, width), None if entropies is None else _fit_width(entropies, width)
 
     def _logprobs(
         self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,

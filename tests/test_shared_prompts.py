@@ -176,3 +176,45 @@ def test_critic_values_share_prompts_with_the_same_result(tiny_model):
     assert len(out[0][1]) == len(out[1][1]) > 0
     for a, b in zip(out[0][1], out[1][1]):  # float32 sums in another order: relative to the gradient's scale
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_completions_cut_after_the_longest_give_the_uncut_logprobs_and_gradients(tiny_model, with_entropy):
+    """Columns that are padding in every row are dropped before the forward and come back as zeros."""
+    from grpo_ascend.models import used_completion_width
+
+    model, tok = tiny_model
+    torch.manual_seed(0)
+    policy = apply_peft(model, default_lora_config(r=4))
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    prompt_ids, prompt_mask, ids, mask = _batch(tok, PROMPTS, [2, 2, 2, 2], completion_len=7)
+    longest = int(mask.sum(1).max())
+    ids = torch.nn.functional.pad(ids, (0, 6), value=tok.pad_token_id)  # 6 + (7 - longest) unused columns
+    mask = torch.nn.functional.pad(mask, (0, 6))
+    inputs = (prompt_ids, prompt_mask, ids, mask)
+    assert used_completion_width(mask) == longest < ids.shape[1]
+    lp = CompletionLogprobs(policy, chunk_size=5)
+    results = []
+    for forward in (lp, lp._logprobs):  # cut, and the uncut forward underneath
+        policy.zero_grad(set_to_none=True)
+        logps, ent = forward(*inputs, 0.7, with_entropy)
+        loss = (logps * mask).sum() + (0 if ent is None else (ent * mask).sum() * 0.1)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        results.append((logps.detach(), None if ent is None else ent.detach(), grads))
+    (cut_lp, cut_ent, cut_g), (full_lp, full_ent, full_g) = results
+    assert cut_lp.shape == full_lp.shape == ids.shape
+    keep = mask.bool()
+    torch.testing.assert_close(cut_lp[keep], full_lp[keep], rtol=0, atol=1e-6)
+    assert (cut_lp[:, longest:] == 0).all()
+    if with_entropy:
+        assert cut_ent.shape == ids.shape and (cut_ent[:, longest:] == 0).all()
+        torch.testing.assert_close(cut_ent[keep], full_ent[keep], rtol=0, atol=1e-6)
+    assert cut_g.keys() == full_g.keys() and len(full_g) > 0
+    for name in full_g:
+        torch.testing.assert_close(cut_g[name], full_g[name], rtol=1e-4, atol=1e-5, msg=name)
+    empty = torch.zeros_like(mask)
+    assert used_completion_width(empty) == 1
+    assert used_completion_width(mask[:, :0]) == 0

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from grpo_ascend.device import default_length_bucket
+from grpo_ascend.device import compile_for_decode, default_compile_decode, default_length_bucket
 from grpo_ascend.errors import ConfigError, DataError
 from grpo_ascend.rollout.kv_cache import BucketedKVCache, round_up
 from grpo_ascend.rollout.sampling import SamplingParams, next_tokens
@@ -119,6 +119,7 @@ class RolloutEngine:
         self.tokenizer = tokenizer
         self.params = params if params is not None else SamplingParams()
         self.compact = compact
+        self._compiled: tuple[str, nn.Module] | None = None  # (device type, compiled decode model)
         self._base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = getattr(self._base, "config", None)
         if config is None:
@@ -191,10 +192,24 @@ class RolloutEngine:
                     ids.append(int(i))
         return ids
 
+    def _decode_model(self, params: SamplingParams, device: torch.device) -> nn.Module:
+        """The model the decode steps call: compiled once per device type when asked, else the model."""
+        wanted = params.compile_decode if params.compile_decode is not None else default_compile_decode(device)
+        if not wanted:
+            return self.model
+        if self._compiled is None or self._compiled[0] != device.type:
+            self._compiled = (device.type, compile_for_decode(self.model, device))
+        return self._compiled[1]
+
     def _forward(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: BucketedKVCache
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        cache: BucketedKVCache,
+        model: nn.Module | None = None,
     ) -> Tensor:
-        """One forward with the cache; returns the last position's logits [B, V]."""
+        """One forward (of ``model``, default the engine's) with the cache; the last position's logits [B, V]."""
         kwargs = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -204,7 +219,7 @@ class RolloutEngine:
         }
         if self._keep_kwarg is not None:
             kwargs[self._keep_kwarg] = 1
-        out = self.model(**kwargs)
+        out = (model if model is not None else self.model)(**kwargs)
         return out.logits[:, -1]
 
     # ------------------------------------------------------------------ prompts
@@ -344,6 +359,7 @@ class RolloutEngine:
         buckets = _row_buckets(n_rows)
         batch_sizes = [n_rows]
 
+        decode_model = self._decode_model(params, dev)
         steps = 0
         for t in range(max_new):
             tokens, lps = next_tokens(logits, params, seen, generator)
@@ -383,7 +399,9 @@ class RolloutEngine:
                 done_at_check = done
             attn[:, lp + t] = True
             view = cache.layers[0].view_length(lp + t + 1)
-            logits = self._forward(tokens.unsqueeze(1), attn[:, :view], (row_len + t).unsqueeze(1), cache)
+            logits = self._forward(
+                tokens.unsqueeze(1), attn[:, :view], (row_len + t).unsqueeze(1), cache, decode_model
+            )
         del cache, logits
 
         truncated = torch.zeros(n_rows, dtype=torch.bool, device=dev)

@@ -101,6 +101,7 @@ def build_engine(policy: nn.Module, tokenizer: Any, args: BaseRLConfig, device: 
         max_prompt_length=args.max_prompt_length,
         prompt_truncation=args.prompt_truncation,
         length_bucket=bucket,
+        compile_decode=args.compile_decode,
     )
     return RolloutEngine(policy, tokenizer, sampling)
 

@@ -216,6 +216,9 @@ class MultiTurnEngine:
         counts: Counter[str] = Counter()
         tool_seconds = 0.0
         col, steps = lp, 0
+        # One-token steps use the engine's decode model (compiled when configured); the few steps
+        # that append tool responses are wider and run the plain model.
+        decode_model = engine._decode_model(params, dev)
 
         while True:
             tokens, lps = next_tokens(logits, params, seen, generator)
@@ -293,7 +296,7 @@ class MultiTurnEngine:
                 step_pos = next_position.unsqueeze(1) + offsets.clamp_min(0)
                 next_position = next_position + n_fed
             view = cache.layers[0].view_length(col + width)
-            logits = engine._forward(step_ids, attn[:, :view], step_pos, cache)
+            logits = engine._forward(step_ids, attn[:, :view], step_pos, cache, decode_model if width == 1 else None)
             col += width
         del cache, logits
 

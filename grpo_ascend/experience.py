@@ -344,4 +344,7 @@ def experience_metrics(exp: Experience, ranks: Ranks) -> dict[str, float]:
     if metrics.get("tools/completions"):
         metrics["tools/calls_per_completion"] = metrics["tools/calls"] / metrics["tools/completions"]
         metrics["tools/turns_per_completion"] = metrics["tools/turns"] / metrics["tools/completions"]
+        # TRL 1.16's names: calls per completion, and failed calls per call.
+        metrics["tools/call_frequency"] = metrics["tools/calls_per_completion"]
+        metrics["tools/failure_frequency"] = metrics["tools/failed_calls"] / max(metrics["tools/calls"], 1.0)
     return metrics

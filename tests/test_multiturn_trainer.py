@@ -90,6 +90,8 @@ def test_trainer_runs_tool_conversations_and_masks_tool_tokens(tmp_path, tiny_mo
     assert completions[0][1] == {"role": "tool", "name": "add", "content": "5"}
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["tools/calls_per_completion"] == 1.0 and record["tools/turns_per_completion"] == 2.0
+    assert record["tools/call_frequency"] == 1.0 and record["tools/failure_frequency"] == 0.0
+    assert record["tools/calls"] == exp.size and record["tools/failed/timeout"] == 0.0
     assert record["rewards/reward/mean"] == 1.0
     if surface == "environment":
         assert all(isinstance(e, AddEnv) for e in kwargs["environments"])

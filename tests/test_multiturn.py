@@ -213,3 +213,55 @@ def test_rows_without_calls_equal_single_turn_engine(scripted, temperature):
     assert multi.truncated.tolist() == single.truncated.tolist()
     assert multi.completion_texts == single.completion_texts
     assert multi.decode_batch_sizes == single.decode_batch_sizes
+
+
+def shout(n: int) -> str:
+    """Return n x's.
+
+    Args:
+        n: How many.
+    """
+    return "x" * n
+
+
+CASES = {
+    "malformed": ('<tool_call>\n{"name": "add", "arguments": {"a": 2,}}\n</tool_call>', 1, "malformed",
+                  ["Error: malformed tool call"]),
+    "two_calls": (CALL + '\n<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call>', 2, None,
+                  ["<tool_response>\n5\n</tool_response>", "<tool_response>\n9\n</tool_response>"]),
+    "unknown_tool": ('<tool_call>\n{"name": "ad", "arguments": {"a": 1}}\n</tool_call>', 1, "unknown_tool",
+                     ["unknown tool 'ad'"]),
+    "long_output": ('<tool_call>\n{"name": "shout", "arguments": {"n": 50}}\n</tool_call>', 1, None,
+                    ["x" * 20 + "\n... [output truncated: 30 more characters]"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_failed_several_and_truncated_calls_are_answered_and_decoding_goes_on(scripted, case):
+    model, tok = scripted
+    text, n_calls, failure, expected = CASES[case]
+    tools = Toolset([add, shout])
+    prompt = [{"role": "user", "content": "add two and three"}]
+    start = len(_ids(tok, tok.apply_chat_template(prompt, tools=tools.schemas, add_generation_prompt=True,
+                                                  tokenize=False)))
+    call = _ids(tok, text) + [tok.eos_token_id]
+    model.script = {start + k: t for k, t in enumerate(call)}
+    engine = _multi(model, tok, tools, max_output_chars=20)
+    batch = engine.generate([prompt], SamplingParams(max_prompt_length=1024, num_generations=1,
+                                                     max_completion_length=len(call) + 120, temperature=0.0))
+    ids, tool = batch.completion_ids[0], batch.tool_mask[0]
+    assert ids[: len(call)].tolist() == call and tool[: len(call)].all()
+    n_tool = int((batch.completion_mask[0] - tool).sum())
+    response = tok.decode(ids[len(call) : len(call) + n_tool].tolist(), skip_special_tokens=False)
+    for piece in expected:
+        assert piece in response
+    assert response.endswith("<|im_start|>assistant\n")
+    assert tool[len(call) + n_tool :].sum() > 0  # the model decoded after the response
+    m = batch.tool_metrics
+    assert m["tools/calls_per_completion"] == n_calls
+    assert m["tools/failed_calls"] == (1 if failure else 0)
+    if failure:
+        assert m[f"tools/failed/{failure}"] == 1
+    assert m["tools/truncated"] == (case == "long_output")
+    roles = [msg["role"] for msg in batch.messages[0]]
+    assert roles[:1 + n_calls] == ["assistant"] + ["tool"] * n_calls and roles[-1] == "assistant"

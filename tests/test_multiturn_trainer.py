@@ -192,3 +192,44 @@ def test_rollout_observations_that_differ_within_a_group_get_their_own_prompts(t
     for k, text in enumerate(batch.prompt_texts):
         assert f"Rollout {k + 1}." in text and ("add two and three" in text) == (k < 3)
     assert [type(e) for e in batch.extra_columns["environments"]] == [NumberedEnv] * 6
+
+
+def test_resume_with_tools_and_environments_is_exact(tmp_path, tiny_model_dir):
+    from grpo_ascend.models import default_lora_config
+
+    def reward(prompts, completions, **kwargs):
+        return [float(len(c[-1]["content"]) % 3 == 0) for c in completions]
+
+    def make(out):
+        model, tok, call, suffix, seq = _scripted(tiny_model_dir)
+        # Only the call is forced; the answer after the tool response is sampled.
+        model.script = dict(list(model.script.items())[: len(call)])
+        cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(out), "max_steps": 4, "save_steps": 2, "beta": 0.02,
+                            "max_prompt_length": 1024, "max_completion_length": len(call) + len(suffix) + 8,
+                            "per_device_train_batch_size": 8, "steps_per_generation": 1})
+        return GRPOTrainer(model, reward, cfg, Dataset.from_list([{"prompt": PROMPT}] * 4), processing_class=tok,
+                           peft_config=default_lora_config(r=4), environment_factory=AddEnv)
+
+    full = make(tmp_path / "full")
+    full.train()
+    killed = make(tmp_path / "resumed")
+    original_save = killed._save
+
+    def save_then_die():
+        original_save()
+        if killed.step == 2:
+            raise KeyboardInterrupt("simulated preemption")
+
+    killed._save = save_then_die
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()
+    resumed = make(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint="latest")
+
+    def stable(path):
+        skip = ("time/", "tokens_per_second", "memory/", "tools/time_s")
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(skip)} for line in open(path)]
+
+    full_log, resumed_log = stable(tmp_path / "full" / "metrics.jsonl"), stable(tmp_path / "resumed" / "metrics.jsonl")
+    assert full_log == resumed_log and len(full_log) == 4
+    assert all(r["tools/calls_per_completion"] == 1.0 and r["rewards/AddEnv/mean"] == 1.0 for r in full_log)

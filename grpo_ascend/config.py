@@ -186,7 +186,7 @@ class BaseRLConfig(_Validated):
         "costs a copy of the adapted weights meanwhile); null = when that copy fits in a quarter of free memory."
     )
     compile_decode: bool | None = _f(
-        None, "Compile the rollout's decode step (torch.compile on CPU/CUDA, graph mode on NPU); null = the "
+        None, "Compile the rollout's decode step (torch.compile, or the accelerator's graph mode); null = the "
         "device's default (off everywhere until measured to help: on the CPU it did not)."
     )
     length_bucket: int | None = _f(

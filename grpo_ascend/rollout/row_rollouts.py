@@ -9,7 +9,7 @@ reward functions receive as keyword arguments, like dataset columns. ``Experienc
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,8 +71,6 @@ class ToolRollout:
 
 
 def _with_group(params: Any, group: int) -> Any:
-    import dataclasses
-
     return dataclasses.replace(params, num_generations=group)
 
 
@@ -174,7 +172,7 @@ class RolloutFuncRollout:
         c_ids = torch.tensor([c + [pad] * (lc - len(c)) for c in completion_ids], dtype=torch.long)
         c_mask = torch.tensor([[1] * len(c) + [0] * (lc - len(c)) for c in completion_ids], dtype=torch.long)
         c_lp = torch.tensor([[float(x) for x in lp] + [0.0] * (lc - len(lp)) for lp in logprobs], dtype=torch.float32)
-        if not torch.isfinite(c_lp).all() or math.isnan(float(c_lp.sum())):
+        if not torch.isfinite(c_lp).all():
             raise DataError("rollout_func returned non-finite logprobs")
         tool = None
         if env_mask is not None:

@@ -412,6 +412,14 @@ class GRPOConfig(BaseRLConfig):
     )
     sapo_temperature_pos: float = _f(1.0, "loss_type='sapo': gate temperature τ for tokens with positive advantage.")
     sapo_temperature_neg: float = _f(1.05, "loss_type='sapo': gate temperature τ for tokens with advantage <= 0.")
+    # --- tool calling (GRPOTrainer(tools=..., environment_factory=...)) ---
+    max_tool_calling_iterations: int | None = _f(
+        None, "Tool steps per completion; a turn with calls past it ends the completion; null = only "
+        "max_completion_length (generated + tool tokens) limits it (TRL's meaning)."
+    )
+    tool_call_parser: str = _f("qwen", "How tool calls are read from a turn: qwen (Qwen2.5/Qwen3 <tool_call> JSON) | hermes.")
+    tool_timeout: float = _f(30.0, "Seconds allowed per tool call; a call past it returns an error message to the model.")
+    tool_max_output_chars: int | None = _f(4096, "Tool output longer than this is cut (with a note); null = no limit.")
     # --- off-policy correction of the sampler/trainer mismatch (TRL: vllm_importance_sampling_*) ---
     importance_sampling_correction: bool = _f(
         False, "Re-weight each token's policy-gradient term by π_trainer/π_sampler (from the trainer's old "
@@ -461,6 +469,14 @@ class GRPOConfig(BaseRLConfig):
             raise ConfigError(f"delta ({self.delta}) must be > 1 + epsilon_high ({1 + high})")
         if self.beta < 0 or not math.isfinite(self.beta):
             raise ConfigError(f"beta must be a finite number >= 0, got {self.beta}")
+        _positive(self, "tool_timeout", "tool_max_output_chars")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ConfigError(f"max_tool_calling_iterations must be null or >= 0, got {self.max_tool_calling_iterations}")
+        from grpo_ascend.tools.parsing import TOOL_CALL_PARSERS
+
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser {self.tool_call_parser!r} is unknown; registered parsers: "
+                              f"{', '.join(sorted(TOOL_CALL_PARSERS))}{closest(self.tool_call_parser, list(TOOL_CALL_PARSERS))}")
         if self.num_iterations < 1:
             raise ConfigError(f"num_iterations must be >= 1, got {self.num_iterations}")
         if self.max_dynamic_sampling_rounds < 0:
@@ -600,11 +616,15 @@ class RecipeConfig(_Validated):
     system_prompt: str | None = _f(None, "System message prepended to text prompts (turns them into chats).")
     max_train_samples: int | None = _f(None, "Use only the first N prompts.")
     reward_funcs: list[Any] = _f(["accuracy"], "Reward functions: built-in names, module:function, file.py:function, model paths.")
+    tools: list[Any] = _f([], "Tools the model may call (multi-turn rollouts): module:function, file.py:function, python, "
+                          "or {name: python, timeout: 5, ...}.")
+    environment: Any = _f(None, "Environment class per rollout (TRL environment_factory): module:Class, file.py:Class, "
+                               "or {name: spec} selected by an `environment` column.")
 
     def __post_init__(self) -> None:
         _positive(self, "lora_r", "lora_alpha", "max_train_samples")
-        if not self.reward_funcs:
-            raise ConfigError("reward_funcs is empty: give at least one reward function")
+        if not self.reward_funcs and self.environment is None:
+            raise ConfigError("reward_funcs is empty: give at least one reward function (or an environment with get_reward)")
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

@@ -255,16 +255,17 @@ class ExperienceMaker:
         G = self.G
         prompts = [r["prompt"] for r in rows]
         with timer.phase("generation"), torch.no_grad(), self.rollout_context():
-            batch = self.engine.generate(prompts, generator=self.generator)
+            # Row-aware rollouts (tool environments, a user's rollout_func) see the whole dataset rows.
+            generate_rows = getattr(self.engine, "generate_rows", None)
+            batch = (generate_rows(rows, self.generator) if generate_rows is not None
+                     else self.engine.generate(prompts, generator=self.generator))
         with timer.phase("reward"):
             repeated = [p for p in prompts for _ in range(G)]
-            texts = batch.completion_texts
-            completions: list[Any] = (
-                [[{"role": "assistant", "content": t}] for t in texts] if is_conversational(prompts[0]) else list(texts)
-            )
+            completions = completions_for_rewards(batch, is_conversational(prompts[0]))
             lengths = batch.completion_mask.sum(1).tolist()
             completion_ids = [ids[:n] for ids, n in zip(batch.completion_ids.tolist(), lengths)]
             columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+            columns.update(getattr(batch, "extra_columns", None) or {})
             logged: dict[str, list[float]] = {}
             extra: dict[str, list[Any]] = {}
             scored = self.rewards(
@@ -279,9 +280,9 @@ class ExperienceMaker:
                         "a reward function logs one value per completion, once per call"
                     )
         device = batch.completion_ids.device
-        loss_mask = batch.completion_mask.float()
-        if self.mask_truncated_completions:
-            loss_mask = loss_mask * (~batch.truncated).float().unsqueeze(1)
+        loss_mask = rollout_loss_mask(batch, self.mask_truncated_completions)
+        counts = {f"reward_errors/{k}": float(v) for k, v in scored.error_counts.items()}
+        counts.update(tool_counts(batch))
         return Experience(
             prompt_ids=batch.prompt_ids,
             prompt_mask=batch.prompt_mask.long(),
@@ -297,10 +298,53 @@ class ExperienceMaker:
             prompts=repeated,
             completions=completions,
             # Every function's count, zeros included, so every rank reduces the same keys.
-            counts={f"reward_errors/{k}": float(v) for k, v in scored.error_counts.items()},
+            counts=counts,
             reward_metrics=logged,
             extra_columns=extra,
         )
+
+
+def rollout_loss_mask(batch: Any, mask_truncated_completions: bool = False) -> Tensor:
+    """The loss mask of a rollout batch: its context mask, times its ``tool_mask`` when it has one
+    (tool-response tokens stay in the context but out of the loss, the KL and every token count),
+    times "not truncated" under ``mask_truncated_completions``."""
+    loss_mask = batch.completion_mask.float()
+    tool_mask = getattr(batch, "tool_mask", None)
+    if tool_mask is not None:
+        loss_mask = loss_mask * tool_mask.to(loss_mask.device, loss_mask.dtype)
+    if mask_truncated_completions:
+        loss_mask = loss_mask * (~batch.truncated).float().unsqueeze(1)
+    return loss_mask
+
+
+def completions_for_rewards(batch: Any, conversational: bool) -> list[Any]:
+    """What reward functions receive as ``completions``: texts, or message lists for chat prompts
+    (the whole tool conversation, as TRL passes it, when the rollout has messages)."""
+    texts = batch.completion_texts
+    if not conversational:
+        return list(texts)
+    messages = getattr(batch, "messages", None)
+    if messages:
+        return [list(m) for m in messages]
+    return [[{"role": "assistant", "content": t}] for t in texts]
+
+
+#: Tool metrics that add up over rows and ranks (per-round sums in the metrics log).
+_SUMMED_TOOL_METRICS = ("tools/failed_calls", "tools/time_s", "tools/truncated", "tools/length_limited",
+                        "tools/iteration_limited")
+
+
+def tool_counts(batch: Any) -> dict[str, float]:
+    """A multi-turn batch's tool numbers as round sums (calls, turns, failures by reason, seconds)."""
+    metrics = getattr(batch, "tool_metrics", None)
+    if not metrics:
+        return {}
+    rows = float(len(batch.completion_texts))
+    counts = {k: float(v) for k, v in metrics.items() if k in _SUMMED_TOOL_METRICS or k.startswith("tools/failed/")}
+    counts["tools/calls"] = metrics["tools/calls_per_completion"] * rows
+    counts["tools/turns"] = metrics["tools/turns_per_completion"] * rows
+    counts["tools/completions"] = rows
+    return counts
 
 
 def experience_metrics(exp: Experience, ranks: Ranks) -> dict[str, float]:
@@ -325,4 +369,10 @@ def experience_metrics(exp: Experience, ranks: Ranks) -> dict[str, float]:
     if exp.importance_stats:
         metrics.update(importance_sampling_metrics(reduce_stats(exp.importance_stats, ranks.sum_scalars)))
     metrics.update(ranks.sum_scalars({k: torch.tensor(v, device=exp.rewards.device) for k, v in exp.counts.items()}))
+    if metrics.get("tools/completions"):
+        metrics["tools/calls_per_completion"] = metrics["tools/calls"] / metrics["tools/completions"]
+        metrics["tools/turns_per_completion"] = metrics["tools/turns"] / metrics["tools/completions"]
+        # TRL 1.16's names: calls per completion, and failed calls per call.
+        metrics["tools/call_frequency"] = metrics["tools/calls_per_completion"]
+        metrics["tools/failure_frequency"] = metrics["tools/failed_calls"] / max(metrics["tools/calls"], 1.0)
     return metrics

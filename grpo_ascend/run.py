@@ -38,10 +38,25 @@ def build_trainer(recipe: RecipeConfig, args: BaseRLConfig) -> Any:
     model = load_causal_lm(recipe.model, recipe.model_dtype)
     model.config._name_or_path = _model_path(recipe.model)
     if recipe.algorithm == "ppo":
-        from grpo_ascend.trainers.ppo import PPOTrainer as Trainer
-    else:
-        from grpo_ascend.trainers.grpo import GRPOTrainer as Trainer
-    return Trainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset, peft_config=peft_config)
+        if recipe.tools or recipe.environment is not None:
+            raise ConfigError("tools and environment are supported with algorithm: grpo only; remove them or use grpo")
+        from grpo_ascend.trainers.ppo import PPOTrainer
+
+        return PPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
+                          peft_config=peft_config)
+    from grpo_ascend.trainers.grpo import GRPOTrainer
+
+    tool_options: dict[str, Any] = {}
+    if recipe.tools:
+        from grpo_ascend.tools import load_toolset
+
+        tool_options["tools"] = load_toolset(recipe.tools)
+    if recipe.environment is not None:
+        from grpo_ascend.tools import load_environment_factory
+
+        tool_options["environment_factory"] = load_environment_factory(recipe.environment)
+    return GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
+                       peft_config=peft_config, **tool_options)
 
 
 def _model_path(name: str) -> str:

@@ -11,6 +11,7 @@ One round is :meth:`GRPOTrainer._train_round`, top to bottom.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -29,8 +30,10 @@ from grpo_ascend.algorithms.losses import (
     policy_loss,
 )
 from grpo_ascend.config import GRPOConfig
+from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, experience_metrics
 from grpo_ascend.phases import PhaseTimer
+from grpo_ascend.rollout.row_rollouts import RolloutFuncRollout, build_tool_rollout, prepare_tools
 from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
 
 
@@ -48,6 +51,9 @@ class GRPOTrainer(RLTrainerBase):
         train_dataset: Any = None,
         processing_class: Any = None,
         peft_config: Any = None,
+        tools: Any = None,
+        environment_factory: Any = None,
+        rollout_func: Any = None,
     ):
         cfg = args if args is not None else GRPOConfig()
         POLICY_LOSSES.get(cfg.loss_type)  # fail before loading anything on a bad name
@@ -65,14 +71,29 @@ class GRPOTrainer(RLTrainerBase):
             sapo_temperature_pos=cfg.sapo_temperature_pos,
             sapo_temperature_neg=cfg.sapo_temperature_neg,
         )
+        if rollout_func is not None and (tools or environment_factory is not None):
+            raise ConfigError("pass either rollout_func or tools/environment_factory, not both: a rollout_func "
+                              "runs its own generation (return env_mask to keep tool tokens out of the loss)")
+        toolset, pool = prepare_tools(tools, environment_factory)
+        if pool is not None:  # environments' get_reward: extra reward sources with weight 1 (as TRL)
+            env_rewards = pool.reward_functions()
+            reward_funcs = _as_list(reward_funcs) + env_rewards
+            if cfg.reward_weights is not None and env_rewards:
+                cfg = dataclasses.replace(cfg, reward_weights=list(cfg.reward_weights) + [1.0] * len(env_rewards))
         super().__init__(model, cfg, train_dataset, processing_class, peft_config)
         self._build_training(reward_funcs)
+        if toolset is not None:
+            self.engine = build_tool_rollout(self.engine, self.tokenizer, self.args, toolset, pool)
+        elif rollout_func is not None:
+            self.engine = RolloutFuncRollout(rollout_func, self, self.engine)
         if self.args.beta > 0:
             self._setup_reference()
         correction = ImportanceSamplingSettings(
             cfg.importance_sampling_mode, cfg.importance_sampling_clip_max, cfg.importance_sampling_clip_min
         ) if cfg.importance_sampling_correction else None
         self.experience = self._make_experience_maker(self.args.beta > 0, cfg.mask_truncated_completions, correction)
+        if rollout_func is not None:  # an external sampler: its log-probs are not the training forward's
+            self.experience.exact_sampling_logps = False
         self._policy_params = [p for p in self.policy.parameters() if p.requires_grad]
 
     def _train_round(self) -> None:
@@ -162,6 +183,12 @@ class GRPOTrainer(RLTrainerBase):
             "dynamic_sampling/zero_std_groups_kept": float(filled),
         }
         return out
+
+
+def _as_list(reward_funcs: Any) -> list[Any]:
+    if reward_funcs is None:
+        return []
+    return list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
 
 
 def _group_rows(groups: torch.Tensor, G: int) -> torch.Tensor:

@@ -1,0 +1,235 @@
+"""GRPOTrainer's tool surface (TRL 1.16 names): tools=, environment_factory= (with get_reward as an
+extra reward) and rollout_func=; tool tokens stay in the context and out of the loss mask."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from datasets import Dataset
+from helpers import SMALL_RUN
+from test_multiturn import CALL, ScriptedQwen2, _ids, add
+from transformers import AutoTokenizer
+
+from grpo_ascend import GRPOConfig, GRPOTrainer
+from grpo_ascend.errors import ConfigError
+from grpo_ascend.tools import ToolResult, Toolset, render_tool_suffix
+
+PROMPT = [{"role": "user", "content": "add two and three"}]
+
+
+class AddEnv:
+    """One rollout's state: the sums it was asked for."""
+
+    def reset(self, **row):
+        self.sums = []
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first term.
+            b: The second term.
+        """
+        self.sums.append(a + b)
+        return a + b
+
+    def get_reward(self) -> float:
+        return float(self.sums == [5])
+
+
+def _scripted(tiny_model_dir):
+    """A model that calls add(2, 3), then answers "five" (positions fixed by the one prompt's length)."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = ScriptedQwen2.from_pretrained(tiny_model_dir)
+    text = tok.apply_chat_template(PROMPT, tools=Toolset([add]).schemas, add_generation_prompt=True, tokenize=False)
+    start = len(_ids(tok, text))
+    call = _ids(tok, CALL) + [tok.eos_token_id]
+    suffix = render_tool_suffix(tok, [ToolResult("add", "5")])
+    seq = call + suffix + _ids(tok, "five") + [tok.eos_token_id]
+    model.script = {start + k: t for k, t in enumerate(seq)}
+    return model, tok, call, suffix, seq
+
+
+def _capture(trainer):
+    seen = []
+    make = trainer.experience.sample_and_score
+
+    def wrapped(*a, **kw):
+        exp = make(*a, **kw)
+        seen.append(exp)
+        return exp
+
+    trainer.experience.sample_and_score = wrapped
+    return seen
+
+
+@pytest.mark.parametrize("surface", ["tools", "environment"])
+def test_trainer_runs_tool_conversations_and_masks_tool_tokens(tmp_path, tiny_model_dir, surface):
+    model, tok, call, suffix, seq = _scripted(tiny_model_dir)
+    calls = []
+
+    def reward(prompts, completions, **kwargs):
+        calls.append((completions, kwargs))
+        return [float(c[-1]["content"] == "five") for c in completions]
+
+    cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), "max_steps": 1, "max_prompt_length": 1024,
+                        "max_completion_length": 80, "per_device_train_batch_size": 4, "max_tool_calling_iterations": 2})
+    extra = {"tools": [add]} if surface == "tools" else {"environment_factory": AddEnv}
+    trainer = GRPOTrainer(model, reward, cfg, Dataset.from_list([{"prompt": PROMPT}] * 4), processing_class=tok,
+                          **extra)
+    seen = _capture(trainer)
+    trainer.train()
+    exp = seen[0]
+    n = len(seq)
+    assert exp.completion_ids[:, :n].tolist() == [seq] * exp.size
+    assert exp.completion_mask.sum(1).tolist() == [n] * exp.size
+    expected_loss = [1.0] * len(call) + [0.0] * len(suffix) + [1.0] * (n - len(call) - len(suffix))
+    assert exp.loss_mask[:, :n].tolist() == [expected_loss] * exp.size
+    completions, kwargs = calls[0]
+    assert completions[0][1] == {"role": "tool", "name": "add", "content": "5"}
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["tools/calls_per_completion"] == 1.0 and record["tools/turns_per_completion"] == 2.0
+    assert record["tools/call_frequency"] == 1.0 and record["tools/failure_frequency"] == 0.0
+    assert record["tools/calls"] == exp.size and record["tools/failed/timeout"] == 0.0
+    assert record["rewards/reward/mean"] == 1.0
+    if surface == "environment":
+        assert all(isinstance(e, AddEnv) for e in kwargs["environments"])
+        assert record["rewards/AddEnv/mean"] == 1.0
+
+
+def test_rollout_func_contract(tmp_path, tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    got = {}
+
+    def rollout_func(prompts, trainer):
+        got["prompts"] = prompts
+        G = trainer.args.num_generations
+        prompt_ids = [_ids(tok, p) for p in prompts for _ in range(G)]
+        completion = _ids(tok, "one two") + [tok.eos_token_id]
+        return {"prompt_ids": prompt_ids, "completion_ids": [completion] * len(prompt_ids),
+                "logprobs": [[-0.5] * len(completion)] * len(prompt_ids),
+                "env_mask": [[1, 0] + [1] * (len(completion) - 2)] * len(prompt_ids),
+                "source": ["custom"] * len(prompt_ids), "round_tag": 7}
+
+    def reward(prompts, completions, source, round_tag, **kwargs):
+        assert set(source) == {"custom"} and set(round_tag) == {7}
+        return [1.0 if i % 2 else 0.0 for i in range(len(completions))]
+
+    cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), "max_steps": 1})
+    dataset = Dataset.from_list([{"prompt": "alpha"}, {"prompt": "beta"}])
+    trainer = GRPOTrainer(str(tiny_model_dir), reward, cfg, dataset, rollout_func=rollout_func)
+    seen = _capture(trainer)
+    trainer.train()
+    exp = seen[0]
+    assert sorted(got["prompts"]) == ["alpha", "beta"]
+    assert exp.loss_mask[:, :2].tolist() == [[1.0, 0.0]] * exp.size
+    assert (exp.sampling_logps[exp.completion_mask.bool()] == -0.5).all()
+    assert not trainer.experience.exact_sampling_logps  # old log-probs come from the trainer's forward
+
+
+def test_tool_surface_errors(tiny_model_dir):
+    cfg = GRPOConfig(**SMALL_RUN)
+    with pytest.raises(ConfigError, match="either rollout_func or tools"):
+        GRPOTrainer(str(tiny_model_dir), lambda **k: [0.0], cfg, Dataset.from_list([{"prompt": "a"}]),
+                    tools=[add], rollout_func=lambda p, t: {})
+    with pytest.raises(ConfigError, match="tool_call_parser 'qwne' is unknown.*qwen"):
+        GRPOConfig(tool_call_parser="qwne")
+    with pytest.raises(ConfigError, match="max_tool_calling_iterations"):
+        GRPOConfig(max_tool_calling_iterations=-1)
+
+
+def test_recipe_tools_and_environment_keys(tmp_path, tiny_model_dir):
+    from grpo_ascend.config import RecipeConfig
+    from grpo_ascend.rollout.row_rollouts import ToolRollout
+    from grpo_ascend.run import build_trainer
+
+    args = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run")})
+    recipe = RecipeConfig(model=str(tiny_model_dir), tools=["python", "tests/test_multiturn.py:add"],
+                          dataset_kwargs={"n": 4})
+    trainer = build_trainer(recipe, args)
+    assert isinstance(trainer.engine, ToolRollout) and trainer.engine.pool is None
+    assert trainer.engine.multiturn.tools.toolset.names == ["python", "add"]
+    recipe = RecipeConfig(model=str(tiny_model_dir), environment="test_multiturn_trainer:AddEnv", reward_funcs=[],
+                          dataset_kwargs={"n": 4})
+    trainer = build_trainer(recipe, args)
+    assert isinstance(trainer.engine, ToolRollout) and trainer.engine.pool is not None
+    assert trainer.rewards.names == ["AddEnv"]
+    with pytest.raises(ConfigError, match="grpo only"):
+        build_trainer(RecipeConfig(model=str(tiny_model_dir), algorithm="ppo", tools=["python"]),
+                      GRPOConfig(**SMALL_RUN))
+
+
+class NumberedEnv:
+    """reset's observation differs per rollout, so a group's rows cannot share one prompt."""
+
+    made = 0
+
+    def reset(self, **row):
+        NumberedEnv.made += 1
+        return f" Rollout {NumberedEnv.made}."
+
+    def noop(self) -> str:
+        """Do nothing."""
+        return ""
+
+
+def test_rollout_observations_that_differ_within_a_group_get_their_own_prompts(tiny_model_dir):
+    from grpo_ascend.rollout.engine import RolloutEngine
+    from grpo_ascend.rollout.row_rollouts import build_tool_rollout, prepare_tools
+    from grpo_ascend.rollout.sampling import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = ScriptedQwen2.from_pretrained(tiny_model_dir).eval()
+    model.script = {}
+    engine = RolloutEngine(model, tok, SamplingParams(num_generations=3, max_completion_length=4, max_prompt_length=1024,
+                                                      seed=0))
+    toolset, pool = prepare_tools(None, NumberedEnv)
+    rollout = build_tool_rollout(engine, tok, GRPOConfig(), toolset, pool)
+    NumberedEnv.made = 0
+    batch = rollout.generate_rows([{"prompt": PROMPT}, {"prompt": [{"role": "user", "content": "other"}]}])
+    assert len(batch) == 6 and batch.num_generations == 3 and batch.num_prompts == 2
+    for k, text in enumerate(batch.prompt_texts):
+        assert f"Rollout {k + 1}." in text and ("add two and three" in text) == (k < 3)
+    assert [type(e) for e in batch.extra_columns["environments"]] == [NumberedEnv] * 6
+
+
+def test_resume_with_tools_and_environments_is_exact(tmp_path, tiny_model_dir):
+    from grpo_ascend.models import default_lora_config
+
+    def reward(prompts, completions, **kwargs):
+        return [float(len(c[-1]["content"]) % 3 == 0) for c in completions]
+
+    def make(out):
+        model, tok, call, suffix, seq = _scripted(tiny_model_dir)
+        # Only the call is forced; the answer after the tool response is sampled.
+        model.script = dict(list(model.script.items())[: len(call)])
+        cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(out), "max_steps": 4, "save_steps": 2, "beta": 0.02,
+                            "max_prompt_length": 1024, "max_completion_length": len(call) + len(suffix) + 8,
+                            "per_device_train_batch_size": 8, "steps_per_generation": 1})
+        return GRPOTrainer(model, reward, cfg, Dataset.from_list([{"prompt": PROMPT}] * 4), processing_class=tok,
+                           peft_config=default_lora_config(r=4), environment_factory=AddEnv)
+
+    full = make(tmp_path / "full")
+    full.train()
+    killed = make(tmp_path / "resumed")
+    original_save = killed._save
+
+    def save_then_die():
+        original_save()
+        if killed.step == 2:
+            raise KeyboardInterrupt("simulated preemption")
+
+    killed._save = save_then_die
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()
+    resumed = make(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint="latest")
+
+    def stable(path):
+        skip = ("time/", "tokens_per_second", "memory/", "tools/time_s")
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(skip)} for line in open(path)]
+
+    full_log, resumed_log = stable(tmp_path / "full" / "metrics.jsonl"), stable(tmp_path / "resumed" / "metrics.jsonl")
+    assert full_log == resumed_log and len(full_log) == 4
+    assert all(r["tools/calls_per_completion"] == 1.0 and r["rewards/AddEnv/mean"] == 1.0 for r in full_log)

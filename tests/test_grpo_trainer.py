@@ -181,3 +181,50 @@ def test_reward_functions_log_metrics_and_columns_as_in_trl(tmp_path, tiny_model
     assert [r["judge/calls"] for r in records] == [2.0, 2.0]
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert [s["judge_note"] for s in samples[:3]] == ["note 0", "note 1", "note 2"]
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # plain PEFT loading
+def test_trl_trainer_surface_model_state_callbacks_and_save_model(tmp_path, tiny_model_dir):
+    """trainer.model / .state / callbacks= / save_model as a TRL script uses them: events fire in order,
+    should_training_stop ends the run after that step, and the saved adapter loads in PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    events = []
+
+    class Recorder(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            events.append(("begin", state.global_step))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            events.append(("log", state.global_step, "loss" in logs))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            events.append(("step", state.global_step))
+            if state.global_step == 2:
+                control.should_training_stop = True
+            return control
+
+        def on_save(self, args, state, control, **kwargs):
+            events.append(("save", state.global_step))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            events.append(("end", state.global_step))
+
+    cfg = _config(tmp_path, max_steps=5)
+    trainer = GRPOTrainer(str(tiny_model_dir), first_digit_is_one, cfg, arithmetic_dataset(8),
+                          peft_config=default_lora_config(r=4), callbacks=[Recorder])
+    assert trainer.model is trainer.policy and trainer.state.max_steps == 5
+    trainer.train()
+    assert events == [("begin", 0), ("log", 1, True), ("step", 1), ("log", 2, True), ("step", 2), ("save", 2),
+                      ("end", 2)]
+    assert trainer.state.global_step == 2 and [r["step"] for r in trainer.state.log_history] == [1, 2]
+    trainer.save_model()  # into the run folder, next to its metrics and checkpoints
+    out = tmp_path / "run"
+    assert (out / "adapter_model.safetensors").is_file() and (out / "metrics.jsonl").is_file()
+    assert (out / "checkpoint-2").is_dir()
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
+    ids = torch.randint(5, 500, (1, 6))
+    trainer.policy.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trainer.policy(ids).logits, rtol=0, atol=1e-6)

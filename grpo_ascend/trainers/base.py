@@ -46,6 +46,7 @@ from grpo_ascend.trainers.components import (
     merge_lora_for_rollout,
     total_steps,
 )
+from grpo_ascend.trainers.surface import TrainerSurfaceMixin
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class RoundLog:
     steps: int = 0
 
 
-class RLTrainerBase(CheckpointingMixin):
+class RLTrainerBase(CheckpointingMixin, TrainerSurfaceMixin):
     """Shared machinery; see the module docstring."""
 
     config_class: type[BaseRLConfig] = BaseRLConfig
@@ -74,6 +75,7 @@ class RLTrainerBase(CheckpointingMixin):
         train_dataset: Any = None,
         processing_class: Any = None,
         peft_config: Any = None,
+        callbacks: Sequence[Any] | None = None,
     ):
         """The run and its policy: accelerator, distributed strategy, batch plan, policy and tokenizer.
 
@@ -99,6 +101,7 @@ class RLTrainerBase(CheckpointingMixin):
         self.is_peft = is_peft(self.policy)
         self.strategy.validate_model(self.is_peft)
         self.train_dataset = train_dataset
+        self._callbacks = callbacks
 
     def _build_training(self, reward_funcs: Any, extra_parameters: Sequence[nn.Parameter] = ()) -> None:
         """Optimizer and schedule, the prepared log-prob model, rollout engine, rewards and sampling stream."""
@@ -124,6 +127,7 @@ class RLTrainerBase(CheckpointingMixin):
         self.skipped_steps = 0
         self._last_saved_step = -1
         self.tracker: RunTracker | None = None
+        self._init_surface(self._callbacks)
 
     # ------------------------------------------------------------------------------ setup
     def _whole_weights(self) -> contextlib.AbstractContextManager:
@@ -209,7 +213,7 @@ class RLTrainerBase(CheckpointingMixin):
         for iteration in range(self.plan.num_iterations):
             order = self._shuffled_rows(size, iteration)
             for k in range(size // per_step):
-                if self.step >= self.max_steps:
+                if self.step >= self.max_steps or self.control.should_training_stop:
                     return
                 dev.reset_peak_memory(self.device)
                 yield order[k * per_step : (k + 1) * per_step]
@@ -271,7 +275,7 @@ class RLTrainerBase(CheckpointingMixin):
         """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True."""
         self._begin(resume_from_checkpoint)
         try:
-            while self.step < self.max_steps:
+            while self.step < self.max_steps and not self.control.should_training_stop:
                 self._train_round()
                 self.round_index += 1
                 if self._should_save():
@@ -303,6 +307,7 @@ class RLTrainerBase(CheckpointingMixin):
         self._first_reward: float | None = None
         self._last_record: dict[str, float] = {}
         self._peak_gb = 0.0
+        self._event("on_train_begin")
 
     def _shuffled_rows(self, n: int, iteration: int) -> Tensor:
         """Row order for one pass over a round: seeded by (seed, round, iteration), so resume is exact.
@@ -342,6 +347,7 @@ class RLTrainerBase(CheckpointingMixin):
         self.tracker.advance()
         if args.log_completions_steps and self.step % args.log_completions_steps == 0:
             self.tracker.log_samples(self.step, exp.samples(args.num_completions_to_print))
+        self._event("on_step_end")
 
     def _log_step(self, step_metrics: dict[str, float], log: RoundLog, train_time: float, step_peak: float) -> None:
         """One metrics.jsonl record; the round's phases are charged to its first step (zeros after)."""
@@ -364,6 +370,8 @@ class RLTrainerBase(CheckpointingMixin):
         }
         assert self.tracker is not None
         self.tracker.log(self.step, record)
+        self.state.log_history.append({**record, "step": self.step})
+        self._event("on_log", logs=record)
         if self._first_reward is None:
             self._first_reward = record.get("reward")
         self._last_record = record
@@ -392,4 +400,5 @@ class RLTrainerBase(CheckpointingMixin):
         if export_dir:
             summary["adapter"] = export_dir
         out = self.tracker.close(summary)
+        self._event("on_train_end")
         return out

@@ -87,6 +87,7 @@ class CheckpointingMixin:
                                      staging_dir=state.staging_dir, optimizer_shards=state.optimizer_shards)
         self._last_saved_step = self.step
         self.accelerator.wait_for_everyone()
+        self._event("on_save")
 
     def _trainer_state(self) -> dict[str, Any]:
         return {

@@ -54,6 +54,7 @@ class GRPOTrainer(RLTrainerBase):
         tools: Any = None,
         environment_factory: Any = None,
         rollout_func: Any = None,
+        callbacks: Any = None,
     ):
         cfg = args if args is not None else GRPOConfig()
         POLICY_LOSSES.get(cfg.loss_type)  # fail before loading anything on a bad name
@@ -80,7 +81,7 @@ class GRPOTrainer(RLTrainerBase):
             reward_funcs = _as_list(reward_funcs) + env_rewards
             if cfg.reward_weights is not None and env_rewards:
                 cfg = dataclasses.replace(cfg, reward_weights=list(cfg.reward_weights) + [1.0] * len(env_rewards))
-        super().__init__(model, cfg, train_dataset, processing_class, peft_config)
+        super().__init__(model, cfg, train_dataset, processing_class, peft_config, callbacks)
         self._build_training(reward_funcs)
         if toolset is not None:
             self.engine = build_tool_rollout(self.engine, self.tokenizer, self.args, toolset, pool)

@@ -37,6 +37,7 @@ from grpo_ascend.phases import PhaseTimer
 from grpo_ascend.ranks import Ranks
 from grpo_ascend.tracking import RunTracker, truncate_metrics
 from grpo_ascend.trainers.checkpointing import CheckpointingMixin
+from grpo_ascend.trainers.evaluating import EvaluationMixin
 from grpo_ascend.trainers.components import (
     build_engine,
     build_optimizer,
@@ -61,7 +62,7 @@ class RoundLog:
     steps: int = 0
 
 
-class RLTrainerBase(CheckpointingMixin, TrainerSurfaceMixin):
+class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
     """Shared machinery; see the module docstring."""
 
     config_class: type[BaseRLConfig] = BaseRLConfig
@@ -76,6 +77,7 @@ class RLTrainerBase(CheckpointingMixin, TrainerSurfaceMixin):
         processing_class: Any = None,
         peft_config: Any = None,
         callbacks: Sequence[Any] | None = None,
+        eval_dataset: Any = None,
     ):
         """The run and its policy: accelerator, distributed strategy, batch plan, policy and tokenizer.
 
@@ -102,6 +104,7 @@ class RLTrainerBase(CheckpointingMixin, TrainerSurfaceMixin):
         self.strategy.validate_model(self.is_peft)
         self.train_dataset = train_dataset
         self._callbacks = callbacks
+        self._init_evaluation(eval_dataset)
 
     def _build_training(self, reward_funcs: Any, extra_parameters: Sequence[nn.Parameter] = ()) -> None:
         """Optimizer and schedule, the prepared log-prob model, rollout engine, rewards and sampling stream."""
@@ -275,13 +278,20 @@ class RLTrainerBase(CheckpointingMixin, TrainerSurfaceMixin):
         """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True."""
         self._begin(resume_from_checkpoint)
         try:
+            if self._evaluating() and self.args.eval_on_start and self.step == 0:
+                self._evaluate_in_run()
             while self.step < self.max_steps and not self.control.should_training_stop:
                 self._train_round()
                 self.round_index += 1
+                if self._should_evaluate():
+                    self._evaluate_in_run()
                 if self._should_save():
                     self._save()
+            if self._evaluating() and self._last_eval_step != self.step:
+                self._evaluate_in_run()  # the last weights are evaluated (and can be the best)
             if self._last_saved_step != self.step:
                 self._save()
+            self._load_best_at_end()
         except BaseException:
             assert self.tracker is not None
             self.tracker.abort()
@@ -297,6 +307,7 @@ class RLTrainerBase(CheckpointingMixin, TrainerSurfaceMixin):
         path = ckpt.resolve_checkpoint(resume, args.output_dir) if resume not in (None, False) else None
         if path is not None:
             self._load(path)
+            self._restore_best()
         if self.is_main_process:
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
             truncate_metrics(args.output_dir, self.step)

@@ -639,6 +639,11 @@ class RecipeConfig(_Validated):
     prompt_column: str = _f("prompt", "Column holding the prompt (text or chat messages).")
     system_prompt: str | None = _f(None, "System message prepended to text prompts (turns them into chats).")
     max_train_samples: int | None = _f(None, "Use only the first N prompts.")
+    eval_dataset: str | None = _f(None, "Eval prompts (same forms as dataset); null = eval_split of dataset, or "
+                                  "eval_fraction held out of it, or no evaluation.")
+    eval_split: str | None = _f(None, "Split of the eval dataset (or of dataset when eval_dataset is null), e.g. 'test'.")
+    eval_fraction: float | None = _f(None, "Hold out this fraction of the training prompts (seeded shuffle) for evaluation.")
+    max_eval_samples: int | None = _f(None, "Use only the first N eval prompts.")
     reward_funcs: list[Any] = _f(["accuracy"], "Reward functions: built-in names, module:function, file.py:function, model paths.")
     tools: list[Any] = _f([], "Tools the model may call (multi-turn rollouts): module:function, file.py:function, python, "
                           "or {name: python, timeout: 5, ...}.")
@@ -646,7 +651,12 @@ class RecipeConfig(_Validated):
                                "or {name: spec} selected by an `environment` column.")
 
     def __post_init__(self) -> None:
-        _positive(self, "lora_r", "lora_alpha", "max_train_samples")
+        _positive(self, "lora_r", "lora_alpha", "max_train_samples", "max_eval_samples")
+        if self.eval_fraction is not None and not 0 < self.eval_fraction < 1:
+            raise ConfigError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.eval_fraction is not None and (self.eval_dataset is not None or self.eval_split is not None):
+            raise ConfigError("eval_fraction holds out training prompts; it cannot be combined with eval_dataset or "
+                              "eval_split — choose one source of eval prompts")
         if not self.reward_funcs and self.environment is None:
             raise ConfigError("reward_funcs is empty: give at least one reward function (or an environment with get_reward)")
 

@@ -37,7 +37,6 @@ from grpo_ascend.phases import PhaseTimer
 from grpo_ascend.ranks import Ranks
 from grpo_ascend.tracking import RunTracker, truncate_metrics
 from grpo_ascend.trainers.checkpointing import CheckpointingMixin
-from grpo_ascend.trainers.evaluating import EvaluationMixin
 from grpo_ascend.trainers.components import (
     build_engine,
     build_optimizer,
@@ -47,6 +46,7 @@ from grpo_ascend.trainers.components import (
     merge_lora_for_rollout,
     total_steps,
 )
+from grpo_ascend.trainers.evaluating import EvaluationMixin
 from grpo_ascend.trainers.surface import TrainerSurfaceMixin
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         if train_dataset is None:
             raise ConfigError("train_dataset is required: a datasets.Dataset with a 'prompt' column")
         args = self.args
+        self._init_evaluation(eval_dataset)  # before loading anything: refuse eval settings without a dataset
         dev.seed_everything(args.seed)
         self.accelerator, self.precision = make_accelerator(args)
         # Chosen once; refuses a launch its engine can't run. The trainer never asks which engine runs.
@@ -104,7 +105,6 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self.strategy.validate_model(self.is_peft)
         self.train_dataset = train_dataset
         self._callbacks = callbacks
-        self._init_evaluation(eval_dataset)
 
     def _build_training(self, reward_funcs: Any, extra_parameters: Sequence[nn.Parameter] = ()) -> None:
         """Optimizer and schedule, the prepared log-prob model, rollout engine, rewards and sampling stream."""

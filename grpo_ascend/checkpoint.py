@@ -293,14 +293,15 @@ def _pause_for_tests(folder: Path) -> None:
     time.sleep(float(seconds))
 
 
-def _prune(root: Path, keep: int, protect: Path) -> None:
-    """Delete the oldest complete checkpoints beyond ``keep``; never ``protect``."""
+def _prune(root: Path, keep: int, protect: Iterable[Path]) -> None:
+    """Delete the oldest complete checkpoints beyond ``keep``; never those in ``protect``."""
+    protect = {Path(p) for p in protect}
     complete = list_checkpoints(root)
     excess = len(complete) - keep
     for path in complete:
         if excess <= 0:
             break
-        if path == protect:
+        if path in protect:
             continue
         shutil.rmtree(path, ignore_errors=True)
         logger.info("deleted old checkpoint %s (save_total_limit=%d)", path, keep)
@@ -371,12 +372,14 @@ def save_checkpoint(
     save_total_limit: int | None = None,
     staging_dir: str | os.PathLike | None = None,
     optimizer_shards: int | None = None,
+    keep: Path | None = None,
 ) -> Path:
     """Write ``output_dir/checkpoint-{step}/`` atomically and return its path. Call on one process only.
 
     RNG states are captured first, so they are exactly those at the call. An existing folder of the
     same step is replaced only after the new one is complete. With ``save_total_limit`` the oldest
-    complete checkpoints beyond that number are deleted afterwards (never the one just written).
+    complete checkpoints beyond that number are deleted afterwards (never the one just written, nor
+    ``keep``: the best checkpoint).
     ``staging_dir`` (from :func:`make_staging_dir`) is the temporary folder to finish, into which
     ``optimizer_shards`` ranks already wrote their optimizer shards; the manifest covers them too.
     """
@@ -391,7 +394,7 @@ def save_checkpoint(
         _write_contents(tmp, step, contents, rng, optimizer_shards)
     _clean_leftovers(root, keep=[final])
     if save_total_limit is not None:
-        _prune(root, save_total_limit, protect=final)
+        _prune(root, save_total_limit, protect=[final] + ([Path(keep)] if keep is not None else []))
     logger.info("saved checkpoint %s", final)
     return final
 

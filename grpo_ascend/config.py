@@ -230,6 +230,27 @@ class BaseRLConfig(_Validated):
         "tables of sample completions. One name is a list of one; 'none' = no tracker; 'all' = every installed one."
     )
     disable_tqdm: bool = _f(False, "Hide the progress bar.")
+    # --- evaluation (docs/evaluation.md) ---
+    eval_strategy: Literal["no", "steps"] = _f(
+        "no", "Evaluate on the eval dataset during training: 'no', or 'steps' (every eval_steps optimizer steps, "
+        "at round boundaries, and at the end)."
+    )
+    eval_steps: int | None = _f(None, "Optimizer steps between evaluations; null = save_steps (or logging_steps when "
+                                "save_steps is 0), so every evaluation has a checkpoint to be the best.")
+    eval_on_start: bool = _f(False, "Evaluate once before the first optimizer step (the starting point of the curve).")
+    num_generations_eval: int | None = _f(None, "Sampled completions per eval prompt (the n of pass@k); null = num_generations.")
+    per_device_eval_batch_size: int = _f(8, "Completions generated per engine call on each device during evaluation.")
+    eval_temperature: float | None = _f(None, "Sampling temperature of the sampled evaluation; null = temperature. "
+                                        "The greedy evaluation always decodes at temperature 0.")
+    eval_pass_threshold: float = _f(1.0, "A completion passes (pass@k, mean@k) when its reward is >= this (per "
+                                    "reward function, and for the weighted total).")
+    metric_for_best_model: str | None = _f(
+        None, "Eval metric that picks the best checkpoint (with or without the 'eval/' prefix, e.g. 'reward' or "
+        "'pass@1'); null = 'eval/reward' when evaluating. The best is named by OUTPUT_DIR/best."
+    )
+    greater_is_better: bool | None = _f(None, "Whether a larger metric_for_best_model is better; null = true "
+                                        "(false when the name ends in 'loss').")
+    load_best_model_at_end: bool = _f(False, "After training, load the best checkpoint's weights into the trainer's model.")
     # --- multi-process ---
     ddp_timeout: int = _f(
         1800, "Seconds a rank waits in a collective for the others (process-group timeout under accelerate "
@@ -280,6 +301,9 @@ class BaseRLConfig(_Validated):
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be >= 1 or null, got {self.save_total_limit}")
+        from grpo_ascend.evaluation import check_eval_config
+
+        check_eval_config(self)
         from grpo_ascend.trackers import check_report_to, installed_trackers
 
         if isinstance(self.report_to, str):  # TRL style: one name, "none" or "all"
@@ -615,6 +639,11 @@ class RecipeConfig(_Validated):
     prompt_column: str = _f("prompt", "Column holding the prompt (text or chat messages).")
     system_prompt: str | None = _f(None, "System message prepended to text prompts (turns them into chats).")
     max_train_samples: int | None = _f(None, "Use only the first N prompts.")
+    eval_dataset: str | None = _f(None, "Eval prompts (same forms as dataset); null = eval_split of dataset, or "
+                                  "eval_fraction held out of it, or no evaluation.")
+    eval_split: str | None = _f(None, "Split of the eval dataset (or of dataset when eval_dataset is null), e.g. 'test'.")
+    eval_fraction: float | None = _f(None, "Hold out this fraction of the training prompts (seeded shuffle) for evaluation.")
+    max_eval_samples: int | None = _f(None, "Use only the first N eval prompts.")
     reward_funcs: list[Any] = _f(["accuracy"], "Reward functions: built-in names, module:function, file.py:function, model paths.")
     tools: list[Any] = _f([], "Tools the model may call (multi-turn rollouts): module:function, file.py:function, python, "
                           "or {name: python, timeout: 5, ...}.")
@@ -622,7 +651,12 @@ class RecipeConfig(_Validated):
                                "or {name: spec} selected by an `environment` column.")
 
     def __post_init__(self) -> None:
-        _positive(self, "lora_r", "lora_alpha", "max_train_samples")
+        _positive(self, "lora_r", "lora_alpha", "max_train_samples", "max_eval_samples")
+        if self.eval_fraction is not None and not 0 < self.eval_fraction < 1:
+            raise ConfigError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.eval_fraction is not None and (self.eval_dataset is not None or self.eval_split is not None):
+            raise ConfigError("eval_fraction holds out training prompts; it cannot be combined with eval_dataset or "
+                              "eval_split — choose one source of eval prompts")
         if not self.reward_funcs and self.environment is None:
             raise ConfigError("reward_funcs is empty: give at least one reward function (or an environment with get_reward)")
 

@@ -359,7 +359,10 @@ def _patch_config_dtype(folder: Path, dtype: torch.dtype) -> None:
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``grpo-ascend export``."""
-    parser.add_argument("checkpoint", help="a checkpoint-N folder, or a run's output_dir (its latest checkpoint)")
+    parser.add_argument("checkpoint", help="a checkpoint-N folder, a run's output_dir (its latest checkpoint, or with "
+                        "--best its best), or OUTPUT_DIR/best")
+    parser.add_argument("--best", action="store_true",
+                        help="export the run's best checkpoint (named by OUTPUT_DIR/best.json; needs evaluation)")
     parser.add_argument("--out", required=True, help="folder to write the export into (created; an earlier export is replaced)")
     parser.add_argument("--merge", action="store_true",
                         help="fold the LoRA adapter into the base model and write a full model")
@@ -371,7 +374,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """``grpo-ascend export CHECKPOINT --out DIR [--merge] [--dtype bf16] [--base-model PATH]``."""
-    out = export_checkpoint(args.checkpoint, args.out, merge=args.merge, dtype=args.dtype, base_model=args.base_model)
+    from grpo_ascend.best_checkpoint import best_checkpoint, resolve_best_path
+
+    source = best_checkpoint(args.checkpoint) if args.best else resolve_best_path(args.checkpoint)
+    out = export_checkpoint(source, args.out, merge=args.merge, dtype=args.dtype, base_model=args.base_model)
     if (out / stored.ADAPTER_CONFIG_NAME).exists():
         print(f"wrote LoRA adapter to {out} (load with PeftModel.from_pretrained(base_model, {str(out)!r}))")
     else:

@@ -1,4 +1,5 @@
-"""``grpo-ascend plot RUN_DIR [RUN_DIR ...]``: reward (per function), KL, length and step time vs step."""
+"""``grpo-ascend plot RUN_DIR [RUN_DIR ...]``: reward (per function; eval reward, greedy reward and pass@1
+when the run evaluated), KL, length and step time vs step."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from grpo_ascend.tracking import METRICS_FILE, read_jsonl
 def _panels(records: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
     keys = {k for r in records for k in r}
     reward_keys = ["reward", *sorted(k for k in keys if k.startswith("rewards/") and k.endswith("/mean"))]
-    panels = [("reward", [k for k in reward_keys if k in keys])]
+    eval_keys = [k for k in ("eval/reward", "eval/greedy/reward", "eval/pass@1") if k in keys]
+    panels = [("reward", [k for k in reward_keys if k in keys] + eval_keys)]
     panels.append(("KL to reference", ["kl"] if "kl" in keys else []))
-    panels.append(("completion length (tokens)", [k for k in ("completion_length/mean",) if k in keys]))
+    panels.append(("completion length (tokens)",
+                   [k for k in ("completion_length/mean", "eval/completion_length/mean") if k in keys]))
     panels.append(("seconds per step", [k for k in ("time/step", "time/generation", "time/training") if k in keys]))
     return panels
 

@@ -29,6 +29,7 @@ def build_trainer(recipe: RecipeConfig, args: BaseRLConfig) -> Any:
         system_prompt=recipe.system_prompt,
         max_samples=recipe.max_train_samples,
     )
+    dataset, eval_dataset = _eval_dataset(recipe, dataset, args.seed)
     peft_config = (
         default_lora_config(recipe.lora_r, recipe.lora_alpha, recipe.lora_dropout, recipe.lora_target_modules)
         if recipe.use_peft
@@ -43,7 +44,7 @@ def build_trainer(recipe: RecipeConfig, args: BaseRLConfig) -> Any:
         from grpo_ascend.trainers.ppo import PPOTrainer
 
         return PPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-                          peft_config=peft_config)
+                          eval_dataset=eval_dataset, peft_config=peft_config)
     from grpo_ascend.trainers.grpo import GRPOTrainer
 
     tool_options: dict[str, Any] = {}
@@ -56,7 +57,36 @@ def build_trainer(recipe: RecipeConfig, args: BaseRLConfig) -> Any:
 
         tool_options["environment_factory"] = load_environment_factory(recipe.environment)
     return GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
-                       peft_config=peft_config, **tool_options)
+                       eval_dataset=eval_dataset, peft_config=peft_config, **tool_options)
+
+
+def _eval_dataset(recipe: RecipeConfig, dataset: Any, seed: int) -> tuple[Any, Any]:
+    """(train prompts, eval prompts or None) from eval_dataset / eval_split / eval_fraction."""
+    from grpo_ascend.data import load_prompt_dataset
+
+    if recipe.eval_fraction is not None:
+        n_eval = max(1, round(len(dataset) * recipe.eval_fraction))
+        if n_eval >= len(dataset):
+            raise ConfigError(f"eval_fraction {recipe.eval_fraction} of {len(dataset)} prompts leaves none to train on")
+        parts = dataset.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
+        held_out = parts["test"]
+        if recipe.max_eval_samples is not None:
+            held_out = held_out.select(range(min(recipe.max_eval_samples, len(held_out))))
+        return parts["train"], held_out
+    if recipe.eval_dataset is None and recipe.eval_split is None:
+        return dataset, None
+    spec = recipe.eval_dataset if recipe.eval_dataset is not None else recipe.dataset
+    eval_ds = load_prompt_dataset(
+        spec,
+        split=recipe.eval_split or "train",
+        config_name=recipe.dataset_config,
+        synthetic_kwargs={**recipe.dataset_kwargs, "seed": recipe.dataset_kwargs.get("seed", 0) + 1}
+        if spec.startswith("synthetic:") else recipe.dataset_kwargs,
+        prompt_column=recipe.prompt_column,
+        system_prompt=recipe.system_prompt,
+        max_samples=recipe.max_eval_samples,
+    )
+    return dataset, eval_ds
 
 
 def _model_path(name: str) -> str:

@@ -46,6 +46,7 @@ from grpo_ascend.trainers.components import (
     merge_lora_for_rollout,
     total_steps,
 )
+from grpo_ascend.trainers.evaluating import EvaluationMixin
 from grpo_ascend.trainers.surface import TrainerSurfaceMixin
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class RoundLog:
     steps: int = 0
 
 
-class RLTrainerBase(CheckpointingMixin, TrainerSurfaceMixin):
+class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
     """Shared machinery; see the module docstring."""
 
     config_class: type[BaseRLConfig] = BaseRLConfig
@@ -76,6 +77,7 @@ class RLTrainerBase(CheckpointingMixin, TrainerSurfaceMixin):
         processing_class: Any = None,
         peft_config: Any = None,
         callbacks: Sequence[Any] | None = None,
+        eval_dataset: Any = None,
     ):
         """The run and its policy: accelerator, distributed strategy, batch plan, policy and tokenizer.
 
@@ -88,6 +90,7 @@ class RLTrainerBase(CheckpointingMixin, TrainerSurfaceMixin):
         if train_dataset is None:
             raise ConfigError("train_dataset is required: a datasets.Dataset with a 'prompt' column")
         args = self.args
+        self._init_evaluation(eval_dataset)  # before loading anything: refuse eval settings without a dataset
         dev.seed_everything(args.seed)
         self.accelerator, self.precision = make_accelerator(args)
         # Chosen once; refuses a launch its engine can't run. The trainer never asks which engine runs.
@@ -275,13 +278,20 @@ class RLTrainerBase(CheckpointingMixin, TrainerSurfaceMixin):
         """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True."""
         self._begin(resume_from_checkpoint)
         try:
+            if self._evaluating() and self.args.eval_on_start and self.step == 0:
+                self._evaluate_in_run()
             while self.step < self.max_steps and not self.control.should_training_stop:
                 self._train_round()
                 self.round_index += 1
+                if self._should_evaluate():
+                    self._evaluate_in_run()
                 if self._should_save():
                     self._save()
+            if self._evaluating() and self._last_eval_step != self.step:
+                self._evaluate_in_run()  # the last weights are evaluated (and can be the best)
             if self._last_saved_step != self.step:
                 self._save()
+            self._load_best_at_end()
         except BaseException:
             assert self.tracker is not None
             self.tracker.abort()
@@ -297,6 +307,7 @@ class RLTrainerBase(CheckpointingMixin, TrainerSurfaceMixin):
         path = ckpt.resolve_checkpoint(resume, args.output_dir) if resume not in (None, False) else None
         if path is not None:
             self._load(path)
+            self._restore_best()
         if self.is_main_process:
             Path(args.output_dir).mkdir(parents=True, exist_ok=True)
             truncate_metrics(args.output_dir, self.step)

@@ -69,6 +69,7 @@ class CheckpointingMixin:
         per_rank = self._per_rank_random_state()
         module = self._trainable_module()
         state = self.strategy.save_state(module, self.optimizer, self.args.output_dir, self.step)
+        best = self._best_candidate()
         with self._gathered_trainable():  # every rank gathers (if partitioned), the main rank writes
             if self.is_main_process:
                 contents = ckpt.CheckpointContents(
@@ -84,7 +85,9 @@ class CheckpointingMixin:
                     trainable_weights=state.trainable_weights,
                 )
                 ckpt.save_checkpoint(self.args.output_dir, self.step, contents, save_total_limit=self.args.save_total_limit,
-                                     staging_dir=state.staging_dir, optimizer_shards=state.optimizer_shards)
+                                     staging_dir=state.staging_dir, optimizer_shards=state.optimizer_shards,
+                                     keep=best)
+                self._write_best()
         self._last_saved_step = self.step
         self.accelerator.wait_for_everyone()
         self._event("on_save")

@@ -49,6 +49,7 @@ class GRPOTrainer(RLTrainerBase):
         reward_funcs: Any,
         args: GRPOConfig | None = None,
         train_dataset: Any = None,
+        eval_dataset: Any = None,
         processing_class: Any = None,
         peft_config: Any = None,
         tools: Any = None,
@@ -81,7 +82,7 @@ class GRPOTrainer(RLTrainerBase):
             reward_funcs = _as_list(reward_funcs) + env_rewards
             if cfg.reward_weights is not None and env_rewards:
                 cfg = dataclasses.replace(cfg, reward_weights=list(cfg.reward_weights) + [1.0] * len(env_rewards))
-        super().__init__(model, cfg, train_dataset, processing_class, peft_config, callbacks)
+        super().__init__(model, cfg, train_dataset, processing_class, peft_config, callbacks, eval_dataset)
         self._build_training(reward_funcs)
         if toolset is not None:
             self.engine = build_tool_rollout(self.engine, self.tokenizer, self.args, toolset, pool)

@@ -63,6 +63,7 @@ class PPOTrainer(RLTrainerBase):
         reward_funcs: Any,
         args: PPOConfig | None = None,
         train_dataset: Any = None,
+        eval_dataset: Any = None,
         processing_class: Any = None,
         peft_config: Any = None,
         callbacks: Any = None,
@@ -78,7 +79,7 @@ class PPOTrainer(RLTrainerBase):
             max_completion_length=cfg.max_completion_length,
         )
         self.kl_ctl = make_kl_controller(cfg.kl_coef, cfg.adaptive_kl, cfg.target_kl, cfg.kl_horizon)
-        super().__init__(model, cfg, train_dataset, processing_class, peft_config, callbacks)
+        super().__init__(model, cfg, train_dataset, processing_class, peft_config, callbacks, eval_dataset)
         self.critic = critic = build_critic(self.policy, cfg.critic_init, cfg.critic_model)
         critic.module.share_prompts = cfg.share_prompt_prefill
         self._build_training(reward_funcs, extra_parameters=critic.trainable)

@@ -1,0 +1,188 @@
+"""Evaluation for :class:`~grpo_ascend.trainers.base.RLTrainerBase`: ``trainer.evaluate()``, evaluation
+during training (``eval_strategy``), the best checkpoint and ``load_best_model_at_end``.
+
+Evaluation never changes training: it samples from its own generator (seeded from ``seed``, the
+same noise at every evaluation, so two evaluations differ only by the weights), and the global
+RNG states it may touch are restored afterwards. Every rank generates its slice of the eval
+prompts inside one :meth:`_rollout_context` (sharded engines gather the whole weights there, all
+ranks together) and the metrics are summed over ranks (see grpo_ascend/evaluation.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo_ascend import device as dev
+from grpo_ascend.data import check_prompt_dataset, is_conversational
+from grpo_ascend.errors import ConfigError
+from grpo_ascend.evaluation import (
+    best_metric_name,
+    eval_sums,
+    finish_eval_metrics,
+    greater_is_better,
+    is_better,
+    resolved_eval_steps,
+)
+from grpo_ascend.experience import completions_for_rewards
+
+logger = logging.getLogger(__name__)
+
+#: Offset of the evaluation generator's seed from the run's seed (a stream of its own).
+_EVAL_SEED_OFFSET = 50_000_017
+
+
+class EvaluationMixin:
+    """``evaluate()`` and the run loop's evaluation hooks."""
+
+    def _init_evaluation(self, eval_dataset: Any) -> None:
+        args = self.args
+        if eval_dataset is not None:
+            check_prompt_dataset(eval_dataset)
+        elif args.eval_strategy != "no":
+            raise ConfigError(f"eval_strategy is {args.eval_strategy!r} but there is no eval dataset: pass "
+                              "eval_dataset= (recipes: eval_dataset, eval_split or eval_fraction), or set eval_strategy: no")
+        self.eval_dataset = eval_dataset
+        self._last_eval_step = -1
+        self._last_eval_metrics: dict[str, float] | None = None
+        self._best: tuple[int, float] | None = None  # (step, value) of the best saved checkpoint
+
+    # ------------------------------------------------------------------------------ public
+    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Evaluate the current policy on ``eval_dataset`` (default: the trainer's); every rank must call.
+
+        Returns the metrics with ``metric_key_prefix/`` names, logs them (metrics.jsonl and the
+        trackers while a run is open, ``state.log_history`` always) and fires ``on_evaluate``.
+        """
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ConfigError("evaluate() has no dataset: pass eval_dataset= to the trainer or to evaluate()")
+        if hasattr(self.engine, "generate_rows"):
+            raise ConfigError("evaluation of tool-calling or rollout_func runs is not supported: their rollouts "
+                              "need the environment; evaluate the exported model separately")
+        started = time.perf_counter()
+        sums, names, n = self._eval_sums(dataset)
+        metrics = finish_eval_metrics(self.ranks.sum_scalars(sums) if self.ranks.world > 1 else sums, names, n)
+        metrics["runtime"] = time.perf_counter() - started
+        record = {f"{metric_key_prefix}/{k}": v for k, v in metrics.items()}
+        if self.tracker is not None:
+            self.tracker.log(self.step, record)
+        self.state.log_history.append({**record, "step": self.step})
+        self._event("on_log", logs=record)
+        self._event("on_evaluate", metrics=record)
+        return record
+
+    # ------------------------------------------------------------------------------ generation
+    def _eval_sums(self, dataset: Any) -> tuple[dict[str, float], list[str], int]:
+        """This rank's additive statistics over its slice (rows rank, rank + world, …) of ``dataset``."""
+        args, ranks = self.args, self.ranks
+        n = args.num_generations_eval or args.num_generations
+        base = self.engine.params
+        temperature = args.eval_temperature if args.eval_temperature is not None else base.temperature
+        sampled_params = dataclasses.replace(base, num_generations=n, temperature=temperature)
+        greedy_params = dataclasses.replace(base, num_generations=1, temperature=0.0)
+        rows = [dataset[i] for i in range(ranks.rank, len(dataset), ranks.world)]
+        per_call = max(1, args.per_device_eval_batch_size // n)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(args.seed + _EVAL_SEED_OFFSET + 1000 * ranks.rank)
+        saved_rng = dev.rng_state(self.device)
+        was_training = self.policy.training
+        sampled, greedy = [], []
+        try:
+            with torch.no_grad(), self._rollout_context():  # all ranks enter once (whole weights if sharded)
+                for start in range(0, len(rows), per_call):
+                    chunk = rows[start : start + per_call]
+                    sampled.append(self._eval_generate(chunk, sampled_params, generator))
+                    greedy.append(self._eval_generate(chunk, greedy_params, None))
+        finally:
+            dev.set_rng_state(saved_rng, self.device)
+            self.policy.train(was_training)
+        names = sampled[0]["names"] if sampled else list(self.rewards.names)
+        return eval_sums(_join(sampled, len(names)), _join(greedy, len(names)), names, n,
+                         args.eval_pass_threshold), names, n
+
+    def _eval_generate(self, rows: list[dict[str, Any]], params: Any, generator: Any) -> dict[str, Any]:
+        """Generate and score one chunk of eval prompts; reward logging calls are ignored."""
+        prompts = [r["prompt"] for r in rows]
+        G = params.num_generations
+        batch = self.engine.generate(prompts, params=params, generator=generator)
+        completions = completions_for_rewards(batch, is_conversational(prompts[0]))
+        lengths = batch.completion_mask.sum(1)
+        completion_ids = [ids[:k] for ids, k in zip(batch.completion_ids.tolist(), lengths.tolist())]
+        columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+        scored = self.rewards([p for p in prompts for _ in range(G)], completions, completion_ids, columns,
+                              trainer_state=self._trainer_state_for_rewards(),
+                              log_metric=lambda *a: None, log_extra=lambda *a: None)
+        return {"total": scored.total.float().cpu(), "per_function": scored.per_function.float().cpu(),
+                "lengths": lengths.cpu(), "names": list(scored.names)}
+
+    # ------------------------------------------------------------------------------ in the run
+    def _evaluating(self) -> bool:
+        return self.args.eval_strategy != "no" and self.eval_dataset is not None
+
+    def _should_evaluate(self) -> bool:
+        """Whether an eval step was crossed in the round just finished (evaluations sit at round ends)."""
+        if not self._evaluating():
+            return False
+        every = resolved_eval_steps(self.args)
+        return self.step // every > max(self._last_eval_step, 0) // every
+
+    def _evaluate_in_run(self) -> None:
+        self._last_eval_metrics = self.evaluate()
+        self._last_eval_step = self.step
+
+    def _best_candidate(self) -> Path | None:
+        """Before saving step N: the checkpoint to keep as the best (updated when step N's evaluation wins)."""
+        root = Path(self.args.output_dir)
+        if self._last_eval_metrics is not None and self._last_eval_step == self.step:
+            key = "eval/" + best_metric_name(self.args)
+            if key not in self._last_eval_metrics:
+                raise ConfigError(f"metric_for_best_model {self.args.metric_for_best_model!r} is not an eval metric; "
+                                  f"choose one of {sorted(k.removeprefix('eval/') for k in self._last_eval_metrics)}")
+            value = float(self._last_eval_metrics[key])
+            if is_better(value, None if self._best is None else self._best[1], greater_is_better(self.args)):
+                self._best = (self.step, value)
+        return None if self._best is None else root / f"checkpoint-{self._best[0]}"
+
+    def _write_best(self) -> None:
+        """After a save: point OUTPUT_DIR/best at the best checkpoint (main process)."""
+        from grpo_ascend.best_checkpoint import write_best_pointer
+
+        if self._best is not None and self.is_main_process:
+            step, value = self._best
+            write_best_pointer(self.args.output_dir, Path(self.args.output_dir) / f"checkpoint-{step}",
+                               "eval/" + best_metric_name(self.args), value)
+
+    def _restore_best(self) -> None:
+        """On resume: the best so far from best.json (if it names a step not after the resumed one)."""
+        from grpo_ascend.best_checkpoint import read_best_pointer
+
+        self._last_eval_step = self.step  # the resumed checkpoint's step was evaluated before it was saved
+        record = read_best_pointer(self.args.output_dir)
+        if record is not None and int(record["step"]) <= self.step:
+            self._best = (int(record["step"]), float(record["value"]))
+
+    def _load_best_at_end(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights into the model (every rank)."""
+        from grpo_ascend import checkpoint as ckpt
+
+        if not self.args.load_best_model_at_end or self._best is None:
+            return
+        path = Path(self.args.output_dir) / f"checkpoint-{self._best[0]}"
+        self.accelerator.wait_for_everyone()
+        module = self._trainable_module()
+        with self.strategy.loading(module):
+            ckpt.load_checkpoint(path, model=module, restore_rng=False)
+        logger.info("loaded the best checkpoint %s (%s = %g)", path, best_metric_name(self.args), self._best[1])
+
+
+def _join(parts: list[dict[str, Any]], num_functions: int) -> dict[str, Any]:
+    """Concatenate chunk results (an empty slice gives empty tensors of the right widths)."""
+    if not parts:
+        return {"total": torch.zeros(0), "per_function": torch.zeros(0, num_functions), "lengths": torch.zeros(0)}
+    return {key: torch.cat([p[key] for p in parts]) for key in ("total", "per_function", "lengths")}

@@ -156,6 +156,10 @@ class BaseRLConfig(_Validated):
 
     # --- run ---
     output_dir: str = _f("outputs/run", "Folder for metrics.jsonl, samples.jsonl, checkpoints and exports.")
+    model_init_kwargs: dict[str, Any] | None = _f(
+        None, "Keyword arguments for from_pretrained when the trainer loads model from a path (TRL's meaning), e.g. "
+        "{dtype: bfloat16, revision: main, trust_remote_code: true}; dtype defaults to float32."
+    )
     seed: int = _f(42, "Seed for every RNG (python, numpy, torch, device); sampling is reproducible with it.")
     device: str = _f("auto", "'auto' (the best accelerator present, else the CPU) or an explicit device type with an optional index.")
     max_steps: int = _f(-1, "Optimizer steps to run; -1 = derive from num_train_epochs and the dataset size.")
@@ -230,6 +234,17 @@ class BaseRLConfig(_Validated):
         "tables of sample completions. One name is a list of one; 'none' = no tracker; 'all' = every installed one."
     )
     disable_tqdm: bool = _f(False, "Hide the progress bar.")
+    # --- Hugging Face Hub (transformers' meanings; docs/trl_compatibility.md) ---
+    push_to_hub: bool = _f(False, "Create the Hub repo when the trainer is built, push the saved model on save_model() and "
+                           "per hub_strategy; trainer.push_to_hub() pushes whatever this says.")
+    hub_model_id: str | None = _f(None, "Hub repo ('user/name' or 'name' under your account); null = output_dir's folder name.")
+    hub_strategy: Literal["end", "every_save", "checkpoint", "all_checkpoints"] = _f(
+        "every_save", "With push_to_hub: 'end' (only save_model / push_to_hub), 'every_save' (also the model at each "
+        "checkpoint), 'checkpoint' (also the latest checkpoint folder as last-checkpoint/), 'all_checkpoints' (every one)."
+    )
+    hub_token: str | None = _f(None, "Hub token with write access; null = the logged-in one (hf auth login) or HF_TOKEN.")
+    hub_private_repo: bool | None = _f(None, "Create the repo private; null = the Hub's default for your account.")
+    hub_revision: str | None = _f(None, "Branch to push to; null = main.")
     # --- evaluation (docs/evaluation.md) ---
     eval_strategy: Literal["no", "steps"] = _f(
         "no", "Evaluate on the eval dataset during training: 'no', or 'steps' (every eval_steps optimizer steps, "

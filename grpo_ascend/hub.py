@@ -30,22 +30,26 @@ def hf_api() -> Any:
     return HfApi()
 
 
-def _explain(action: str, repo: str, exc: Exception) -> HubError:
+def _explain(action: str, repo: str, exc: Exception | str) -> HubError:
+    """One error that names the failure and the fix (``exc``: the client's exception, or our own reason)."""
     from huggingface_hub import constants
 
-    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    name = type(exc).__name__
+    if isinstance(exc, Exception):
+        name = type(exc).__name__
+        reason = f"{str(exc).splitlines()[0] if str(exc) else name} ({name})"
+    else:
+        name, reason = "", exc
     if constants.HF_HUB_OFFLINE or name == "OfflineModeIsEnabled":
-        fix = ("HF_HUB_OFFLINE is set, so nothing can be uploaded: unset it (and HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE "
-               "in your environment) on a machine with network access")
-    elif name in ("LocalTokenNotFoundError",) or "401" in reason or "token" in reason.lower():
+        fix = ("HF_HUB_OFFLINE is set, so nothing can be uploaded: unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) "
+               "on a machine with network access")
+    elif name == "LocalTokenNotFoundError" or "401" in reason or "token" in reason.lower():
         fix = "log in with `hf auth login`, set HF_TOKEN, or pass hub_token= (a token with write access)"
     elif "403" in reason:
         fix = "the token has no write access to that repo: use a write token, or a hub_model_id under your own account"
     else:
         fix = "check the network connection to the Hub (HF_ENDPOINT) and the repo name"
-    return HubError(f"push_to_hub: could not {action} {repo!r}: {reason} ({name}). To fix: {fix}; or set "
-                    "push_to_hub=False and upload the saved folder later with `hf upload REPO OUTPUT_DIR`")
+    return HubError(f"push_to_hub: could not {action} {repo!r}: {reason}. To fix: {fix}; or set push_to_hub=False "
+                    "and upload the saved folder later with `hf upload REPO OUTPUT_DIR`")
 
 
 def repo_name(hub_model_id: str | None, output_dir: str | os.PathLike) -> str:
@@ -53,8 +57,19 @@ def repo_name(hub_model_id: str | None, output_dir: str | os.PathLike) -> str:
     return hub_model_id if hub_model_id else Path(output_dir).absolute().name
 
 
+def _check_reachable(action: str, repo: str, token: str | None) -> None:
+    """Offline mode and a missing token are known before any request: say so at once (no network wait)."""
+    from huggingface_hub import constants, get_token
+
+    if constants.HF_HUB_OFFLINE:
+        raise _explain(action, repo, "offline mode is enabled")
+    if token is None and get_token() is None:
+        raise _explain(action, repo, "no Hub token: not logged in and HF_TOKEN is not set")
+
+
 def create_repo(name: str, token: str | None, private: bool | None) -> str:
     """Create the model repo (or find it) and return its full id ``user/name``."""
+    _check_reachable("create the Hub repo", name, token)
     try:
         return hf_api().create_repo(name, token=token, private=private, exist_ok=True).repo_id
     except Exception as exc:  # every failure of the Hub client becomes one clear error
@@ -65,6 +80,7 @@ def upload(repo_id: str, folder: str | os.PathLike, commit_message: str, token: 
            revision: str | None, path_in_repo: str | None = None, ignore: list[str] | None = None,
            blocking: bool = True) -> Any:
     """Upload ``folder`` into ``repo_id`` (under ``path_in_repo``); a CommitInfo, or a Future when not blocking."""
+    _check_reachable("upload to", repo_id, token)
     try:
         return hf_api().upload_folder(repo_id=repo_id, folder_path=str(folder), path_in_repo=path_in_repo,
                                       commit_message=commit_message, token=token, revision=revision,

@@ -196,9 +196,6 @@ _LOADER = "there is no DataLoader: prompts are drawn by a seeded, resumable samp
 _DDP = "DDP tuning knob; data parallelism is accelerate's DDP with its defaults"
 _LOG = "logging detail; metrics go to metrics.jsonl and report_to's trackers"
 _SPEED = "speed or memory only; the built-in engine and kernels are used"
-_ENGINES = ("distributed engines are chosen from the accelerate launch config (DeepSpeed, FSDP2; "
-            "docs/distributed.md), not from the trainer config")
-
 TRL_FIELDS: dict[str, TRLField] = {
     # --- transformers.TrainingArguments ---
     "output_dir": same("TRL's default 'trainer_output' applies when unset"),
@@ -316,11 +313,8 @@ TRL_FIELDS: dict[str, TRLField] = {
     "ddp_bucket_cap_mb": ignored(_DDP),
     "ddp_broadcast_buffers": ignored(_DDP),
     "ddp_static_graph": ignored(_DDP),
-    "ddp_backend": ignored("the collective backend follows the device (HCCL, NCCL, gloo)"),
+    "ddp_backend": ignored("the collective backend follows the device (grpo_ascend/device.py)"),
     "ddp_timeout": same("on Ascend HCCL_EXEC_TIMEOUT is derived from it"),
-    "fsdp": refused(_ENGINES),
-    "fsdp_config": refused(_ENGINES),
-    "deepspeed": refused(_ENGINES),
     "debug": ignored("transformers' debug modes (underflow / TPU metrics)"),
     "skip_memory_metrics": ignored("memory/peak_gb metrics are always logged"),
     "do_train": ignored("a flag for scripts; the trainer never reads it (nor does transformers')"),
@@ -391,8 +385,9 @@ TRL_FIELDS: dict[str, TRLField] = {
     "ref_model_mixup_alpha": ignored("applies only to sync_ref_model=True (refused)"),
     "ref_model_sync_steps": ignored("applies only to sync_ref_model=True (refused)"),
     "top_entropy_quantile": refused("masking all but the highest-entropy tokens is not implemented"),
-    "entropy_coef": same("the bonus is aggregated like the policy term (per loss_type); TRL always takes the mean "
-                         "per-token entropy: the same for dapo and bnpo", differs=True),
+    "entropy_coef": same("the bonus is aggregated like the policy term (per loss_type); TRL always takes each "
+                         "micro-batch's mean per-token entropy: equal for bnpo / dapo when micro-batches hold "
+                         "equal token counts, weighted differently for grpo / dr_grpo", differs=True),
     "use_adaptive_entropy": refused("the adaptive entropy coefficient is not implemented"),
     "entropy_coef_min": ignored("applies only to use_adaptive_entropy=True (refused)"),
     "entropy_coef_max": ignored("applies only to use_adaptive_entropy=True (refused)"),
@@ -419,6 +414,19 @@ TRL_FIELDS: dict[str, TRLField] = {
     "vllm_importance_sampling_cap": ignored(_VLLM),
 }
 
+def _with_engine_fields(table: dict[str, TRLField]) -> dict[str, TRLField]:
+    """Insert the engine-choosing fields (their classification is grpo_ascend/dist's) at their place in TRL's order."""
+    from grpo_ascend.dist.trl_config import AFTER, ENGINE_FIELDS
+
+    out: dict[str, TRLField] = {}
+    for name, entry in table.items():
+        out[name] = entry
+        if name == AFTER:
+            out.update({field: refused(why) for field, why in ENGINE_FIELDS.items()})
+    return out
+
+
+TRL_FIELDS = _with_engine_fields(TRL_FIELDS)
 for _name, _entry in TRL_FIELDS.items():
     if _entry.kind == "mapped" and not _entry.targets and _entry.convert is None:
         object.__setattr__(_entry, "targets", (_name,))

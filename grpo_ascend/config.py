@@ -325,6 +325,9 @@ class BaseRLConfig(_Validated):
             self.report_to = installed_trackers() if self.report_to == "all" else [self.report_to]
         self.report_to = check_report_to(self.report_to)
         self.batch_plan(int(os.environ.get("WORLD_SIZE", "1")))
+        if self.model_init_kwargs:  # torch dtypes by name, so the config stays JSON (checkpoints, trackers)
+            self.model_init_kwargs = {k: str(v).removeprefix("torch.") if type(v).__name__ == "dtype" else v
+                                      for k, v in self.model_init_kwargs.items()}
         if self.resume_from_checkpoint is True:
             self.resume_from_checkpoint = "latest"
         elif self.resume_from_checkpoint is False:

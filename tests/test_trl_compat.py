@@ -6,6 +6,7 @@ import dataclasses
 import warnings
 
 import pytest
+import torch
 
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.trl_compat import (
@@ -81,7 +82,7 @@ def test_mapping_of_changed_fields(tmp_path):
         lr_scheduler_type="cosine", warmup_steps=0.1, eval_strategy="steps", eval_steps=5,
         metric_for_best_model="eval_pass@1", save_strategy="no", pad_to_multiple_of=16,
         generation_kwargs={"top_k": 5, "stop_strings": "</answer>"}, top_k=50, use_cpu=True,
-        model_init_kwargs={"dtype": "bfloat16"}, trust_remote_code=True, log_completions=True, logging_steps=3,
+        model_init_kwargs={"dtype": torch.bfloat16}, trust_remote_code=True, log_completions=True, logging_steps=3,
         num_completions_to_print=2, report_to="none", push_to_hub=False, hub_model_id="me/run",
     )
     ours, caught = _convert(cfg)
@@ -94,7 +95,7 @@ def test_mapping_of_changed_fields(tmp_path):
     assert (ours.metric_for_best_model, ours.greater_is_better) == ("pass@1", True)
     assert ours.save_steps == 0 and ours.length_bucket == 16 and ours.device == "cpu"
     assert ours.top_k == 5 and ours.stop_strings == ["</answer>"]  # generation_kwargs override, as TRL
-    assert ours.model_init_kwargs == {"dtype": "bfloat16", "trust_remote_code": True}
+    assert ours.model_init_kwargs == {"dtype": "bfloat16", "trust_remote_code": True}  # by name: JSON-safe
     assert (ours.log_completions_steps, ours.logging_steps, ours.num_completions_to_print) == (3, 3, 2)
     assert ours.report_to == [] and ours.hub_model_id == "me/run"
 
@@ -166,7 +167,14 @@ def test_trainer_takes_a_trl_config_and_has_the_trl_surface(tmp_path, tiny_model
             assert hasattr(trainer, attr), f"docs/trl_compatibility.md lists trainer.{attr}"
     trainer.train()
     assert trainer.state.global_step == 1
-    trainer.end()  # closes what is still open; the single process has no group to destroy
+    # end(): TRL's / transformers' Trainer.end = accelerator.end_training (trackers, process group); ours
+    # also finishes any of our trackers still open (train() closes its own at the end)
+    closed, ended = [], []
+    trainer.tracker.trackers.append(type("Open", (), {"close": lambda self: closed.append(True)})())
+    end_training = trainer.accelerator.end_training
+    trainer.accelerator.end_training = lambda: (ended.append(True), end_training())
+    trainer.end()
+    assert closed == [True] and ended == [True] and trainer.tracker.trackers == []
     with pytest.raises(ConfigError, match="quantized base models"):
         GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[len], args=cfg, train_dataset=data,
                     quantization_config={"load_in_4bit": True})
@@ -174,3 +182,14 @@ def test_trainer_takes_a_trl_config_and_has_the_trl_surface(tmp_path, tiny_model
 
 def test_compatibility_doc_is_fresh():
     assert update_doc(check=True), "run: python -m grpo_ascend.trl_compat"
+
+
+def test_model_init_kwargs_reach_from_pretrained(tiny_model_dir):
+    from grpo_ascend.models import load_causal_lm, load_tokenizer
+
+    model = load_causal_lm(str(tiny_model_dir), init_kwargs={"dtype": "bfloat16", "attn_implementation": "eager"})
+    assert next(model.parameters()).dtype == torch.bfloat16 and model.config._attn_implementation == "eager"
+    assert next(load_causal_lm(str(tiny_model_dir), init_kwargs={"revision": None}).parameters()).dtype == torch.float32
+    assert load_tokenizer(str(tiny_model_dir), init_kwargs={"trust_remote_code": False}).padding_side == "left"
+    with pytest.raises(ConfigError, match="model dtype 'float8'"):
+        load_causal_lm(str(tiny_model_dir), init_kwargs={"dtype": "float8"})

@@ -215,6 +215,8 @@ class BaseRLConfig(_Validated):
     bf16: bool | None = _f(None, "bf16 autocast; null = on when the device supports it and is not the CPU.")
     fp16: bool = _f(False, "fp16 autocast with a dynamic grad scaler (older Ascend parts).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    disable_dropout: bool = _f(False, "Set every dropout layer's probability to 0 (LoRA's included), so the same "
+                               "input gets the same log-probs in sampling and in training (TRL's meaning).")
     logprob_chunk_size: int = _f(128, "Sequence chunk for log-prob/entropy computation (bounds full-vocab memory).")
     share_prompt_prefill: bool = _f(
         True, "Run each prompt once per group in the log-prob forward/backward (its keys/values are shared "

@@ -129,7 +129,7 @@ TRAINER_SURFACE: list[tuple[str, str, str]] = [
     ("GRPOTrainer(model=...)", "supported", "a path, hub id, builtin:* name or a loaded PreTrainedModel"),
     ("GRPOTrainer(reward_funcs=...)", "supported", "callables (sync or async), module:function strings, reward-model "
      "paths (docs/rewards.md)"),
-    ("GRPOTrainer(args=...)", "differs", "ours, or TRL's GRPOConfig converted per the table below"),
+    ("GRPOTrainer(args=...)", "differs", "ours, or TRL's GRPOConfig converted per the tables above"),
     ("GRPOTrainer(train_dataset=...)", "supported", "a datasets.Dataset with a prompt column"),
     ("GRPOTrainer(eval_dataset=...)", "supported", "docs/evaluation.md"),
     ("GRPOTrainer(processing_class=...)", "supported", "a tokenizer (text models only)"),
@@ -153,7 +153,7 @@ TRAINER_SURFACE: list[tuple[str, str, str]] = [
     ("optimizer", "supported", "torch AdamW (prepared by the distributed strategy)"),
     ("lr_scheduler", "supported", "a LambdaLR"),
     ("hub_model_id", "supported", "the repo's full id once the repo exists, else None"),
-    ("train(resume_from_checkpoint=...)", "supported", "a path, True or 'latest'; returns the run summary, not a "
+    ("train(resume_from_checkpoint=...)", "differs", "a path, True or 'latest'; returns the run summary, not a "
      "TrainOutput"),
     ("evaluate()", "supported", "docs/evaluation.md"),
     ("save_model(output_dir)", "supported", "the LoRA adapter in PEFT's format (or the full model) plus tokenizer"),

@@ -326,8 +326,7 @@ TRL_FIELDS: dict[str, TRLField] = {
     "model_init_kwargs": to("model_init_kwargs", "dtype defaults to float32, as TRL", _model_init_kwargs),
     "trust_remote_code": to("model_init_kwargs", "becomes model_init_kwargs['trust_remote_code']", _nothing),
     "router_aux_loss_coef": refused("the MoE load-balancing loss is not added to the GRPO loss"),
-    "disable_dropout": refused("not implemented; give the model zero dropout (e.g. model_init_kwargs="
-                               "{'attention_dropout': 0.0}) instead"),
+    "disable_dropout": same("every nn.Dropout (LoRA's included) gets p=0, as TRL"),
     "cast_lm_head_to_fp32": refused("an fp32 output head is not implemented; it changes the log-probs"),
     "num_generations": same(),
     "num_generations_eval": same(),

@@ -193,3 +193,16 @@ def test_model_init_kwargs_reach_from_pretrained(tiny_model_dir):
     assert load_tokenizer(str(tiny_model_dir), init_kwargs={"trust_remote_code": False}).padding_side == "left"
     with pytest.raises(ConfigError, match="model dtype 'float8'"):
         load_causal_lm(str(tiny_model_dir), init_kwargs={"dtype": "float8"})
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_disable_dropout_zeroes_every_dropout_lora_included(tiny_model_dir, disable):
+    from peft import LoraConfig
+
+    from grpo_ascend.config import GRPOConfig
+    from grpo_ascend.trainers.components import build_policy
+
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    policy, _ = build_policy(str(tiny_model_dir), None, lora, GRPOConfig(disable_dropout=disable), torch.device("cpu"))
+    rates = {m.p for m in policy.modules() if isinstance(m, torch.nn.Dropout)}
+    assert rates == ({0.0} if disable else {0.3})

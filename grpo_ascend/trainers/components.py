@@ -38,6 +38,10 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
     policy = load_causal_lm(model, init_kwargs=args.model_init_kwargs)
     tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class, args.model_init_kwargs)
     policy = apply_peft(policy, peft_config)
+    if args.disable_dropout:
+        for module in policy.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
     if args.gradient_checkpointing:
         if hasattr(policy, "activation_checkpointing_enable"):  # the name since transformers 5
             policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -185,6 +185,10 @@ class BaseRLConfig(_Validated):
     min_p: float | None = _f(None, "Drop tokens below min_p × the top probability; null = off.")
     repetition_penalty: float = _f(1.0, "Penalty > 1 discourages tokens already generated; 1 = off.")
     stop_strings: list[str] = _f([], "Extra strings that end a completion (EOS always does).")
+    chat_template_kwargs: dict[str, Any] | None = _f(
+        None, "Keyword arguments for the tokenizer's apply_chat_template when chat prompts are rendered, e.g. "
+        "{enable_thinking: false} (TRL's meaning; tool rollouts too)."
+    )
     rollout_merge_lora: bool | None = _f(
         None, "Fold LoRA into the weights while generating (one matmul per linear layer instead of three; "
         "costs a copy of the adapted weights meanwhile); null = when that copy fits in a quarter of free memory."

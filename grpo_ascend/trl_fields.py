@@ -345,8 +345,7 @@ TRL_FIELDS: dict[str, TRLField] = {
     "generation_kwargs": to(tuple(sorted(_GENERATION_KEYS)), "only the keys temperature, top_p, top_k, min_p, "
                             "repetition_penalty, stop_strings (overriding the fields, as TRL); others refused",
                             _generation_kwargs, differs=True),
-    "chat_template_kwargs": refused("apply_chat_template options for prompts are not implemented; they change "
-                                    "the prompts (e.g. enable_thinking)"),
+    "chat_template_kwargs": same(),
     "repetition_penalty": same(),
     "cache_implementation": ignored("the rollout engine has its own bucketed KV cache"),
     "use_vllm": refused("there is no vLLM integration; the built-in rollout engine samples"),

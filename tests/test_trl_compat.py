@@ -206,3 +206,17 @@ def test_disable_dropout_zeroes_every_dropout_lora_included(tiny_model_dir, disa
     policy, _ = build_policy(str(tiny_model_dir), None, lora, GRPOConfig(disable_dropout=disable), torch.device("cpu"))
     rates = {m.p for m in policy.modules() if isinstance(m, torch.nn.Dropout)}
     assert rates == ({0.0} if disable else {0.3})
+
+
+def test_chat_template_kwargs_reach_the_prompts(tiny_model):
+    """TRL's chat_template_kwargs (e.g. enable_thinking) render chat prompts; the config carries them to the engine."""
+    from grpo_ascend.config import GRPOConfig
+    from grpo_ascend.rollout.engine import RolloutEngine
+    from grpo_ascend.trainers.components import build_engine
+
+    model, tokenizer = tiny_model
+    tokenizer.chat_template = "{% if greeting is defined %}{{ greeting }}|{% endif %}" + tokenizer.chat_template
+    chat = [[{"role": "user", "content": "2 + 2?"}]]
+    engine = build_engine(model, tokenizer, GRPOConfig(chat_template_kwargs={"greeting": "HELLO"}), torch.device("cpu"))
+    assert engine._render(chat)[0].startswith("HELLO|<|im_start|>user")
+    assert not RolloutEngine(model, tokenizer)._render(chat)[0].startswith("HELLO")

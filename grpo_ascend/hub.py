@@ -15,8 +15,9 @@ from typing import Any
 
 from grpo_ascend.errors import GrpoAscendError
 
-#: What an upload of output_dir leaves out (as transformers: checkpoints go up only per hub_strategy).
-IGNORE_PATTERNS = ["_*", "checkpoint-*", ".save_model-tmp*"]
+#: What an upload of output_dir leaves out (as transformers: checkpoints go up only per hub_strategy);
+#: ``best`` is a link to the best checkpoint (docs/evaluation.md).
+IGNORE_PATTERNS = ["_*", "checkpoint-*", "best/*", ".save_model-tmp*"]
 
 
 class HubError(GrpoAscendError, RuntimeError):

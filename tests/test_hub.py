@@ -113,10 +113,12 @@ def test_push_uploads_the_saved_model_to_the_repo(tmp_path, tiny_model_dir, monk
     assert all(u["token"] == "hf_tok" and u["repo_id"] == "alice/tiny-grpo" for u in fake.uploads)
 
     fake.uploads.clear()
+    (tmp_path / "run" / "best").symlink_to("checkpoint-2")  # as evaluation leaves it: a link, not uploaded twice
     info = trainer.push_to_hub(dataset_name="local/arithmetic", tags="rl")
     assert info.commit_url.startswith("https://huggingface.co/alice/tiny-grpo")
     [final] = fake.uploads
     assert final["message"] == "End of training" and final["path_in_repo"] is None and not final["future"]
+    assert not any(f.startswith(("best/", "checkpoint-")) for f in final["files"]) and "README.md" in final["files"]
     card = final["contents"]["README.md"].decode()
     assert "library_name: peft" in card and "- local/arithmetic" in card and "- rl" in card
     sent = load(final["contents"]["adapter_model.safetensors"])

@@ -156,6 +156,10 @@ class BaseRLConfig(_Validated):
 
     # --- run ---
     output_dir: str = _f("outputs/run", "Folder for metrics.jsonl, samples.jsonl, checkpoints and exports.")
+    model_init_kwargs: dict[str, Any] | None = _f(
+        None, "Keyword arguments for from_pretrained when the trainer loads model from a path (TRL's meaning), e.g. "
+        "{dtype: bfloat16, revision: main, trust_remote_code: true}; dtype defaults to float32."
+    )
     seed: int = _f(42, "Seed for every RNG (python, numpy, torch, device); sampling is reproducible with it.")
     device: str = _f("auto", "'auto' (the best accelerator present, else the CPU) or an explicit device type with an optional index.")
     max_steps: int = _f(-1, "Optimizer steps to run; -1 = derive from num_train_epochs and the dataset size.")
@@ -181,6 +185,10 @@ class BaseRLConfig(_Validated):
     min_p: float | None = _f(None, "Drop tokens below min_p × the top probability; null = off.")
     repetition_penalty: float = _f(1.0, "Penalty > 1 discourages tokens already generated; 1 = off.")
     stop_strings: list[str] = _f([], "Extra strings that end a completion (EOS always does).")
+    chat_template_kwargs: dict[str, Any] | None = _f(
+        None, "Keyword arguments for the tokenizer's apply_chat_template when chat prompts are rendered, e.g. "
+        "{enable_thinking: false} (TRL's meaning; tool rollouts too)."
+    )
     rollout_merge_lora: bool | None = _f(
         None, "Fold LoRA into the weights while generating (one matmul per linear layer instead of three; "
         "costs a copy of the adapted weights meanwhile); null = when that copy fits in a quarter of free memory."
@@ -211,6 +219,8 @@ class BaseRLConfig(_Validated):
     bf16: bool | None = _f(None, "bf16 autocast; null = on when the device supports it and is not the CPU.")
     fp16: bool = _f(False, "fp16 autocast with a dynamic grad scaler (older Ascend parts).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    disable_dropout: bool = _f(False, "Set every dropout layer's probability to 0 (LoRA's included), so the same "
+                               "input gets the same log-probs in sampling and in training (TRL's meaning).")
     logprob_chunk_size: int = _f(128, "Sequence chunk for log-prob/entropy computation (bounds full-vocab memory).")
     share_prompt_prefill: bool = _f(
         True, "Run each prompt once per group in the log-prob forward/backward (its keys/values are shared "
@@ -230,6 +240,17 @@ class BaseRLConfig(_Validated):
         "tables of sample completions. One name is a list of one; 'none' = no tracker; 'all' = every installed one."
     )
     disable_tqdm: bool = _f(False, "Hide the progress bar.")
+    # --- Hugging Face Hub (transformers' meanings; docs/trl_compatibility.md) ---
+    push_to_hub: bool = _f(False, "Create the Hub repo when the trainer is built, push the saved model on save_model() and "
+                           "per hub_strategy; trainer.push_to_hub() pushes whatever this says.")
+    hub_model_id: str | None = _f(None, "Hub repo ('user/name' or 'name' under your account); null = output_dir's folder name.")
+    hub_strategy: Literal["end", "every_save", "checkpoint", "all_checkpoints"] = _f(
+        "every_save", "With push_to_hub: 'end' (only save_model / push_to_hub), 'every_save' (also the model at each "
+        "checkpoint), 'checkpoint' (also the latest checkpoint folder as last-checkpoint/), 'all_checkpoints' (every one)."
+    )
+    hub_token: str | None = _f(None, "Hub token with write access; null = the logged-in one (hf auth login) or HF_TOKEN.")
+    hub_private_repo: bool | None = _f(None, "Create the repo private; null = the Hub's default for your account.")
+    hub_revision: str | None = _f(None, "Branch to push to; null = main.")
     # --- evaluation (docs/evaluation.md) ---
     eval_strategy: Literal["no", "steps"] = _f(
         "no", "Evaluate on the eval dataset during training: 'no', or 'steps' (every eval_steps optimizer steps, "
@@ -310,6 +331,9 @@ class BaseRLConfig(_Validated):
             self.report_to = installed_trackers() if self.report_to == "all" else [self.report_to]
         self.report_to = check_report_to(self.report_to)
         self.batch_plan(int(os.environ.get("WORLD_SIZE", "1")))
+        if self.model_init_kwargs:  # torch dtypes by name, so the config stays JSON (checkpoints, trackers)
+            self.model_init_kwargs = {k: str(v).removeprefix("torch.") if type(v).__name__ == "dtype" else v
+                                      for k, v in self.model_init_kwargs.items()}
         if self.resume_from_checkpoint is True:
             self.resume_from_checkpoint = "latest"
         elif self.resume_from_checkpoint is False:

@@ -31,23 +31,35 @@ def resolve_model_path(name: str) -> str:
     return str(built) if built is not None else name
 
 
-def load_causal_lm(model: str | nn.Module, dtype: str = "float32") -> nn.Module:
-    """A causal LM from a path / hub id / ``builtin:*`` name, or the given module unchanged."""
+def load_causal_lm(model: str | nn.Module, dtype: str = "float32", init_kwargs: dict[str, Any] | None = None) -> nn.Module:
+    """A causal LM from a path / hub id / ``builtin:*`` name, or the given module unchanged.
+
+    ``init_kwargs`` go to ``from_pretrained`` (TRL's ``model_init_kwargs``); their ``dtype`` (a name or a
+    torch dtype) overrides ``dtype``.
+    """
     if isinstance(model, nn.Module):
         return model
     from transformers import AutoModelForCausalLM
 
-    if dtype not in _DTYPES:
-        raise ConfigError(f"model_dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    kwargs = dict(init_kwargs or {})
+    dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None) or dtype
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ConfigError(f"model dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+        dtype = _DTYPES[dtype]
     path = resolve_model_path(model)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except OSError as exc:
         raise ConfigError(f"could not load model {model!r}: {exc}".splitlines()[0]) from exc
 
 
-def load_tokenizer(model: str | nn.Module, processing_class: Any = None) -> Any:
-    """The tokenizer for ``model`` (or ``processing_class``), left-padded, with a pad token."""
+def load_tokenizer(model: str | nn.Module, processing_class: Any = None,
+                   init_kwargs: dict[str, Any] | None = None) -> Any:
+    """The tokenizer for ``model`` (or ``processing_class``), left-padded, with a pad token.
+
+    The ``revision`` and ``trust_remote_code`` of ``init_kwargs`` (the model's) apply to it too.
+    """
     tok = processing_class
     if tok is None:
         from transformers import AutoTokenizer
@@ -55,7 +67,9 @@ def load_tokenizer(model: str | nn.Module, processing_class: Any = None) -> Any:
         source = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
         if not source:
             raise ConfigError("pass processing_class=<tokenizer>: the model was given as an object without a path")
-        tok = AutoTokenizer.from_pretrained(resolve_model_path(source))
+        shared = {k: v for k, v in (init_kwargs or {}).items()
+                  if k in ("revision", "trust_remote_code") and v is not None}
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(source), **shared)
     if tok.pad_token is None:
         logger.warning("the tokenizer has no pad token; using its EOS token %r for padding", tok.eos_token)
         tok.pad_token = tok.eos_token

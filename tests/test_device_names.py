@@ -110,12 +110,14 @@ def _run(code: str, tmp_path: Path, autoload: str) -> subprocess.CompletedProces
 def test_package_import_does_not_import_torch_npu(tmp_path):
     # As on an NPU host where torch_npu is installed: with torch's autoload off (otherwise torch, not
     # grpo_ascend, imports it), importing every grpo_ascend module must leave torch_npu unimported.
+    # trl is optional too: the trainer recognises TRL's GRPOConfig without importing trl.
     _registered_exploding_torch_npu(tmp_path)
     code = (
         "import grpo_ascend, reward_models; import sys; assert 'torch_npu' not in sys.modules; "
         "import grpo_ascend.device, grpo_ascend.npu_patches, grpo_ascend.cli, grpo_ascend.doctor; "
-        "import grpo_ascend.trainers.grpo; "
-        "assert 'torch_npu' not in sys.modules, 'torch_npu imported'"
+        "import grpo_ascend.trainers.grpo, grpo_ascend.trl_compat, grpo_ascend.hub; "
+        "assert 'torch_npu' not in sys.modules, 'torch_npu imported'; "
+        "assert 'trl' not in sys.modules, 'trl imported (it is optional: TRL configs are recognised by class)'"
     )
     result = _run(code, tmp_path, autoload="0")
     assert result.returncode == 0, result.stderr

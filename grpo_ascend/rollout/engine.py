@@ -224,7 +224,7 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ prompts
 
-    def _render(self, prompts: Sequence[Prompt]) -> list[str]:
+    def _render(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[str]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise DataError(
                 f"prompts must be a list of strings or chat message lists, got {type(prompts).__name__}; wrap one prompt in a list"
@@ -242,7 +242,8 @@ class RolloutEngine:
                         "set tokenizer.chat_template or pass plain-text prompts"
                     )
                 texts.append(
-                    self.tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True)
+                    self.tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True,
+                                                       **dict((params or self.params).chat_template_kwargs or {}))
                 )
             else:
                 raise DataError(
@@ -313,7 +314,7 @@ class RolloutEngine:
         bucket = params.length_bucket if params.length_bucket is not None else default_length_bucket(dev)
         group, max_new = params.num_generations, params.max_completion_length
         interval = self.sync_interval
-        ids, rendered = self._tokenize(self._render(prompts), params)
+        ids, rendered = self._tokenize(self._render(prompts, params), params)
         n_prompts, n_rows = len(ids), len(ids) * group
 
         # Left-padded prompt batch at a bucketed length, built on the host and copied once.

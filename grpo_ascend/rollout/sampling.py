@@ -29,8 +29,9 @@ exact log-normaliser of the reported log-prob.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -74,6 +75,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     compile_decode: bool | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None  # for apply_chat_template on chat prompts
 
     def __post_init__(self) -> None:
         self.validate()

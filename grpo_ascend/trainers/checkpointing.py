@@ -90,6 +90,7 @@ class CheckpointingMixin:
                 self._write_best()
         self._last_saved_step = self.step
         self.accelerator.wait_for_everyone()
+        self._push_checkpoint(Path(self.args.output_dir) / f"checkpoint-{self.step}")
         self._event("on_save")
 
     def _trainer_state(self) -> dict[str, Any]:

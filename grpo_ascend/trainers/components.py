@@ -33,9 +33,15 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
     """
     from grpo_ascend.npu_patches import apply_npu_patches
 
-    policy = load_causal_lm(model)
-    tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class)
+    if args.model_init_kwargs and not isinstance(model, str):
+        logger.warning("model_init_kwargs are ignored: the model was passed already loaded")
+    policy = load_causal_lm(model, init_kwargs=args.model_init_kwargs)
+    tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class, args.model_init_kwargs)
     policy = apply_peft(policy, peft_config)
+    if args.disable_dropout:
+        for module in policy.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
     if args.gradient_checkpointing:
         if hasattr(policy, "activation_checkpointing_enable"):  # the name since transformers 5
             policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -102,6 +108,7 @@ def build_engine(policy: nn.Module, tokenizer: Any, args: BaseRLConfig, device: 
         prompt_truncation=args.prompt_truncation,
         length_bucket=bucket,
         compile_decode=args.compile_decode,
+        chat_template_kwargs=args.chat_template_kwargs,
     )
     return RolloutEngine(policy, tokenizer, sampling)
 

@@ -35,6 +35,7 @@ from grpo_ascend.experience import Experience, experience_metrics
 from grpo_ascend.phases import PhaseTimer
 from grpo_ascend.rollout.row_rollouts import RolloutFuncRollout, build_tool_rollout, prepare_tools
 from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
+from grpo_ascend.trl_compat import from_trl_config, is_trl_grpo_config
 
 
 class GRPOTrainer(RLTrainerBase):
@@ -56,7 +57,13 @@ class GRPOTrainer(RLTrainerBase):
         environment_factory: Any = None,
         rollout_func: Any = None,
         callbacks: Any = None,
+        quantization_config: Any = None,
+        reward_processing_classes: Any = None,
+        optimizers: tuple[Any, Any] = (None, None),
     ):
+        _refuse_trl_only(quantization_config, reward_processing_classes, optimizers)
+        if is_trl_grpo_config(args):  # TRL's own GRPOConfig: mapped, ignored with a warning, or refused
+            args = from_trl_config(args)
         cfg = args if args is not None else GRPOConfig()
         POLICY_LOSSES.get(cfg.loss_type)  # fail before loading anything on a bad name
         ADVANTAGE_ESTIMATORS.get(cfg.advantage_estimator)
@@ -185,6 +192,19 @@ class GRPOTrainer(RLTrainerBase):
             "dynamic_sampling/zero_std_groups_kept": float(filled),
         }
         return out
+
+
+def _refuse_trl_only(quantization_config: Any, reward_processing_classes: Any, optimizers: Any) -> None:
+    """TRL's GRPOTrainer arguments that exist for scripts' sake: their empty values are accepted."""
+    if quantization_config is not None:
+        raise ConfigError("quantization_config: quantized base models (QLoRA) are not supported; the rollout engine "
+                          "folds LoRA into full-precision weights. Pass quantization_config=None (TRL's script does "
+                          "unless --load_in_4bit / --load_in_8bit)")
+    if reward_processing_classes is not None:
+        raise ConfigError("reward_processing_classes: reward models load their own tokenizer here; pass None")
+    if tuple(optimizers or (None, None)) != (None, None):
+        raise ConfigError("optimizers: a custom optimizer / scheduler is not supported; the trainer builds AdamW with "
+                          "the config's learning_rate, betas, weight_decay and lr_scheduler_type. Pass (None, None)")
 
 
 def _as_list(reward_funcs: Any) -> list[Any]:

@@ -170,7 +170,7 @@ def test_cache_continuation_equals_whole_conversation_from_scratch(scripted):
     lp = batch.prompt_ids.shape[1]
     ref = torch.log_softmax(logits[:, lp - 1 : -1], -1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
     gen = batch.tool_mask.bool()
-    torch.testing.assert_close(batch.sampling_logprobs[gen], ref[gen], atol=1e-5, rtol=0)
+    torch.testing.assert_close(batch.sampling_logprobs[gen], ref[gen], atol=1e-5, rtol=1e-5)  # fp32 order differs by CPU: 1.1e-5 seen at |lp| 4.5
     assert (batch.sampling_logprobs[~gen] == 0).all()
     free = gen[:3, len(call) + len(suffix) + len(answer):]
     assert free.sum() > 30  # the free part of A's second turn was really sampled

@@ -64,6 +64,9 @@ def test_wandb_offline(tmp_path, monkeypatch):
                        "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_DATA_DIR": tmp_path / "data"}.items():
         monkeypatch.setenv(key, str(value))
     run_tracker(tmp_path, "wandb")
+    import wandb
+
+    wandb.teardown()  # finish() can return before wandb's service process has flushed the run file
     run_dir = Path(glob.glob(str(tmp_path / "wandb" / "offline-run-*"))[0])
     table = json.loads(next((run_dir / "files" / "media" / "table").glob("samples_2_*.table.json")).read_text())
     assert table == {"columns": ["prompt", "completion", "reward"], "data": [list(r.values()) for r in ROWS]}

@@ -266,6 +266,9 @@ class BaseRLConfig(_Validated):
     )
 
     def __post_init__(self) -> None:
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+            raise ConfigError(f"max_tokens_per_micro_batch must be a whole number of tokens or null, got {budget!r}")
         _positive(
             self,
             "per_device_train_batch_size",
@@ -280,9 +283,6 @@ class BaseRLConfig(_Validated):
             "ddp_timeout",
             "max_tokens_per_micro_batch",
         )
-        budget = self.max_tokens_per_micro_batch
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
-            raise ConfigError(f"max_tokens_per_micro_batch must be a whole number of tokens or null, got {budget!r}")
         if self.learning_rate < 0:
             raise ConfigError(f"learning_rate must be >= 0 (0 = a control run that never moves), got {self.learning_rate}")
         if self.max_steps == 0 or self.max_steps < -1:

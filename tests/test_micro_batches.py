@@ -16,11 +16,15 @@ from grpo_ascend import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models import default_lora_config
 from grpo_ascend.synthetic import arithmetic_dataset
-from grpo_ascend.trainers.micro_batches import TokenCost, pack_by_tokens, split_to
+from grpo_ascend.trainers.micro_batches import TokenCost, _next_fit, pack_by_tokens, split_to
 
 
 def _cost_of(part, lengths, groups, cost):
     return cost(len(part), len({groups[i] for i in part}), max(lengths[i] for i in part))
+
+
+def _total(parts, lengths, groups, cost):
+    return sum(_cost_of(p, lengths, groups, cost) for p in parts)
 
 
 # ------------------------------------------------------------------------------ packing
@@ -30,6 +34,11 @@ def test_packing_on_numbers():
     lengths, groups = [2, 3, 9, 8], [0, 0, 1, 1]
     assert pack_by_tokens(lengths, groups, 22, cost) == [[2, 3], [1, 0]]  # 2×9+4 = 22; 2×3+4 = 10
     assert pack_by_tokens(lengths, groups, 100, cost) == [[2, 3, 1, 0]]  # 4×9 + 2×4 = 44
+    # Long prompts keep groups whole; long completions spread them to pad less (two prompts run each).
+    long_prompt = TokenCost(prompt_width=40, completion_width=10, share_prompts=True)
+    assert pack_by_tokens([9, 1, 9, 1], [0, 0, 1, 1], 60, long_prompt) == [[0, 1], [2, 3]]  # 2×(2×9+40) = 116
+    long_completion = TokenCost(prompt_width=2, completion_width=100, share_prompts=True)
+    assert pack_by_tokens([90, 5, 90, 5], [0, 0, 1, 1], 200, long_completion) == [[0, 2], [1, 3]]  # 184 + 14
     # Not shared: the prompt is paid per row, and a row over the budget gets a micro-batch of its own.
     alone = TokenCost(prompt_width=4, completion_width=60, share_prompts=False)
     assert pack_by_tokens([2, 50, 2], [0, 0, 0], 20, alone) == [[1], [0, 2]]  # 54 > 20 alone; 2×6 = 12
@@ -53,11 +62,14 @@ def test_packing_keeps_every_row_once_within_budget_deterministically(share):
         assert all(p for p in parts)
         for p in parts:  # within the budget, or a single row that exceeds it alone
             assert _cost_of(p, lengths, groups, cost) <= budget or len(p) == 1
-        if share:  # a group whose rows fit one micro-batch is never split over two
-            for g in set(groups):
-                rows = [i for i, x in enumerate(groups) if x == g]
-                if cost(len(rows), 1, max(lengths[i] for i in rows)) <= budget:
-                    assert sum(any(i in p for i in rows) for p in parts) == 1
+        if share:  # a group's rows are adjacent in a micro-batch (its prompt runs once there), and
+            # the packing runs no more tokens than keeping every group whole would
+            for p in parts:
+                runs = [groups[i] for k, i in enumerate(p) if k == 0 or groups[p[k - 1]] != groups[i]]
+                assert len(runs) == len(set(runs)), (p, groups)
+            whole = _next_fit([[i for i, x in enumerate(groups) if x == g] for g in dict.fromkeys(groups)],
+                              lengths, groups, budget, cost)
+            assert _total(parts, lengths, groups, cost) <= _total(whole, lengths, groups, cost)
         assert pack_by_tokens(list(lengths), list(groups), budget, cost) == parts
 
 

@@ -12,17 +12,19 @@ checkpointing), else once per row::
 
     tokens = rows × round_up(longest completion, bucket) + P × (groups if prompts are shared else rows)
 
-Packing (:func:`pack_by_tokens`), deterministic and without any RNG: a step's rows are grouped
-by prompt (when prompts are shared, so a group's prompt runs once), groups are ordered longest
+Packing (:func:`pack_by_tokens`), deterministic and without any RNG: units are ordered longest
 first (ties: their order in the step, i.e. the seeded shuffle) with their rows longest first, and
-filled into micro-batches in that order while the next whole group still fits; a group that fits
-no micro-batch whole fills them row by row; a row over the budget on its own gets a micro-batch of
-its own (it is never dropped).
+filled into micro-batches in that order, a unit starting a fresh micro-batch when it does not fit
+the open one but fits whole; a unit that fits no micro-batch whole fills them row by row, and a
+row over the budget on its own gets a micro-batch of its own (it is never dropped). When prompts
+are shared two packings are made -- units = whole groups (each prompt runs once), and units =
+single rows (less padding across groups, a group's prompt once per micro-batch it spans) -- and
+the one whose micro-batches run fewer tokens in total is kept (whole groups on a tie).
 
-Under data parallelism every rank must run the same number of forwards and backwards (DDP's
-forward broadcasts buffers, and the gradient all-reduce waits for every rank), so the ranks agree
-on the largest count and the others split micro-batches (:func:`split_to`), which never exceeds the
-budget. Every rank holds the same number of rows per step, so the largest count is always reachable.
+Under data parallelism the ranks run the same number of micro-batches (an engine that reduces
+gradients in every backward, as DeepSpeed ZeRO-2 does, needs it): they agree on the largest count
+and the others split micro-batches (:func:`split_to`), which never exceeds the budget. Every rank
+holds the same number of rows per step, so the largest count is always reachable.
 """
 
 from __future__ import annotations
@@ -61,9 +63,10 @@ class _Open:
     groups: set[int]
     longest: int = 0
 
-    def cost_with(self, cost: TokenCost, rows: int, group: int, longest: int) -> int:
-        groups = len(self.groups) + (group not in self.groups)
-        return cost(len(self.rows) + rows, groups, max(self.longest, longest))
+    def cost_with(self, cost: TokenCost, rows: list[int], groups: Sequence[int], longest: int) -> int:
+        """The cost once ``rows`` (positions; ``groups`` maps them to their groups) are added."""
+        count = len(self.groups | {groups[p] for p in rows})
+        return cost(len(self.rows) + len(rows), count, max(self.longest, longest))
 
     def add(self, position: int, group: int, length: int) -> None:
         self.rows.append(position)
@@ -75,18 +78,43 @@ def pack_by_tokens(lengths: Sequence[int], groups: Sequence[int], budget: int, c
     """Positions (0..n-1 into the step's rows) of each micro-batch; every position exactly once.
 
     ``lengths``: each row's completion length (up to its last token in the context); ``groups``:
-    each row's prompt group (equal ids share a prompt). See the module docstring for the order.
+    each row's prompt group (equal ids share a prompt). Of two packings (whole groups first, or
+    rows by length alone) the one running fewer tokens is kept; see the module docstring.
     """
     if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
         raise ConfigError(f"max_tokens_per_micro_batch must be a positive integer, got {budget!r}")
     if len(lengths) != len(groups):
         raise ValueError(f"{len(lengths)} lengths but {len(groups)} group ids")
+    rows_alone = [[p] for p in range(len(lengths))]
+    if not cost.share_prompts:
+        return _next_fit(rows_alone, lengths, groups, budget, cost)
     members: dict[int, list[int]] = {}
     for position, group in enumerate(groups):  # by first appearance in the step
-        members.setdefault(group if cost.share_prompts else -1 - position, []).append(position)
-    units = [sorted(rows, key=lambda p: (-lengths[p], p)) for rows in members.values()]
-    units.sort(key=lambda rows: (-lengths[rows[0]], rows[0]))
+        members.setdefault(group, []).append(position)
+    candidates = [_next_fit(list(members.values()), lengths, groups, budget, cost),
+                  _next_fit(rows_alone, lengths, groups, budget, cost)]
 
+    def total(parts: list[list[int]]) -> tuple[int, int]:
+        return sum(cost(len(p), len({groups[i] for i in p}), max(lengths[i] for i in p)) for p in parts), len(parts)
+
+    best = min(candidates, key=total)  # the first (whole groups) on a tie
+    return [_groups_adjacent(part, groups) for part in best]
+
+
+def _groups_adjacent(part: list[int], groups: Sequence[int]) -> list[int]:
+    """``part`` with each group's rows next to each other (the forward shares runs of equal prompts)."""
+    first: dict[int, int] = {}
+    for k, position in enumerate(part):
+        first.setdefault(groups[position], k)
+    return sorted(part, key=lambda position: first[groups[position]])
+
+
+def _next_fit(units: list[list[int]], lengths: Sequence[int], groups: Sequence[int], budget: int,
+              cost: TokenCost) -> list[list[int]]:
+    """``units`` (lists of row positions) longest first, rows longest first, filled in that order; a unit
+    that would not fit the open micro-batch but fits a fresh one starts a fresh one (it stays whole)."""
+    units = [sorted(rows, key=lambda p: (-lengths[p], p)) for rows in units]
+    units.sort(key=lambda rows: (-lengths[rows[0]], rows[0]))
     parts: list[list[int]] = []
     current = _Open([], set())
 
@@ -97,13 +125,14 @@ def pack_by_tokens(lengths: Sequence[int], groups: Sequence[int], budget: int, c
         current = _Open([], set())
 
     for rows in units:
-        group, longest = groups[rows[0]], lengths[rows[0]]
-        if current.cost_with(cost, len(rows), group, longest) > budget and cost(len(rows), 1, longest) <= budget:
-            close()  # the whole group fits a fresh micro-batch: keep its prompt in one forward
+        longest, unit_groups = lengths[rows[0]], {groups[p] for p in rows}
+        fresh = cost(len(rows), len(unit_groups), longest)
+        if len(rows) > 1 and current.cost_with(cost, rows, groups, longest) > budget and fresh <= budget:
+            close()  # the whole unit fits a fresh micro-batch: keep its prompt in one forward
         for position in rows:
-            if current.rows and current.cost_with(cost, 1, group, lengths[position]) > budget:
+            if current.rows and current.cost_with(cost, [position], groups, lengths[position]) > budget:
                 close()
-            current.add(position, group, lengths[position])
+            current.add(position, groups[position], lengths[position])
     close()
     return parts
 

@@ -22,7 +22,7 @@ single rows (less padding across groups, a group's prompt once per micro-batch i
 the one whose micro-batches run fewer tokens in total is kept (whole groups on a tie).
 
 Under data parallelism the ranks run the same number of micro-batches (an engine that reduces
-gradients in every backward, as DeepSpeed ZeRO-2 does, needs it): they agree on the largest count
+gradients in every backward needs it; see docs/trainer.md): they agree on the largest count
 and the others split micro-batches (:func:`split_to`), which never exceeds the budget. Every rank
 holds the same number of rows per step, so the largest count is always reachable.
 """

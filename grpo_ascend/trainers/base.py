@@ -262,7 +262,8 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             logger.warning("max_tokens_per_micro_batch=%d is below what one row's forward costs (%d tokens: prompt width "
                            "%d + completion %d); such rows get a micro-batch of their own (warned once)", budget,
                            cost(1, 1, host_lengths[over[0][0]]), cost.prompt_width, host_lengths[over[0][0]])
-        return [rows[torch.tensor(p, device=rows.device)] for p in parts]
+        order = torch.tensor([i for p in parts for i in p], device=rows.device)  # one copy to the device
+        return list(rows[order].split([len(p) for p in parts]))
 
     def _no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
         """One micro-batch of ``model``: gradients are reduced over ranks only on the step's ``last``."""

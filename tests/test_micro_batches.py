@@ -1,12 +1,12 @@
 """Token-budget micro-batches (``max_tokens_per_micro_batch``): the packing keeps every row once
 within the budget, deterministically; the step's loss and gradient equal one micro-batch's for every
-loss type (GRPO and PPO); ranks with different packings agree on one count; bad settings are refused."""
+loss type (GRPO and PPO); ranks with different packings agree on one count, or plan together where
+every rank runs at the widest micro-batch; bad settings are refused."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +16,13 @@ from grpo_ascend import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models import default_lora_config
 from grpo_ascend.synthetic import arithmetic_dataset
-from grpo_ascend.trainers.micro_batches import TokenCost, _next_fit, pack_by_tokens, split_to
+from grpo_ascend.trainers.micro_batches import (
+    TokenCost,
+    _next_fit,
+    pack_by_tokens,
+    pack_in_lockstep,
+    split_to,
+)
 
 
 def _cost_of(part, lengths, groups, cost):
@@ -105,20 +111,30 @@ def test_bad_budget_is_refused(bad):
         pack_by_tokens([1], [0], bad, TokenCost(1, 1, True))
 
 
-def test_refused_where_every_rank_runs_the_widest_micro_batch():
-    from grpo_ascend.dist.deepspeed import DeepSpeedStrategy
-    from grpo_ascend.dist.fsdp import FSDPStrategy
-
-    args = GRPOConfig(max_tokens_per_micro_batch=256)
-    zero3 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
-    with pytest.raises(ConfigError, match="not supported under DeepSpeed ZeRO-3"):
-        DeepSpeedStrategy(zero3, args, "fp32", "GRPOTrainer")
-    zero2 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2)))
-    assert DeepSpeedStrategy(zero2, args, "fp32", "GRPOTrainer").stage == 2
-    plugin = SimpleNamespace(fsdp_version=2, activation_checkpointing=False, cpu_offload=None,
-                             cpu_ram_efficient_loading=False)
-    with pytest.raises(ConfigError, match="not supported under FSDP2"):
-        FSDPStrategy(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), args, "fp32", "GRPOTrainer")
+def test_lockstep_plan_keeps_the_budget_at_the_widest_over_ranks():
+    """Where micro-batch k of every rank runs at the widest completion over all ranks (parameter-sharding
+    strategies), the joint plan gives every rank as many micro-batches, each row once, within the budget."""
+    cost = TokenCost(6, 7, share_prompts=True)
+    short, long = [1, 2, 1, 3, 2, 1, 2, 1], [7, 6, 7, 5, 7, 7, 6, 7]
+    plan = pack_in_lockstep([(short, list(range(8)), cost), (long, list(range(8)), cost)], 40)
+    assert [len(p) for p in plan] == [3, 3]  # alone, rank 0 packs 2 (at its own width 3)
+    rng = random.Random(1)
+    for _ in range(300):
+        world, n, width, prompt, G = rng.randint(1, 4), rng.randint(1, 12), rng.randint(1, 30), rng.randint(0, 20), 2
+        cost = TokenCost(prompt, width, rng.random() < 0.5)
+        steps = [([rng.randint(0, width) for _ in range(n)], [r * 100 + i // G for i in range(n)], cost)
+                 for r in range(world)]
+        budget = rng.randint(1, 2 * n * (width + prompt))
+        plan = pack_in_lockstep(steps, budget)
+        assert len({len(parts) for parts in plan}) == 1
+        for parts in plan:
+            assert sorted(i for p in parts for i in p) == list(range(n))
+        for k in range(len(plan[0])):
+            widest = max(steps[r][0][i] for r in range(world) for i in plan[r][k])
+            for (_, groups, _), parts in zip(steps, plan):
+                part = parts[k]
+                assert len(part) == 1 or cost(len(part), len({groups[i] for i in part}), widest) <= budget
+        assert pack_in_lockstep(steps, budget) == plan
 
 
 # ------------------------------------------------------------------------------ exact gradients

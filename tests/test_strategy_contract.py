@@ -13,9 +13,9 @@ counts, with 2 accumulated micro-batches per rank (the strategy's no-sync on the
   the saved weights exactly and replay the step (weights, loss, grad norm);
 - no-sync: a micro-batch that is not the step's last leaves its gradient unreduced (DDP: each
   rank's own; FSDP2: no reduce-scatter yet; DeepSpeed: not an accumulation boundary);
-- plain DDP and ZeRO-2 (ZeRO-3 and FSDP2 refuse it): token-budget micro-batches
-  (``max_tokens_per_micro_batch``) that the two ranks pack into different counts run as many on
-  both and give the one-process step.
+- token-budget micro-batches (``max_tokens_per_micro_batch``) that the two ranks would pack into
+  different counts run as many on both (planned together under ZeRO-3 and FSDP2, where every
+  rank's micro-batch runs at the widest over ranks) and give the one-process step.
 
 The one-process reference is computed once for all strategies.
 """
@@ -57,13 +57,13 @@ def _ddp_env(folder: Path) -> dict[str, str]:
 
 # name -> (launch environment, whether gradients are whole on every rank, worker settings, norm tolerance)
 STRATEGIES: dict[str, tuple[Any, bool, dict[str, Any], float]] = {
-    # plain and ZeRO-2 also pack each rank's rows under a token budget: rank 0 (short completions)
-    # into fewer micro-batches than rank 1, and the ranks must agree on one count (same gradient).
+    # Each also packs the ranks' rows under a token budget: alone, rank 0 (short completions) packs
+    # fewer micro-batches than rank 1; the ranks must run as many (same gradient, no hang).
     "plain": (_ddp_env, True, {"token_budget": TOKEN_BUDGET}, 1e-5),
     "deepspeed-zero2": (lambda folder: ZERO2_ENV, False, {"token_budget": TOKEN_BUDGET}, 1e-4),
-    "deepspeed-zero3": (_zero3_env, False, {}, 1e-4),
+    "deepspeed-zero3": (_zero3_env, False, {"token_budget": TOKEN_BUDGET}, 1e-4),
     # No clipping: the global norm of the sharded gradients is reduced by the strategy itself.
-    "fsdp": (lambda folder: FSDP_ENV, True, {"max_grad_norm": 0}, 1e-5),
+    "fsdp": (lambda folder: FSDP_ENV, True, {"max_grad_norm": 0, "token_budget": TOKEN_BUDGET}, 1e-5),
 }
 NEEDS_DEEPSPEED = {"deepspeed-zero2", "deepspeed-zero3"}
 # DeepSpeed start-up is slow (~10 s per launch here): those two are deselected by scripts/test.sh --fast.

@@ -54,24 +54,6 @@ class SaveState:
     trainable_weights: dict[str, Tensor] | None = None
 
 
-def refuse_token_budget(args: BaseRLConfig, engine: str) -> None:
-    """Refuse ``max_tokens_per_micro_batch`` under an engine that pads every rank's micro-batch to the widest.
-
-    A parameter-sharding engine gathers weights at every module call, so the log-prob forward cuts
-    each micro-batch's completions to the widest over all ranks (``fixed_calls``): a rank's short
-    micro-batch would run at another rank's long width, and no per-rank packing keeps the budget.
-    """
-    from grpo_ascend.errors import ConfigError
-
-    if args.max_tokens_per_micro_batch is not None:
-        raise ConfigError(
-            f"max_tokens_per_micro_batch={args.max_tokens_per_micro_batch} is not supported under {engine}: every "
-            "rank's micro-batch runs at the widest completion over all ranks there, so a per-rank token budget "
-            "cannot hold. Remove it (fixed micro-batches of per_device_train_batch_size), or use plain data "
-            "parallelism or DeepSpeed ZeRO-1/2"
-        )
-
-
 class Strategy(abc.ABC):
     """One distributed engine's way to prepare, step, gather and checkpoint (see the module docstring).
 

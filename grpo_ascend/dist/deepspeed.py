@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from grpo_ascend.config import BaseRLConfig, BatchPlan
 from grpo_ascend.dist import compat_deepspeed as compat
-from grpo_ascend.dist.base import SaveState, refuse_token_budget
+from grpo_ascend.dist.base import SaveState
 from grpo_ascend.dist.plain import PlainStrategy
 from grpo_ascend.errors import ConfigError
 
@@ -90,8 +90,6 @@ class DeepSpeedStrategy(PlainStrategy):
                 "(policy and critic), and accelerate gives DeepSpeed one engine per model. Launch PPO with plain "
                 "data parallelism (distributed_type MULTI_NPU / MULTI_GPU, or grpo-ascend train --num_processes N)"
             )
-        if self.stage == 3:
-            refuse_token_budget(self.args, "DeepSpeed ZeRO-3")
 
     @property
     def partitions_parameters(self) -> bool:

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from grpo_ascend import device as dev
 from grpo_ascend.config import BatchPlan
 from grpo_ascend.dist import compat_fsdp2
-from grpo_ascend.dist.base import SaveState, refuse_token_budget
+from grpo_ascend.dist.base import SaveState
 from grpo_ascend.dist.plain import PlainStrategy
 from grpo_ascend.errors import ConfigError
 
@@ -138,7 +138,6 @@ class FSDPStrategy(PlainStrategy):
 
     def validate(self, trainer_name: str, prepared_models: int) -> None:
         check_fsdp(self.accelerator, trainer_name, prepared_models == 1)
-        refuse_token_budget(self.args, "FSDP2")
 
     def configure(self, policy: nn.Module, plan: BatchPlan) -> None:
         configure_plugin(self.accelerator, policy)

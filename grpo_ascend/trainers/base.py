@@ -49,7 +49,7 @@ from grpo_ascend.trainers.components import (
     total_steps,
 )
 from grpo_ascend.trainers.evaluating import EvaluationMixin
-from grpo_ascend.trainers.micro_batches import TokenCost, pack_by_tokens, split_to
+from grpo_ascend.trainers.micro_batches import TokenCost, plan_for_rank
 from grpo_ascend.trainers.surface import TrainerSurfaceMixin
 
 logger = logging.getLogger(__name__)
@@ -239,29 +239,26 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             yield part, i == len(parts) - 1
 
     def _token_budget_parts(self, rows: Tensor, exp: Experience) -> list[Tensor]:
-        """``rows`` packed under the token budget (trainers/micro_batches.py), as many parts on every rank.
-
-        One host copy of the rows' completion lengths and groups, and one max over ranks of the count.
-        """
+        """``rows`` packed under the token budget (trainers/micro_batches.py), as many parts on every rank."""
         budget = self.args.max_tokens_per_micro_batch
         mask = exp.completion_mask[rows].ne(0)
         width = mask.shape[1]
         lengths = (mask * torch.arange(1, width + 1, device=mask.device)).amax(1) if width else mask.sum(1)
-        host_lengths, groups = torch.stack([lengths, exp.group_ids[rows].to(lengths)]).tolist()
         if self._token_cost_shares_prompts is None:
             backbone, _ = backbone_and_head(self.policy)
             self._token_cost_shares_prompts = self.args.share_prompt_prefill and not activation_checkpointing_on(backbone)
         cost = TokenCost(prompt_width=exp.prompt_ids.shape[1], completion_width=width,
                          share_prompts=self._token_cost_shares_prompts, length_bucket=dev.default_length_bucket(self.device))
-        parts = pack_by_tokens(host_lengths, groups, budget, cost)
-        count = self.ranks.reduce(torch.tensor([float(len(parts))], device=self.device), "max")
-        parts = split_to(parts, int(count[0]), groups)
-        over = [p for p in parts if cost(len(p), len({groups[i] for i in p}), max(host_lengths[i] for i in p)) > budget]
+        # Under a parameter-sharding strategy every rank's micro-batch runs at the widest over ranks.
+        widest = bool(getattr(self.accelerator.unwrap_model(self.logprob_model), "fixed_calls", False))
+        parts = plan_for_rank(lengths, exp.group_ids[rows], cost, budget, self.ranks, widest)
+        alone = [p[0] for p in parts if len(p) == 1]
+        over = [n for n in lengths[alone].tolist() if cost(1, 1, n) > budget] if alone else []
         if over and not self._warned_over_budget:
             self._warned_over_budget = True
             logger.warning("max_tokens_per_micro_batch=%d is below what one row's forward costs (%d tokens: prompt width "
                            "%d + completion %d); such rows get a micro-batch of their own (warned once)", budget,
-                           cost(1, 1, host_lengths[over[0][0]]), cost.prompt_width, host_lengths[over[0][0]])
+                           cost(1, 1, over[0]), cost.prompt_width, over[0])
         order = torch.tensor([i for p in parts for i in p], device=rows.device)  # one copy to the device
         return list(rows[order].split([len(p) for p in parts]))
 

@@ -24,15 +24,22 @@ the one whose micro-batches run fewer tokens in total is kept (whole groups on a
 Under data parallelism the ranks run the same number of micro-batches (an engine that reduces
 gradients in every backward needs it; see docs/trainer.md): they agree on the largest count
 and the others split micro-batches (:func:`split_to`), which never exceeds the budget. Every rank
-holds the same number of rows per step, so the largest count is always reachable.
+holds the same number of rows per step, so the largest count is always reachable. Where every
+rank's micro-batch ``k`` runs at the widest completion over all ranks (``fixed_calls``, set by
+the parameter-sharding strategies), the ranks plan together instead (:func:`pack_in_lockstep`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.ranks import Ranks
 
 
 @dataclass(frozen=True)
@@ -155,3 +162,77 @@ def split_to(parts: list[list[int]], count: int, groups: Sequence[int]) -> list[
         cut = min(cuts, key=lambda k: (abs(k - middle), k)) if cuts else len(part) // 2
         parts[i : i + 1] = [part[:cut], part[cut:]]
     return parts
+
+
+def pack_in_lockstep(steps: Sequence[tuple[Sequence[int], Sequence[int], TokenCost]], budget: int) -> list[list[list[int]]]:
+    """Every rank's micro-batches (as :func:`pack_by_tokens` returns) when micro-batch ``k`` of every
+    rank runs at the widest completion over all ranks (``fixed_calls``). ``steps``: each rank's
+    (lengths, groups, cost), the same number of rows on every rank; every rank computes the same plan.
+
+    Each rank takes its rows longest first. Micro-batch ``k`` runs at the longest remaining row over
+    all ranks; each rank fills it while its rows fit the budget at that width, keeping at least one
+    row for each later micro-batch, and the last takes the rest. The count starts at the most any
+    rank packs alone and grows until the last micro-batches fit too (at one row per micro-batch
+    they always do).
+    """
+    orders = [sorted(range(len(lengths)), key=lambda p: (-lengths[p], p)) for lengths, _, _ in steps]
+    rows = {len(order) for order in orders}
+    if len(rows) != 1:
+        raise ValueError(f"every rank must hold the same number of rows, got {sorted(rows)}")
+    n = rows.pop()
+    count = max((len(pack_by_tokens(lengths, groups, budget, cost)) for lengths, groups, cost in steps), default=0)
+    while count < n:
+        plan = _lockstep(steps, orders, budget, count)
+        if plan is not None:
+            return plan
+        count += 1
+    return [[[p] for p in order] for order in orders]
+
+
+def _lockstep(steps: Sequence[tuple[Sequence[int], Sequence[int], TokenCost]], orders: list[list[int]], budget: int,
+              count: int) -> list[list[list[int]]] | None:
+    """The lockstep plan with exactly ``count`` micro-batches per rank, or None where the last one overflows."""
+    n = len(orders[0])
+    taken = [0] * len(steps)
+    plan: list[list[list[int]]] = [[] for _ in steps]
+    for k in range(count):
+        longest = max(steps[r][0][orders[r][taken[r]]] for r in range(len(steps)))
+        for r, (_, groups, cost) in enumerate(steps):
+            order, start = orders[r], taken[r]
+            most = n - start - (count - 1 - k)  # leave a row for each later micro-batch
+            take, seen = 1, {groups[order[start]]}
+            if k == count - 1:
+                take, seen = most, {groups[p] for p in order[start : start + most]}
+            while take < most and cost(take + 1, len(seen | {groups[order[start + take]]}), longest) <= budget:
+                seen.add(groups[order[start + take]])
+                take += 1
+            part = order[start : start + take]
+            if take > 1 and cost(take, len(seen), longest) > budget:
+                return None
+            plan[r].append(_groups_adjacent(part, groups) if cost.share_prompts else part)
+            taken[r] += take
+    return plan
+
+
+def plan_for_rank(lengths: Tensor, groups: Tensor, cost: TokenCost, budget: int, ranks: Ranks,
+                  widest_over_ranks: bool) -> list[list[int]]:
+    """This rank's micro-batches (positions into the step's rows), as many as every other rank's.
+
+    ``lengths``, ``groups``: [rows] device tensors of the step's rows. Ranks that run each
+    micro-batch at its own width pack alone and agree on the largest count (one max over ranks);
+    ``widest_over_ranks`` (every rank's micro-batch ``k`` runs at the widest over all ranks) gathers
+    every rank's rows and plans them together (:func:`pack_in_lockstep`). One host copy either way.
+    """
+    if not widest_over_ranks:
+        host_lengths, host_groups = torch.stack([lengths, groups.to(lengths)]).tolist()
+        parts = pack_by_tokens(host_lengths, host_groups, budget, cost)
+        count = ranks.reduce(torch.tensor([float(len(parts))], device=lengths.device), "max")
+        return split_to(parts, int(count[0]), host_groups)
+    n = lengths.shape[0]
+    shape = torch.tensor([cost.prompt_width, cost.completion_width], device=lengths.device)
+    everyone = ranks.gather(torch.cat([shape, lengths, groups.to(lengths)]).reshape(1, -1)).tolist()
+    widest = max(row[1] for row in everyone)
+    steps = [(row[2 : 2 + n], row[2 + n :], dataclasses.replace(cost, prompt_width=row[0], completion_width=widest))
+             for row in everyone]
+    return pack_in_lockstep(steps, budget)[ranks.rank]
+

@@ -137,6 +137,33 @@ def test_lockstep_plan_keeps_the_budget_at_the_widest_over_ranks():
         assert pack_in_lockstep(steps, budget) == plan
 
 
+class _TwoRanks:
+    """Rank 0 of two, the other rank's step rows given (gather and max as the collectives would)."""
+
+    def __init__(self, other_row):
+        self.rank, self.other_row = 0, other_row
+
+    def gather(self, value):
+        return torch.cat([value, torch.tensor([self.other_row], dtype=value.dtype)])
+
+    def reduce(self, value, op="sum"):
+        raise AssertionError("the lockstep plan needs no count agreement")
+
+
+def test_plan_for_rank_gathers_the_other_ranks_rows():
+    """The lockstep path reads every rank's prompt width, completion width, lengths and groups from
+    one gather, and plans at the widest completion width over ranks."""
+    from grpo_ascend.trainers.micro_batches import plan_for_rank
+
+    short, long = [1, 2, 1, 3, 2, 1, 2, 1], [7, 6, 7, 5, 7, 7, 6, 7]
+    other = [6, 7, *long, *range(8)]  # prompt width 6, completion width 7, lengths, groups
+    cost = TokenCost(prompt_width=6, completion_width=3, share_prompts=True)
+    mine = plan_for_rank(torch.tensor(short), torch.arange(8), cost, 40, _TwoRanks(other), widest_over_ranks=True)
+    expected = pack_in_lockstep([(short, list(range(8)), TokenCost(6, 7, True)),
+                                 (long, list(range(8)), TokenCost(6, 7, True))], 40)[0]
+    assert mine == expected and len(mine) == 3
+
+
 # ------------------------------------------------------------------------------ exact gradients
 def varied_experience(n=8, lp=6, lc=12, G=2, **fields):
     """Groups of G rows sharing a prompt, completions from 1 to ``lc`` tokens long."""

@@ -158,7 +158,9 @@ def test_plan_for_rank_gathers_the_other_ranks_rows():
     short, long = [1, 2, 1, 3, 2, 1, 2, 1], [7, 6, 7, 5, 7, 7, 6, 7]
     other = [6, 7, *long, *range(8)]  # prompt width 6, completion width 7, lengths, groups
     cost = TokenCost(prompt_width=6, completion_width=3, share_prompts=True)
-    mine = plan_for_rank(torch.tensor(short), torch.arange(8), cost, 40, _TwoRanks(other), widest_over_ranks=True)
+    mine, lengths = plan_for_rank(torch.tensor(short), torch.arange(8), cost, 40, _TwoRanks(other),
+                                  widest_over_ranks=True)
+    assert lengths == short
     expected = pack_in_lockstep([(short, list(range(8)), TokenCost(6, 7, True)),
                                  (long, list(range(8)), TokenCost(6, 7, True))], 40)[0]
     assert mine == expected and len(mine) == 3
@@ -253,6 +255,22 @@ def test_budget_micro_batches_give_the_one_batch_gradient(grpo_trainer, case):
         assert m["loss"] == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
         assert m["kl"] == pytest.approx(metrics["kl"], rel=1e-5)
         _assert_same(grads, one)
+
+
+def test_a_row_over_the_budget_runs_alone_with_one_warning(grpo_trainer, caplog):
+    trainer = grpo_trainer
+    trainer.args.loss_type, trainer._warned_over_budget = "grpo", False
+    exp = varied_experience(old_logps=torch.full((8, 12), -3.0), ref_logps=torch.full((8, 12), -3.1))
+    try:
+        trainer.args.max_tokens_per_micro_batch = 10  # every row costs 6 + its length: 7 to 18
+        with caplog.at_level("WARNING", logger="grpo_ascend.trainers.base"):
+            _, first = step_gradients(trainer, exp)
+            _, second = step_gradients(trainer, exp)
+    finally:
+        trainer.args.max_tokens_per_micro_batch = None
+    assert first["micro_batches"] == second["micro_batches"] == 8  # no two rows fit together; none dropped
+    warnings = [r for r in caplog.records if "max_tokens_per_micro_batch=10" in r.getMessage()]
+    assert len(warnings) == 1 and "18 tokens" in warnings[0].getMessage()
 
 
 def test_ranks_agree_on_the_micro_batch_count(grpo_trainer, monkeypatch):

@@ -251,14 +251,13 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
                          share_prompts=self._token_cost_shares_prompts, length_bucket=dev.default_length_bucket(self.device))
         # Under a parameter-sharding strategy every rank's micro-batch runs at the widest over ranks.
         widest = bool(getattr(self.accelerator.unwrap_model(self.logprob_model), "fixed_calls", False))
-        parts = plan_for_rank(lengths, exp.group_ids[rows], cost, budget, self.ranks, widest)
-        alone = [p[0] for p in parts if len(p) == 1]
-        over = [n for n in lengths[alone].tolist() if cost(1, 1, n) > budget] if alone else []
+        parts, host_lengths = plan_for_rank(lengths, exp.group_ids[rows], cost, budget, self.ranks, widest)
+        over = [host_lengths[p[0]] for p in parts if len(p) == 1 and cost(1, 1, host_lengths[p[0]]) > budget]
         if over and not self._warned_over_budget:
             self._warned_over_budget = True
             logger.warning("max_tokens_per_micro_batch=%d is below what one row's forward costs (%d tokens: prompt width "
-                           "%d + completion %d); such rows get a micro-batch of their own (warned once)", budget,
-                           cost(1, 1, over[0]), cost.prompt_width, over[0])
+                           "%d + completion width %d); such rows get a micro-batch of their own (warned once)", budget,
+                           cost(1, 1, over[0]), cost.prompt_width, cost.width(over[0]))
         order = torch.tensor([i for p in parts for i in p], device=rows.device)  # one copy to the device
         return list(rows[order].split([len(p) for p in parts]))
 

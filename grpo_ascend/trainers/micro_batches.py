@@ -215,8 +215,9 @@ def _lockstep(steps: Sequence[tuple[Sequence[int], Sequence[int], TokenCost]], o
 
 
 def plan_for_rank(lengths: Tensor, groups: Tensor, cost: TokenCost, budget: int, ranks: Ranks,
-                  widest_over_ranks: bool) -> list[list[int]]:
-    """This rank's micro-batches (positions into the step's rows), as many as every other rank's.
+                  widest_over_ranks: bool) -> tuple[list[list[int]], list[int]]:
+    """This rank's micro-batches (positions into the step's rows), as many as every other rank's, and
+    the rows' lengths on the host.
 
     ``lengths``, ``groups``: [rows] device tensors of the step's rows. Ranks that run each
     micro-batch at its own width pack alone and agree on the largest count (one max over ranks);
@@ -227,12 +228,11 @@ def plan_for_rank(lengths: Tensor, groups: Tensor, cost: TokenCost, budget: int,
         host_lengths, host_groups = torch.stack([lengths, groups.to(lengths)]).tolist()
         parts = pack_by_tokens(host_lengths, host_groups, budget, cost)
         count = ranks.reduce(torch.tensor([float(len(parts))], device=lengths.device), "max")
-        return split_to(parts, int(count[0]), host_groups)
+        return split_to(parts, int(count[0]), host_groups), host_lengths
     n = lengths.shape[0]
     shape = torch.tensor([cost.prompt_width, cost.completion_width], device=lengths.device)
     everyone = ranks.gather(torch.cat([shape, lengths, groups.to(lengths)]).reshape(1, -1)).tolist()
     widest = max(row[1] for row in everyone)
     steps = [(row[2 : 2 + n], row[2 + n :], dataclasses.replace(cost, prompt_width=row[0], completion_width=widest))
              for row in everyone]
-    return pack_in_lockstep(steps, budget)[ranks.rank]
-
+    return pack_in_lockstep(steps, budget)[ranks.rank], steps[ranks.rank][0]

@@ -248,7 +248,7 @@ def run_contract(out: Path, spec: dict[str, Any], rank: int, world: int) -> None
         results[loss_type] = step_loss_and_norm(trainer, mine, loss_type)
     if spec.get("token_budget"):
         trainer.args.max_tokens_per_micro_batch = spec["token_budget"]
-        for loss_type in spec["loss_types"]:
+        for loss_type in spec.get("budget_loss_types", spec["loss_types"]):
             results[f"budget/{loss_type}"] = {**step_loss_and_norm(trainer, mine, loss_type),
                                               "micro_batches": trainer._step_micro_batches}
         trainer.args.max_tokens_per_micro_batch = None

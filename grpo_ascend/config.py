@@ -168,6 +168,13 @@ class BaseRLConfig(_Validated):
     # --- batch ---
     per_device_train_batch_size: int = _f(8, "Completions per micro-batch on each device (forward/backward unit).")
     gradient_accumulation_steps: int = _f(1, "Micro-batches accumulated into one optimizer step.")
+    max_tokens_per_micro_batch: int | None = _f(
+        None, "Token budget of a training micro-batch on each device: each optimizer step's rows (per_device_train_"
+        "batch_size × gradient_accumulation_steps) are packed, longest first, into micro-batches whose forward runs "
+        "at most this many tokens (rows × their longest completion + the prompt width once per group, or per row "
+        "without share_prompt_prefill); a row over it gets a micro-batch of its own. The loss is the same however "
+        "the rows are split. null = micro-batches of per_device_train_batch_size rows."
+    )
     num_generations: int = _f(8, "G: completions sampled per prompt (the group).")
     steps_per_generation: int | None = _f(
         None, "Micro-batches fed by one generation batch (default: gradient_accumulation_steps)."
@@ -280,6 +287,9 @@ class BaseRLConfig(_Validated):
     )
 
     def __post_init__(self) -> None:
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+            raise ConfigError(f"max_tokens_per_micro_batch must be a whole number of tokens or null, got {budget!r}")
         _positive(
             self,
             "per_device_train_batch_size",
@@ -292,6 +302,7 @@ class BaseRLConfig(_Validated):
             "generation_batch_size",
             "reward_timeout",
             "ddp_timeout",
+            "max_tokens_per_micro_batch",
         )
         if self.learning_rate < 0:
             raise ConfigError(f"learning_rate must be >= 0 (0 = a control run that never moves), got {self.learning_rate}")
@@ -374,6 +385,7 @@ class BaseRLConfig(_Validated):
             grad_accum=self.gradient_accumulation_steps,
             steps_per_generation=spg,
             num_iterations=getattr(self, "num_iterations", 1),
+            max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
         )
 
 
@@ -387,6 +399,8 @@ class BatchPlan:
     grad_accum: int
     steps_per_generation: int
     num_iterations: int
+    #: Token budget that packs each step's rows into micro-batches (None: grad_accum of micro_batch rows).
+    max_tokens_per_micro_batch: int | None = None
 
     @property
     def completions_per_generation(self) -> int:
@@ -414,8 +428,11 @@ class BatchPlan:
             f"batch plan: {self.prompts_per_generation} prompts × {self.num_generations} generations = "
             f"{self.completions_per_generation} completions per generation round; "
             f"{self.completions_per_step} completions per optimizer step "
-            f"({self.grad_accum} micro-batches of {self.micro_batch} × {self.world_size} process(es)); "
-            f"{self.optimizer_steps_per_generation} optimizer step(s) per generation round"
+            + (f"({self.grad_accum} micro-batches of {self.micro_batch} × {self.world_size} process(es)); "
+               if self.max_tokens_per_micro_batch is None else
+               f"({self.micro_batch * self.grad_accum} × {self.world_size} process(es), in micro-batches of at most "
+               f"{self.max_tokens_per_micro_batch} tokens); ")
+            + f"{self.optimizer_steps_per_generation} optimizer step(s) per generation round"
             + (f" ({self.num_iterations} iterations)" if self.num_iterations > 1 else "")
         )
 

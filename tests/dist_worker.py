@@ -237,9 +237,21 @@ def run_contract(out: Path, spec: dict[str, Any], rank: int, world: int) -> None
         for loss_type in spec["loss_types"]:
             grads, loss = step_gradients(trainer, mine, loss_type)
             results[f"grads/{loss_type}"] = {"grads": grads, "loss": loss}
+        if spec.get("token_budget"):  # token-budget micro-batches: the ranks pack different counts
+            trainer.args.max_tokens_per_micro_batch = spec["token_budget"]
+            for loss_type in spec["loss_types"]:
+                grads, loss = step_gradients(trainer, mine, loss_type)
+                results[f"budget_grads/{loss_type}"] = {"grads": grads, "loss": loss}
+            trainer.args.max_tokens_per_micro_batch = None
         del trainer._clip_and_step  # back to the strategy's step
     for loss_type in spec["loss_types"]:
         results[loss_type] = step_loss_and_norm(trainer, mine, loss_type)
+    if spec.get("token_budget"):
+        trainer.args.max_tokens_per_micro_batch = spec["token_budget"]
+        for loss_type in spec.get("budget_loss_types", spec["loss_types"]):
+            results[f"budget/{loss_type}"] = {**step_loss_and_norm(trainer, mine, loss_type),
+                                              "micro_batches": trainer._step_micro_batches}
+        trainer.args.max_tokens_per_micro_batch = None
     results["nan_step"] = nan_then_finite_step(trainer, mine)
     results["round_trip"] = checkpoint_round_trip(trainer, mine)
     results["no_sync"] = unsynced_micro_batch(trainer, mine)

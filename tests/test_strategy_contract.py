@@ -12,7 +12,10 @@ counts, with 2 accumulated micro-batches per rank (the strategy's no-sync on the
 - checkpoint round trip: a save, a step, the load of that save and the same step again restore
   the saved weights exactly and replay the step (weights, loss, grad norm);
 - no-sync: a micro-batch that is not the step's last leaves its gradient unreduced (DDP: each
-  rank's own; FSDP2: no reduce-scatter yet; DeepSpeed: not an accumulation boundary).
+  rank's own; FSDP2: no reduce-scatter yet; DeepSpeed: not an accumulation boundary);
+- token-budget micro-batches (``max_tokens_per_micro_batch``) that the two ranks would pack into
+  different counts run as many on both (planned together under ZeRO-3 and FSDP2, where every
+  rank's micro-batch runs at the widest over ranks) and give the one-process step.
 
 The one-process reference is computed once for all strategies.
 """
@@ -34,6 +37,21 @@ from test_deepspeed import ZERO2_ENV, _zero3_env  # noqa: E402
 from test_distributed import LOSS_TYPES, WORLD, launch  # noqa: E402
 from test_fsdp import FSDP_ENV  # noqa: E402
 
+TOKEN_BUDGET = 40  # rank 0's 8 rows pack into 2 micro-batches, rank 1's into 3 (prompt 6 tokens, one per row)
+# The slow DeepSpeed launches check the budget on a sequence-mean and a token-sum loss only.
+BUDGET_SHORT = {"budget_loss_types": ["grpo", "dapo"]}
+
+
+def _local_micro_batches(rank: int) -> int:
+    """Micro-batches rank ``rank`` packs its rows into on its own (each row is its own group)."""
+    from grpo_ascend.trainers.micro_batches import TokenCost, pack_by_tokens
+
+    mine = dist_worker.rank_slice(dist_worker.fixed_global_batch(), rank, WORLD)
+    mask = mine["completion_mask"]
+    lengths = mask.sum(1).tolist()  # the masks are contiguous from the first column
+    cost = TokenCost(mine["prompt_ids"].shape[1], mask.shape[1], share_prompts=True)
+    return len(pack_by_tokens(lengths, list(range(len(lengths))), TOKEN_BUDGET, cost))
+
 
 def _ddp_env(folder: Path) -> dict[str, str]:
     return {}
@@ -41,11 +59,13 @@ def _ddp_env(folder: Path) -> dict[str, str]:
 
 # name -> (launch environment, whether gradients are whole on every rank, worker settings, norm tolerance)
 STRATEGIES: dict[str, tuple[Any, bool, dict[str, Any], float]] = {
-    "plain": (_ddp_env, True, {}, 1e-5),
-    "deepspeed-zero2": (lambda folder: ZERO2_ENV, False, {}, 1e-4),
-    "deepspeed-zero3": (_zero3_env, False, {}, 1e-4),
+    # Each also packs the ranks' rows under a token budget: alone, rank 0 (short completions) packs
+    # fewer micro-batches than rank 1; the ranks must run as many (same gradient, no hang).
+    "plain": (_ddp_env, True, {"token_budget": TOKEN_BUDGET}, 1e-5),
+    "deepspeed-zero2": (lambda folder: ZERO2_ENV, False, {"token_budget": TOKEN_BUDGET, **BUDGET_SHORT}, 1e-4),
+    "deepspeed-zero3": (_zero3_env, False, {"token_budget": TOKEN_BUDGET, **BUDGET_SHORT}, 1e-4),
     # No clipping: the global norm of the sharded gradients is reduced by the strategy itself.
-    "fsdp": (lambda folder: FSDP_ENV, True, {"max_grad_norm": 0}, 1e-5),
+    "fsdp": (lambda folder: FSDP_ENV, True, {"max_grad_norm": 0, "token_budget": TOKEN_BUDGET}, 1e-5),
 }
 NEEDS_DEEPSPEED = {"deepspeed-zero2", "deepspeed-zero3"}
 # DeepSpeed start-up is slow (~10 s per launch here): those two are deselected by scripts/test.sh --fast.
@@ -97,6 +117,17 @@ def test_strategy_contract(name, one_process, tmp_path, tiny_model_dir):
         if name == "plain":  # both ranks hold the same averaged gradient bit for bit
             for a, b in zip(ranks[0][f"grads/{loss_type}"]["grads"], ranks[1][f"grads/{loss_type}"]["grads"]):
                 assert torch.equal(a, b), loss_type
+        if "token_budget" in settings and loss_type in settings.get("budget_loss_types", LOSS_TYPES):
+            # packed 2 and 3 micro-batches alone, run 3 on both ranks, one process's step
+            assert [_local_micro_batches(r) for r in range(WORLD)] == [2, 3]
+            for r, got in enumerate(ranks):
+                budget = got[f"budget/{loss_type}"]
+                assert budget["micro_batches"] == 3, (loss_type, r)
+                assert budget["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-7), (loss_type, r)
+                assert budget["grad_norm"] == pytest.approx(expected["grad_norm"], rel=norm_rel), (loss_type, r)
+                if elementwise:
+                    for a, b in zip(got[f"budget_grads/{loss_type}"]["grads"], expected["grads"]):
+                        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=f"budget, {loss_type}, rank {r}")
 
     for r, got in enumerate(ranks):
         nan = got["nan_step"]  # the NaN gradient is on rank 0 only; every rank skips

@@ -28,7 +28,9 @@ from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, ExperienceMaker
 from grpo_ascend.models import (
     CompletionLogprobs,
+    activation_checkpointing_on,
     adapters_disabled,
+    backbone_and_head,
     is_peft,
     lora_merged,
     trainable_parameters,
@@ -47,6 +49,7 @@ from grpo_ascend.trainers.components import (
     total_steps,
 )
 from grpo_ascend.trainers.evaluating import EvaluationMixin
+from grpo_ascend.trainers.micro_batches import TokenCost, plan_for_rank
 from grpo_ascend.trainers.surface import TrainerSurfaceMixin
 
 logger = logging.getLogger(__name__)
@@ -128,6 +131,9 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self.step = 0
         self.round_index = 0
         self.skipped_steps = 0
+        self._step_micro_batches = 0
+        self._token_cost_shares_prompts: bool | None = None
+        self._warned_over_budget = False
         self._last_saved_step = -1
         self.tracker: RunTracker | None = None
         self._init_surface(self._callbacks)
@@ -221,11 +227,39 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
                 dev.reset_peak_memory(self.device)
                 yield order[k * per_step : (k + 1) * per_step]
 
-    def _micro_batches(self, rows: Tensor) -> Iterator[tuple[Tensor, bool]]:
-        """The step's micro-batches, each with whether it is the step's last (where gradients synchronise)."""
-        parts = rows.split(self.args.per_device_train_batch_size)
+    def _micro_batches(self, rows: Tensor, exp: Experience) -> Iterator[tuple[Tensor, bool]]:
+        """The step's micro-batches, each with whether it is the step's last (where gradients synchronise):
+        ``per_device_train_batch_size`` rows each, or packed under ``max_tokens_per_micro_batch``."""
+        if self.args.max_tokens_per_micro_batch is None:
+            parts = list(rows.split(self.args.per_device_train_batch_size))
+        else:
+            parts = self._token_budget_parts(rows, exp)
+        self._step_micro_batches = len(parts)
         for i, part in enumerate(parts):
             yield part, i == len(parts) - 1
+
+    def _token_budget_parts(self, rows: Tensor, exp: Experience) -> list[Tensor]:
+        """``rows`` packed under the token budget (trainers/micro_batches.py), as many parts on every rank."""
+        budget = self.args.max_tokens_per_micro_batch
+        mask = exp.completion_mask[rows].ne(0)
+        width = mask.shape[1]
+        lengths = (mask * torch.arange(1, width + 1, device=mask.device)).amax(1) if width else mask.sum(1)
+        if self._token_cost_shares_prompts is None:
+            backbone, _ = backbone_and_head(self.policy)
+            self._token_cost_shares_prompts = self.args.share_prompt_prefill and not activation_checkpointing_on(backbone)
+        cost = TokenCost(prompt_width=exp.prompt_ids.shape[1], completion_width=width,
+                         share_prompts=self._token_cost_shares_prompts, length_bucket=dev.default_length_bucket(self.device))
+        # Under a parameter-sharding strategy every rank's micro-batch runs at the widest over ranks.
+        widest = bool(getattr(self.accelerator.unwrap_model(self.logprob_model), "fixed_calls", False))
+        parts, host_lengths = plan_for_rank(lengths, exp.group_ids[rows], cost, budget, self.ranks, widest)
+        over = [host_lengths[p[0]] for p in parts if len(p) == 1 and cost(1, 1, host_lengths[p[0]]) > budget]
+        if over and not self._warned_over_budget:
+            self._warned_over_budget = True
+            logger.warning("max_tokens_per_micro_batch=%d is below what one row's forward costs (%d tokens: prompt width "
+                           "%d + completion width %d); such rows get a micro-batch of their own (warned once)", budget,
+                           cost(1, 1, over[0]), cost.prompt_width, cost.width(over[0]))
+        order = torch.tensor([i for p in parts for i in p], device=rows.device)  # one copy to the device
+        return list(rows[order].split([len(p) for p in parts]))
 
     def _no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
         """One micro-batch of ``model``: gradients are reduced over ranks only on the step's ``last``."""
@@ -352,6 +386,8 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         train_time = time.perf_counter() - started
         step_peak = dev.memory_stats(self.device)["peak"] / 2**30
         self._peak_gb = max(self._peak_gb, step_peak, *log.timer.peak_gb.values())
+        if args.max_tokens_per_micro_batch is not None:
+            step_metrics = {**step_metrics, "micro_batches": float(self._step_micro_batches)}
         if self.step % args.logging_steps == 0 or self.step == self.max_steps:
             self._log_step(step_metrics, log, train_time, step_peak)
         assert self.tracker is not None

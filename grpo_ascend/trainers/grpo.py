@@ -125,7 +125,7 @@ class GRPOTrainer(RLTrainerBase):
             step_start, sums = time.perf_counter(), {}
             normaliser = self._step_normaliser(exp.loss_mask[rows], tokens_global)
             self.policy.train()
-            for micro, last in self._micro_batches(rows):
+            for micro, last in self._micro_batches(rows, exp):
                 with self._no_sync(self.logprob_model, last):
                     logps, entropies = self.logprob_model(*exp.model_inputs(micro), temperature=args.temperature,
                                                           with_entropy=True)

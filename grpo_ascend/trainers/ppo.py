@@ -121,7 +121,7 @@ class PPOTrainer(RLTrainerBase):
             normaliser = self._step_normaliser(exp.loss_mask[rows], tokens_global)
             self.policy.train()
             self.critic_model.train()
-            for micro, last in self._micro_batches(rows):
+            for micro, last in self._micro_batches(rows, exp):
                 inputs, mask = exp.model_inputs(micro), exp.loss_mask[micro]
                 # Critic first, forward *and* backward with its adapter active (gradient checkpointing
                 # recomputes the forward during backward with whatever adapter is active then).

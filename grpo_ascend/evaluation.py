@@ -73,14 +73,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def _reward_sums(prefix: str, total: Tensor, per_function: Tensor, names: list[str], lengths: Tensor) -> dict[str, float]:
     out = {
         f"{prefix}rows": float(total.numel()),
-        f"{prefix}reward_sum": float(total.sum()),
+        f"{prefix}reward_sum": float(total.double().sum()),  # double: the same sum however rows are split
         f"{prefix}reward_sq_sum": float((total.double() ** 2).sum()),
         f"{prefix}length_sum": float(lengths.float().sum()),
     }
     for i, name in enumerate(names):
         column = per_function[:, i] if per_function.numel() else per_function.new_zeros(0)
         valid = ~torch.isnan(column)
-        out[f"{prefix}fn/{name}/sum"] = float(column[valid].sum())
+        out[f"{prefix}fn/{name}/sum"] = float(column[valid].double().sum())
         out[f"{prefix}fn/{name}/n"] = float(valid.sum())
     return out
 

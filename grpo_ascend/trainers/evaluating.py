@@ -9,6 +9,8 @@ the completions, and the metrics summed over ranks with one collective (see
 grpo_ascend/evaluation.py), are those of one process. Every rank enters one
 :meth:`_rollout_context` (sharded engines gather the whole weights there, all ranks together);
 inside it generation makes no collective calls, so the ranks' chunk counts may differ.
+Tool-calling and ``rollout_func`` runs evaluate through their own rollout (environments of its
+own for evaluation; ``trainer.rollout_params`` tells a ``rollout_func`` the call's sampling).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from grpo_ascend import device as dev
 from grpo_ascend.data import check_prompt_dataset, is_conversational
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.evaluation import (
+    TOOL_SUMS,
     best_metric_name,
     eval_sums,
     finish_eval_metrics,
@@ -32,7 +35,7 @@ from grpo_ascend.evaluation import (
     is_better,
     resolved_eval_steps,
 )
-from grpo_ascend.experience import completions_for_rewards
+from grpo_ascend.experience import completions_for_rewards, tool_counts
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class EvaluationMixin:
         self._last_eval_step = -1
         self._last_eval_metrics: dict[str, float] | None = None
         self._best: tuple[int, float] | None = None  # (step, value) of the best saved checkpoint
+        self._eval_rollout: Any = None  # made at the first evaluation (see _eval_engine)
 
     # ------------------------------------------------------------------------------ public
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -65,9 +69,6 @@ class EvaluationMixin:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ConfigError("evaluate() has no dataset: pass eval_dataset= to the trainer or to evaluate()")
-        if hasattr(self.engine, "generate_rows"):
-            raise ConfigError("evaluation of tool-calling or rollout_func runs is not supported: their rollouts "
-                              "need the environment; evaluate the exported model separately")
         started = time.perf_counter()
         sums, names, n = self._eval_sums(dataset)
         metrics = finish_eval_metrics(self._sum_over_ranks(sums), names, n)
@@ -95,19 +96,31 @@ class EvaluationMixin:
         was_training = self.policy.training
         sampled, greedy = [], []
         try:
+            engine = self._eval_engine()
             with torch.no_grad(), self._rollout_context():  # all ranks enter once (whole weights if sharded)
                 for index, rows in chunks:
                     chunk = [dataset[i] for i in rows]
                     # Seeded by the chunk's place in the eval set: the same completions on any number of ranks.
                     generator.manual_seed(args.seed + _EVAL_SEED_OFFSET + index)
-                    sampled.append(self._eval_generate(chunk, sampled_params, generator))
-                    greedy.append(self._eval_generate(chunk, greedy_params, None))
+                    sampled.append(self._eval_generate(engine, chunk, sampled_params, generator))
+                    greedy.append(self._eval_generate(engine, chunk, greedy_params, None))
         finally:
             dev.set_rng_state(saved_rng, self.device)
             self.policy.train(was_training)
         names = sampled[0]["names"] if sampled else list(self.rewards.names)
-        return eval_sums(_join(sampled, len(names)), _join(greedy, len(names)), names, n,
-                         args.eval_pass_threshold), names, n
+        sums = eval_sums(_join(sampled, len(names)), _join(greedy, len(names)), names, n, args.eval_pass_threshold)
+        if any(part["tools"] for part in sampled):  # tool calls of the sampled pass (multi-turn rollouts)
+            for key in TOOL_SUMS:
+                sums[f"sampled/{key}"] = sum(part["tools"].get(key, 0.0) for part in sampled)
+        return sums, names, n
+
+    def _eval_engine(self) -> Any:
+        """The rollout evaluation generates with: the run's engine, or a tool rollout's evaluation copy
+        (environments of its own), made once."""
+        if self._eval_rollout is None:
+            for_evaluation = getattr(self.engine, "for_evaluation", None)
+            self._eval_rollout = for_evaluation() if for_evaluation is not None else self.engine
+        return self._eval_rollout
 
     def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
         """``sums`` added over every rank, in double precision (the pass counts and the reward squares
@@ -122,20 +135,24 @@ class EvaluationMixin:
                 total[key] = total.get(key, 0.0) + value
         return total
 
-    def _eval_generate(self, rows: list[dict[str, Any]], params: Any, generator: Any) -> dict[str, Any]:
-        """Generate and score one chunk of eval prompts; reward logging calls are ignored."""
+    def _eval_generate(self, engine: Any, rows: list[dict[str, Any]], params: Any, generator: Any) -> dict[str, Any]:
+        """Generate and score one chunk of eval prompts through the training rollout path (tools,
+        environments, ``rollout_func`` included); reward logging calls are ignored."""
         prompts = [r["prompt"] for r in rows]
         G = params.num_generations
-        batch = self.engine.generate(prompts, params=params, generator=generator)
+        generate_rows = getattr(engine, "generate_rows", None)
+        batch = (generate_rows(rows, generator, params=params) if generate_rows is not None
+                 else engine.generate(prompts, params=params, generator=generator))
         completions = completions_for_rewards(batch, is_conversational(prompts[0]))
         lengths = batch.completion_mask.sum(1)
         completion_ids = [ids[:k] for ids, k in zip(batch.completion_ids.tolist(), lengths.tolist())]
         columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+        columns.update(getattr(batch, "extra_columns", None) or {})
         scored = self.rewards([p for p in prompts for _ in range(G)], completions, completion_ids, columns,
                               trainer_state=self._trainer_state_for_rewards(),
                               log_metric=lambda *a: None, log_extra=lambda *a: None)
         return {"total": scored.total.float().cpu(), "per_function": scored.per_function.float().cpu(),
-                "lengths": lengths.cpu(), "names": list(scored.names)}
+                "lengths": lengths.cpu(), "names": list(scored.names), "tools": tool_counts(batch)}
 
     # ------------------------------------------------------------------------------ in the run
     def _evaluating(self) -> bool:

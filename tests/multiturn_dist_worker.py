@@ -35,7 +35,8 @@ def main() -> int:
                           peft_config=default_lora_config(r=4), environment_factory=AddEnv)
     trainer.train()
     rank = int(os.environ["RANK"])
-    # 3 eval prompts in chunks of 2 (per_device_eval_batch_size 8 // 4 generations): rank 0 gets 2, rank 1 one.
+    # 3 eval prompts in chunks of 2 (per_device_eval_batch_size 4 // 2 generations): rank 0 gets 2, rank 1 one.
+    trainer.args.num_generations_eval, trainer.args.per_device_eval_batch_size = 2, 4
     metrics = trainer.evaluate(Dataset.from_list([{"prompt": PROMPT}] * 3))
     (out / f"eval_rank{rank}.json").write_text(json.dumps(metrics))
     weights = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if p.requires_grad}

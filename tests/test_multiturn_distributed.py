@@ -29,6 +29,6 @@ def test_tool_training_under_two_processes(tmp_path, tiny_model_dir, monkeypatch
     # evaluate() after training: the ranks' tool rollouts (2 prompts and 1) give the same summed metrics.
     e0, e1 = (json.loads((out / f"eval_rank{r}.json").read_text()) for r in (0, 1))
     e0.pop("eval/runtime"), e1.pop("eval/runtime")
-    assert e0 == e1 and e0["eval/num_prompts"] == 3 and e0["eval/num_generations"] == 4
+    assert e0 == e1 and e0["eval/num_prompts"] == 3 and e0["eval/num_generations"] == 2
     assert e0["eval/tools/calls_per_completion"] == 1.0 and e0["eval/tools/failed_calls"] == 0
     assert e0["eval/rewards/AddEnv/mean"] == 1.0 and e0["eval/greedy/rewards/AddEnv/mean"] == 1.0

@@ -3,10 +3,11 @@ user's ``rollout_func`` (TRL 1.16's contract).
 
 Both offer ``generate_rows(rows, generator, params=None) -> RolloutBatch`` (rows: this rank's drawn
 dataset rows, one per prompt; params: the call's sampling, default the run's, which evaluation
-replaces with its own) and ``for_evaluation()`` (the rollout evaluation uses, with environments of
-its own so that it never touches the training rollouts' state); the batch may carry ``extra_columns`` (one value per completion row) that the
-reward functions receive as keyword arguments, like dataset columns. ``ExperienceMaker`` calls
-``generate_rows`` when its engine has it, else ``generate(prompts)``.
+replaces with its own); the batch may carry ``extra_columns`` (one value per completion row) that
+the reward functions receive as keyword arguments, like dataset columns. ``ExperienceMaker`` calls
+``generate_rows`` when its engine has it, else ``generate(prompts)``. Evaluation generates with
+``engine.for_evaluation()`` where the engine has it (tools: environments of its own, so that
+evaluation never touches the training rollouts' state).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class RolloutFuncRollout:
     ``prompt_ids`` and ``completion_ids`` (one list of ids per completion,
     ``trainer.rollout_params.num_generations`` per prompt, in prompt order; ``rollout_params`` is
     the call's sampling: the run's in training, the sampled or greedy pass's in evaluation),
-    ``logprobs`` (one float per completion token) and optionally ``env_mask`` (1 on model tokens, 0 on tokens the model did not generate: out of the loss).
+    ``logprobs`` (one float per completion token) and optionally ``env_mask`` (1 on model tokens,
+    0 on tokens the model did not generate: out of the loss).
     Every other key goes to the reward functions: a list (one value per completion) or a value
     shared by all. A completion counts as truncated when it does not end with an EOS id.
     """

@@ -24,6 +24,9 @@ from torch import Tensor
 
 from grpo_ascend.errors import ConfigError
 
+#: Tool-call counts of a multi-turn batch (experience.tool_counts) summed over the sampled eval pass.
+TOOL_SUMS = ("tools/calls", "tools/turns", "tools/failed_calls", "tools/completions")
+
 
 def check_eval_config(cfg: Any) -> None:
     """Refuse evaluation settings that cannot work, naming the value and the fix."""
@@ -73,14 +76,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def _reward_sums(prefix: str, total: Tensor, per_function: Tensor, names: list[str], lengths: Tensor) -> dict[str, float]:
     out = {
         f"{prefix}rows": float(total.numel()),
-        f"{prefix}reward_sum": float(total.sum()),
+        f"{prefix}reward_sum": float(total.double().sum()),  # double: the same sum however rows are split
         f"{prefix}reward_sq_sum": float((total.double() ** 2).sum()),
         f"{prefix}length_sum": float(lengths.float().sum()),
     }
     for i, name in enumerate(names):
         column = per_function[:, i] if per_function.numel() else per_function.new_zeros(0)
         valid = ~torch.isnan(column)
-        out[f"{prefix}fn/{name}/sum"] = float(column[valid].sum())
+        out[f"{prefix}fn/{name}/sum"] = float(column[valid].double().sum())
         out[f"{prefix}fn/{name}/n"] = float(valid.sum())
     return out
 
@@ -130,6 +133,12 @@ def finish_eval_metrics(sums: dict[str, float], names: list[str], n: int) -> dic
             valid = sums[f"{mode}fn/{name}/n"]
             metrics[f"{label}rewards/{name}/mean"] = sums[f"{mode}fn/{name}/sum"] / valid if valid else float("nan")
     metrics["greedy/pass"] = sums["greedy/pass_sum"] / prompts
+    if "sampled/tools/completions" in sums:  # tool-calling runs: the sampled pass's calls
+        calls = sums["sampled/tools/calls"]
+        metrics["tools/calls_per_completion"] = calls / max(sums["sampled/tools/completions"], 1.0)
+        metrics["tools/turns_per_completion"] = sums["sampled/tools/turns"] / max(sums["sampled/tools/completions"], 1.0)
+        metrics["tools/failed_calls"] = sums["sampled/tools/failed_calls"]
+        metrics["tools/failure_frequency"] = sums["sampled/tools/failed_calls"] / max(calls, 1.0)
     for key, value in sums.items():
         if key.startswith(("sampled/pass@", "sampled/mean@")):
             metrics[key.removeprefix("sampled/")] = value / prompts

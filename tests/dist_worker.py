@@ -9,9 +9,9 @@ Modes:
   draws  a short GRPO or PPO run (``"algorithm"``) whose reward records the dataset rows it scores;
          saves those row ids per round and the logged epochs.
   contract  the strategy contract (tests/test_strategy_contract.py) on a fixed global batch (this
-         rank's slice): gradients (where whole), loss and global gradient norm of real steps at
-         learning rate 0, the NaN skip, a checkpoint round trip and a no-sync micro-batch, in one
-         launch. Under ZeRO-3 the (partitioned) trainable weights are gathered to be set or read.
+         rank's slice): an evaluation, gradients (where whole), loss and global gradient norm of real
+         steps at learning rate 0, the NaN skip, a checkpoint round trip and a no-sync micro-batch,
+         in one launch. Under ZeRO-3 the (partitioned) trainable weights are gathered to be set or read.
   train  a short GRPO run (optionally resumed, or preempted right after the save at some step;
          ``"lora": false`` fine-tunes the whole model); saves the trainable weights and every
          write this rank made under output_dir.
@@ -161,7 +161,8 @@ def _max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def checkpoint_round_trip(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Save, take a step, load the save back, take the same step again: the load restores the saved
-    weights and the replayed step (weights, optimizer state, loss, grad norm) equals the first."""
+    weights and the replayed step (weights, optimizer state, loss, grad norm) equals the first; then
+    ``load_best_model_at_end`` with the save as the best restores the saved weights again."""
     from helpers import run_round
 
     def step() -> dict[str, float]:
@@ -184,9 +185,13 @@ def checkpoint_round_trip(trainer: Any, tensors: dict[str, torch.Tensor]) -> dic
     loaded_step = trainer.step
     second = step()
     after_second = trainable_weights(trainer)
+    # load_best_model_at_end with the saved checkpoint as the best: its weights come back.
+    trainer._best, trainer.args.load_best_model_at_end = (saved_step, 0.0), True
+    trainer._load_best_at_end()
+    best = trainable_weights(trainer)
     return {"restored_diff": _max_difference(saved, restored), "replayed_diff": _max_difference(after_first, after_second),
             "moved": _max_difference(saved, after_first), "first": first, "second": second,
-            "saved_step": saved_step, "loaded_step": loaded_step}
+            "saved_step": saved_step, "loaded_step": loaded_step, "best_diff": _max_difference(saved, best)}
 
 
 def unsynced_micro_batch(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -204,6 +209,16 @@ def unsynced_micro_batch(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict
     return {"boundary": boundary() if callable(boundary) else None,
             "grads_present": sum(p.grad is not None for p in params),
             "grad_norms": [float(p.grad.norm()) for p in params if p.grad is not None]}
+
+
+def contract_evaluation(trainer: Any) -> dict[str, float]:
+    """``evaluate()`` on 5 prompts in chunks of 2 (2 generations each): rank 0 makes 2 engine calls, rank 1
+    one (ZeRO-3 and FSDP2 gather the whole weights once for all of them)."""
+    from grpo_ascend.synthetic import arithmetic_dataset
+
+    trainer.args.per_device_eval_batch_size = 4
+    trainer.args.eval_pass_threshold = 0.5
+    return trainer.evaluate(arithmetic_dataset(5, seed=5))
 
 
 def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -233,6 +248,7 @@ def run_contract(out: Path, spec: dict[str, Any], rank: int, world: int) -> None
         zero._restore_from_bit16_weights()
     mine = rank_slice(fixed_global_batch(), rank, world)
     results: dict[str, Any] = {"strategy": trainer.strategy.name, "sharded": sharded(trainer)}
+    results["eval"] = contract_evaluation(trainer)  # first: the steps below then show it changed nothing
     if spec.get("elementwise"):
         for loss_type in spec["loss_types"]:
             grads, loss = step_gradients(trainer, mine, loss_type)

@@ -1,6 +1,7 @@
 """One rank of tests/test_multiturn_distributed.py: a short GRPO run with an environment's tool on
 the scripted model (see test_multiturn.py), under the gloo process group the launcher's environment
-describes. Saves this rank's trainable weights to ``OUT_DIR/weights_rank<R>.pt``."""
+describes, then an evaluation on 3 prompts. Saves this rank's trainable weights to
+``OUT_DIR/weights_rank<R>.pt`` and its eval metrics to ``OUT_DIR/eval_rank<R>.json``."""
 
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ def main() -> int:
                           peft_config=default_lora_config(r=4), environment_factory=AddEnv)
     trainer.train()
     rank = int(os.environ["RANK"])
+    # 3 eval prompts in chunks of 2 (per_device_eval_batch_size 4 // 2 generations): rank 0 gets 2, rank 1 one.
+    trainer.args.num_generations_eval, trainer.args.per_device_eval_batch_size = 2, 4
+    metrics = trainer.evaluate(Dataset.from_list([{"prompt": PROMPT}] * 3))
+    (out / f"eval_rank{rank}.json").write_text(json.dumps(metrics))
     weights = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if p.requires_grad}
     torch.save(weights, out / f"weights_rank{rank}.pt")
     return 0

@@ -19,6 +19,7 @@ from grpo_ascend.errors import ConfigError
 from grpo_ascend.evaluation import eval_ks, eval_sums, finish_eval_metrics, pass_at_k
 from grpo_ascend.models import default_lora_config
 from grpo_ascend.synthetic import arithmetic_dataset
+from grpo_ascend.trainers.evaluating import eval_chunks
 
 
 def _config(tmp_path, name="run", **kw):
@@ -65,6 +66,18 @@ def test_eval_metrics_by_hand():
     assert m["pass@1/fmt"] == pytest.approx((1 / 4) / 2)  # the NaN row never passes
     assert m["greedy/reward"] == 0.5 and m["greedy/pass"] == 0.5 and m["greedy/completion_length/mean"] == 4.0
     assert m["greedy/rewards/fmt/mean"] == 0.5 and m["num_prompts"] == 2
+
+
+def test_eval_chunks_are_the_same_on_any_number_of_ranks():
+    """Chunks of per_call prompts dealt to the ranks in turn: the same chunks (index and prompts) as
+    one process, each on one rank; a rank may hold none."""
+    one = eval_chunks(7, 2, 0, 1)
+    assert one == [(0, range(0, 2)), (1, range(2, 4)), (2, range(4, 6)), (3, range(6, 7))]
+    for world in (2, 3, 8):
+        parts = [eval_chunks(7, 2, r, world) for r in range(world)]
+        assert sorted(c for part in parts for c in part) == one
+    assert eval_chunks(7, 2, 1, 2) == [(1, range(2, 4)), (3, range(6, 7))]
+    assert eval_chunks(1, 4, 1, 2) == []
 
 
 # ------------------------------------------------------------------------------------- trainer

@@ -4,13 +4,16 @@ One 2-process launch per strategy (plain DDP, DeepSpeed ZeRO-2, ZeRO-3, FSDP2; g
 runs ``dist_worker.py contract`` on a fixed global batch whose halves hold very different token
 counts, with 2 accumulated micro-batches per rank (the strategy's no-sync on the first):
 
+- evaluation: ``evaluate()`` (whole weights for generation, ranks making different numbers of engine
+  calls) gives one process's metrics, pass@k/mean@k included, and the steps after it are unchanged;
 - exact normalised gradient: the loss and the pre-clipping global gradient norm of a real step
   equal one process's over the whole batch, for every loss type; where the engine keeps whole
   gradients (DDP, FSDP2) each gradient element does too;
 - NaN skip: a NaN gradient on one rank skips the step on every rank, weights untouched, and the
   next finite step is taken;
 - checkpoint round trip: a save, a step, the load of that save and the same step again restore
-  the saved weights exactly and replay the step (weights, loss, grad norm);
+  the saved weights exactly and replay the step (weights, loss, grad norm); loading that save as
+  the best checkpoint (``load_best_model_at_end``) restores its weights exactly;
 - no-sync: a micro-batch that is not the step's last leaves its gradient unreduced (DDP: each
   rank's own; FSDP2: no reduce-scatter yet; DeepSpeed: not an accumulation boundary);
 - token-budget micro-batches (``max_tokens_per_micro_batch``) that the two ranks would pack into
@@ -86,6 +89,7 @@ def one_process(tmp_path_factory, tiny_model_dir) -> dict[str, Any]:
         grads, loss = dist_worker.step_gradients(single, batch, loss_type)
         norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
         reference[loss_type] = {"grads": grads, "loss": loss, "grad_norm": norm}
+    reference["eval"] = dist_worker.contract_evaluation(single)  # no step was taken: the same weights
     return reference
 
 
@@ -101,6 +105,13 @@ def test_strategy_contract(name, one_process, tmp_path, tiny_model_dir):
     assert {r["strategy"] for r in ranks} == {name.split("-")[0]}
     if name == "fsdp":
         assert all(r["sharded"] == {"units": 5, "dtensor": True} for r in ranks)
+
+    expected_eval = {k: v for k, v in one_process["eval"].items() if k != "eval/runtime"}
+    assert any(k.startswith("eval/pass@") for k in expected_eval) and expected_eval["eval/num_prompts"] == 5
+    for r, got in enumerate(ranks):
+        assert got["eval"].keys() - {"eval/runtime"} == expected_eval.keys(), r
+        for key, value in expected_eval.items():
+            assert got["eval"][key] == pytest.approx(value, rel=1e-6, abs=1e-7, nan_ok=True), (r, key)
 
     for loss_type in LOSS_TYPES:
         expected = one_process[loss_type]
@@ -137,6 +148,7 @@ def test_strategy_contract(name, one_process, tmp_path, tiny_model_dir):
         assert trip["loaded_step"] == trip["saved_step"] and trip["moved"] > 0, (r, trip)
         assert trip["restored_diff"] == 0, (r, trip)
         assert trip["replayed_diff"] == 0 and trip["first"] == trip["second"], (r, trip)
+        assert trip["best_diff"] == 0, (r, trip)  # load_best_model_at_end
 
     # no-sync: a micro-batch that is not the step's last leaves its gradient unreduced
     unsynced = [got["no_sync"] for got in ranks]

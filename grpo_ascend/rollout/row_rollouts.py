@@ -1,10 +1,13 @@
 """Rollouts that need the dataset rows, not just the prompts: tool calling with environments, and a
 user's ``rollout_func`` (TRL 1.16's contract).
 
-Both offer ``generate_rows(rows, generator) -> RolloutBatch`` (rows: this rank's drawn dataset rows,
-one per prompt); the batch may carry ``extra_columns`` (one value per completion row) that the
-reward functions receive as keyword arguments, like dataset columns. ``ExperienceMaker`` calls
-``generate_rows`` when its engine has it, else ``generate(prompts)``.
+Both offer ``generate_rows(rows, generator, params=None) -> RolloutBatch`` (rows: this rank's drawn
+dataset rows, one per prompt; params: the call's sampling, default the run's, which evaluation
+replaces with its own); the batch may carry ``extra_columns`` (one value per completion row) that
+the reward functions receive as keyword arguments, like dataset columns. ``ExperienceMaker`` calls
+``generate_rows`` when its engine has it, else ``generate(prompts)``. Evaluation generates with
+``engine.for_evaluation()`` where the engine has it (tools: environments of its own, so that
+evaluation never touches the training rollouts' state).
 """
 
 from __future__ import annotations
@@ -47,11 +50,13 @@ class ToolRollout:
         """Tool rollouts of plain prompts (no environments)."""
         return self.multiturn.generate(prompts, generator=generator, **kwargs)
 
-    def generate_rows(self, rows: Sequence[Mapping[str, Any]], generator: torch.Generator | None = None) -> MultiTurnBatch:
+    def generate_rows(self, rows: Sequence[Mapping[str, Any]], generator: torch.Generator | None = None,
+                      params: Any = None) -> MultiTurnBatch:
+        """Tool rollouts of ``rows``; ``params``: this call's sampling (default the run's; evaluation passes its own)."""
         prompts = [r["prompt"] for r in rows]
+        params = params if params is not None else self.params
         if self.pool is None:
-            return self.multiturn.generate(prompts, generator=generator)
-        params = self.params
+            return self.multiturn.generate(prompts, params, generator=generator)
         G = params.num_generations
         envs = self.pool.start([r for r in rows for _ in range(G)])
         observations = [e.observation for e in envs]
@@ -59,8 +64,8 @@ class ToolRollout:
         shared = all(len(set(observations[i * G : (i + 1) * G])) == 1 for i in range(len(prompts)))
         if shared:
             batch = self.multiturn.generate(
-                [append_observation(p, observations[i * G]) for i, p in enumerate(prompts)], generator=generator,
-                toolsets=toolsets,
+                [append_observation(p, observations[i * G]) for i, p in enumerate(prompts)], params,
+                generator=generator, toolsets=toolsets,
             )
         else:
             per_row = [append_observation(prompts[k // G], observations[k]) for k in range(len(envs))]
@@ -68,6 +73,14 @@ class ToolRollout:
             batch.num_generations = G
         batch.extra_columns = {"environments": [e.instance for e in envs]}
         return batch
+
+    def for_evaluation(self) -> ToolRollout:
+        """The same rollout with environments of its own (new instances from the same factories), so
+        evaluation never resets, advances or grows the training rollouts' environments."""
+        if self.pool is None:
+            return self
+        factories = self.pool.factories if self.pool.multi else self.pool.factories[None]
+        return ToolRollout(self.multiturn, EnvironmentPool(factories, self.pool.tools))
 
 
 def _with_group(params: Any, group: int) -> Any:
@@ -114,9 +127,11 @@ class RolloutFuncRollout:
     """Calls a user's ``rollout_func`` (TRL 1.16 contract) and turns its output into a batch.
 
     ``rollout_func(prompts, trainer)`` receives this rank's prompts (no repetition) and returns
-    ``prompt_ids`` and ``completion_ids`` (one list of ids per completion, ``num_generations`` per
-    prompt, in prompt order), ``logprobs`` (one float per completion token) and optionally
-    ``env_mask`` (1 on model tokens, 0 on tokens the model did not generate: out of the loss).
+    ``prompt_ids`` and ``completion_ids`` (one list of ids per completion,
+    ``trainer.rollout_params.num_generations`` per prompt, in prompt order; ``rollout_params`` is
+    the call's sampling: the run's in training, the sampled or greedy pass's in evaluation),
+    ``logprobs`` (one float per completion token) and optionally ``env_mask`` (1 on model tokens,
+    0 on tokens the model did not generate: out of the loss).
     Every other key goes to the reward functions: a list (one value per completion) or a value
     shared by all. A completion counts as truncated when it does not end with an EOS id.
     """
@@ -132,9 +147,12 @@ class RolloutFuncRollout:
     def params(self) -> Any:
         return self.engine.params
 
-    def generate_rows(self, rows: Sequence[Mapping[str, Any]], generator: torch.Generator | None = None) -> RolloutFuncBatch:
+    def generate_rows(self, rows: Sequence[Mapping[str, Any]], generator: torch.Generator | None = None,
+                      params: Any = None) -> RolloutFuncBatch:
         prompts = [r["prompt"] for r in rows]
-        G = self.params.num_generations
+        params = params if params is not None else self.params
+        G = params.num_generations
+        self.trainer.rollout_params = params
         out = self.rollout_func(prompts, self.trainer)
         if not isinstance(out, Mapping):
             raise DataError(f"rollout_func must return a dict with {list(_REQUIRED)}, got {type(out).__name__}")
@@ -146,7 +164,7 @@ class RolloutFuncRollout:
             if len(out[key]) != n:
                 raise DataError(
                     f"rollout_func returned {len(out[key])} {key} for {len(prompts)} prompts × num_generations={G}; "
-                    f"return {n}, {G} per prompt in prompt order"
+                    f"return {n}, trainer.rollout_params.num_generations ({G}) per prompt in prompt order"
                 )
         completion_ids = [list(map(int, c)) for c in out["completion_ids"]]
         for i, (c, lp) in enumerate(zip(completion_ids, out["logprobs"])):
@@ -159,11 +177,11 @@ class RolloutFuncRollout:
                 continue
             extra[key] = list(value) if isinstance(value, list) and len(value) == n else [value] * n
         return self._batch(prompts, [list(map(int, p)) for p in out["prompt_ids"]], completion_ids,
-                           out["logprobs"], env_mask, extra)
+                           out["logprobs"], env_mask, extra, G)
 
     def _batch(self, prompts: list[Any], prompt_ids: list[list[int]], completion_ids: list[list[int]],
                logprobs: Sequence[Sequence[float]], env_mask: Sequence[Sequence[int]] | None,
-               extra: dict[str, list[Any]]) -> RolloutFuncBatch:
+               extra: dict[str, list[Any]], G: int) -> RolloutFuncBatch:
         engine, dev, pad = self.engine, self.engine.device, self.engine.pad_token_id
         lp_width = max(len(p) for p in prompt_ids)
         lc = max(1, max(len(c) for c in completion_ids))
@@ -179,7 +197,6 @@ class RolloutFuncRollout:
             tool = torch.tensor([list(map(int, m)) + [0] * (lc - len(m)) for m in env_mask], dtype=torch.long).to(dev)
         eos = set(engine.eos_token_ids)
         truncated = torch.tensor([not c or c[-1] not in eos for c in completion_ids])
-        G = self.params.num_generations
         return RolloutFuncBatch(
             prompt_ids=p_ids.to(dev), prompt_mask=p_mask.to(dev), completion_ids=c_ids.to(dev),
             completion_mask=c_mask.to(dev), sampling_logprobs=c_lp.to(dev), truncated=truncated.to(dev),

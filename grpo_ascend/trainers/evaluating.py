@@ -1,11 +1,16 @@
 """Evaluation for :class:`~grpo_ascend.trainers.base.RLTrainerBase`: ``trainer.evaluate()``, evaluation
 during training (``eval_strategy``), the best checkpoint and ``load_best_model_at_end``.
 
-Evaluation never changes training: it samples from its own generator (seeded from ``seed``, the
-same noise at every evaluation, so two evaluations differ only by the weights), and the global
-RNG states it may touch are restored afterwards. Every rank generates its slice of the eval
-prompts inside one :meth:`_rollout_context` (sharded engines gather the whole weights there, all
-ranks together) and the metrics are summed over ranks (see grpo_ascend/evaluation.py).
+Evaluation never changes training: each engine call samples from its own generator (seeded from
+``seed`` and the call's chunk of the eval set, the same noise at every evaluation, so two
+evaluations differ only by the weights), and the global RNG states it may touch are restored
+afterwards. The eval set is cut into chunks dealt to the ranks in turn (:func:`eval_chunks`), so
+the completions, and the metrics summed over ranks with one collective (see
+grpo_ascend/evaluation.py), are those of one process. Every rank enters one
+:meth:`_rollout_context` (sharded engines gather the whole weights there, all ranks together);
+inside it generation makes no collective calls, so the ranks' chunk counts may differ.
+Tool-calling and ``rollout_func`` runs evaluate through their own rollout (environments of its
+own for evaluation; ``trainer.rollout_params`` tells a ``rollout_func`` the call's sampling).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from grpo_ascend import device as dev
 from grpo_ascend.data import check_prompt_dataset, is_conversational
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.evaluation import (
+    TOOL_SUMS,
     best_metric_name,
     eval_sums,
     finish_eval_metrics,
@@ -29,7 +35,7 @@ from grpo_ascend.evaluation import (
     is_better,
     resolved_eval_steps,
 )
-from grpo_ascend.experience import completions_for_rewards
+from grpo_ascend.experience import completions_for_rewards, tool_counts
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,7 @@ class EvaluationMixin:
         self._last_eval_step = -1
         self._last_eval_metrics: dict[str, float] | None = None
         self._best: tuple[int, float] | None = None  # (step, value) of the best saved checkpoint
+        self._eval_rollout: Any = None  # made at the first evaluation (see _eval_engine)
 
     # ------------------------------------------------------------------------------ public
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -62,12 +69,9 @@ class EvaluationMixin:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ConfigError("evaluate() has no dataset: pass eval_dataset= to the trainer or to evaluate()")
-        if hasattr(self.engine, "generate_rows"):
-            raise ConfigError("evaluation of tool-calling or rollout_func runs is not supported: their rollouts "
-                              "need the environment; evaluate the exported model separately")
         started = time.perf_counter()
         sums, names, n = self._eval_sums(dataset)
-        metrics = finish_eval_metrics(self.ranks.sum_scalars(sums) if self.ranks.world > 1 else sums, names, n)
+        metrics = finish_eval_metrics(self._sum_over_ranks(sums), names, n)
         metrics["runtime"] = time.perf_counter() - started
         record = {f"{metric_key_prefix}/{k}": v for k, v in metrics.items()}
         if self.tracker is not None:
@@ -79,47 +83,76 @@ class EvaluationMixin:
 
     # ------------------------------------------------------------------------------ generation
     def _eval_sums(self, dataset: Any) -> tuple[dict[str, float], list[str], int]:
-        """This rank's additive statistics over its slice (rows rank, rank + world, …) of ``dataset``."""
+        """This rank's additive statistics over its chunks of ``dataset`` (see :func:`eval_chunks`)."""
         args, ranks = self.args, self.ranks
         n = args.num_generations_eval or args.num_generations
         base = self.engine.params
         temperature = args.eval_temperature if args.eval_temperature is not None else base.temperature
         sampled_params = dataclasses.replace(base, num_generations=n, temperature=temperature)
         greedy_params = dataclasses.replace(base, num_generations=1, temperature=0.0)
-        rows = [dataset[i] for i in range(ranks.rank, len(dataset), ranks.world)]
-        per_call = max(1, args.per_device_eval_batch_size // n)
+        chunks = eval_chunks(len(dataset), max(1, args.per_device_eval_batch_size // n), ranks.rank, ranks.world)
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(args.seed + _EVAL_SEED_OFFSET + 1000 * ranks.rank)
         saved_rng = dev.rng_state(self.device)
         was_training = self.policy.training
         sampled, greedy = [], []
         try:
+            engine = self._eval_engine()
             with torch.no_grad(), self._rollout_context():  # all ranks enter once (whole weights if sharded)
-                for start in range(0, len(rows), per_call):
-                    chunk = rows[start : start + per_call]
-                    sampled.append(self._eval_generate(chunk, sampled_params, generator))
-                    greedy.append(self._eval_generate(chunk, greedy_params, None))
+                for index, rows in chunks:
+                    chunk = [dataset[i] for i in rows]
+                    # Seeded by the chunk's place in the eval set: the same completions on any number of ranks.
+                    generator.manual_seed(args.seed + _EVAL_SEED_OFFSET + index)
+                    sampled.append(self._eval_generate(engine, chunk, sampled_params, generator))
+                    greedy.append(self._eval_generate(engine, chunk, greedy_params, None))
         finally:
             dev.set_rng_state(saved_rng, self.device)
             self.policy.train(was_training)
         names = sampled[0]["names"] if sampled else list(self.rewards.names)
-        return eval_sums(_join(sampled, len(names)), _join(greedy, len(names)), names, n,
-                         args.eval_pass_threshold), names, n
+        sums = eval_sums(_join(sampled, len(names)), _join(greedy, len(names)), names, n, args.eval_pass_threshold)
+        if any(part["tools"] for part in sampled):  # tool calls of the sampled pass (multi-turn rollouts)
+            for key in TOOL_SUMS:
+                sums[f"sampled/{key}"] = sum(part["tools"].get(key, 0.0) for part in sampled)
+        return sums, names, n
 
-    def _eval_generate(self, rows: list[dict[str, Any]], params: Any, generator: Any) -> dict[str, Any]:
-        """Generate and score one chunk of eval prompts; reward logging calls are ignored."""
+    def _eval_engine(self) -> Any:
+        """The rollout evaluation generates with: the run's engine, or a tool rollout's evaluation copy
+        (environments of its own), made once."""
+        if self._eval_rollout is None:
+            for_evaluation = getattr(self.engine, "for_evaluation", None)
+            self._eval_rollout = for_evaluation() if for_evaluation is not None else self.engine
+        return self._eval_rollout
+
+    def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
+        """``sums`` added over every rank, in double precision (the pass counts and the reward squares
+        need it; a float32 reduce would differ from one process in the sixth digit)."""
+        if self.ranks.world == 1:
+            return sums
+        from accelerate.utils import gather_object
+
+        total: dict[str, float] = {}
+        for part in gather_object([sums]):  # one small object per rank, in rank order
+            for key, value in part.items():
+                total[key] = total.get(key, 0.0) + value
+        return total
+
+    def _eval_generate(self, engine: Any, rows: list[dict[str, Any]], params: Any, generator: Any) -> dict[str, Any]:
+        """Generate and score one chunk of eval prompts through the training rollout path (tools,
+        environments, ``rollout_func`` included); reward logging calls are ignored."""
         prompts = [r["prompt"] for r in rows]
         G = params.num_generations
-        batch = self.engine.generate(prompts, params=params, generator=generator)
+        generate_rows = getattr(engine, "generate_rows", None)
+        batch = (generate_rows(rows, generator, params=params) if generate_rows is not None
+                 else engine.generate(prompts, params=params, generator=generator))
         completions = completions_for_rewards(batch, is_conversational(prompts[0]))
         lengths = batch.completion_mask.sum(1)
         completion_ids = [ids[:k] for ids, k in zip(batch.completion_ids.tolist(), lengths.tolist())]
         columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+        columns.update(getattr(batch, "extra_columns", None) or {})
         scored = self.rewards([p for p in prompts for _ in range(G)], completions, completion_ids, columns,
                               trainer_state=self._trainer_state_for_rewards(),
                               log_metric=lambda *a: None, log_extra=lambda *a: None)
         return {"total": scored.total.float().cpu(), "per_function": scored.per_function.float().cpu(),
-                "lengths": lengths.cpu(), "names": list(scored.names)}
+                "lengths": lengths.cpu(), "names": list(scored.names), "tools": tool_counts(batch)}
 
     # ------------------------------------------------------------------------------ in the run
     def _evaluating(self) -> bool:
@@ -179,6 +212,17 @@ class EvaluationMixin:
         with self.strategy.loading(module):
             ckpt.load_checkpoint(path, model=module, restore_rng=False)
         logger.info("loaded the best checkpoint %s (%s = %g)", path, best_metric_name(self.args), self._best[1])
+
+
+def eval_chunks(size: int, per_call: int, rank: int, world: int) -> list[tuple[int, range]]:
+    """This rank's engine calls over an eval set of ``size`` prompts: (chunk index, prompt indices).
+
+    The set is cut into chunks of ``per_call`` prompts and the chunks are dealt to the ranks in
+    turn, so a chunk holds the same prompts (and gets the same seed) whatever the number of ranks;
+    ranks may get one chunk more than others, or none (generation makes no collective calls).
+    """
+    starts = range(0, size, per_call)
+    return [(i, range(s, min(s + per_call, size))) for i, s in enumerate(starts)][rank::world]
 
 
 def _join(parts: list[dict[str, Any]], num_functions: int) -> dict[str, Any]:

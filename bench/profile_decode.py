@@ -65,9 +65,6 @@ def labelled(fn, label: str):
 def categorise(events, decode_start_us: float) -> dict[str, float]:
     """Self CPU ms per category over the events that start after ``decode_start_us``."""
     out: dict[str, float] = defaultdict(float)
-    stack_labels = []
-    for e in events:
-        stack_labels.append(e)
     for e in events:
         if e.time_range.start < decode_start_us or e.name.startswith("##"):
             continue
@@ -134,7 +131,6 @@ def main(argv: list[str] | None = None) -> None:
     events = prof.events()
     start = next(e.time_range.start for e in events if e.name == "##decode_start")
     cats = categorise(events, start)
-    # the sampling of the first token happens before the first decode forward
     decode_ms = batch.timing["decode_s"] * 1e3
     steps = int(batch.timing["steps"])
     ops_ms = sum(cats.values())

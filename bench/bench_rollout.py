@@ -15,6 +15,10 @@ Two modes:
   themselves; a stop set covering ``--stop-prob`` of the vocabulary (default 1.8 %) gives a
   realistic spread of completion lengths (mean ~50 tokens, about one in ten reaching the limit).
 
+Each call's wall time and process CPU time are recorded (other jobs on a shared machine show as
+wall time well above CPU time × threads); the table gives medians and per-repeat ranges, and the
+load average before and after.
+
 Peak memory: on an accelerator, the allocator's peak minus what was allocated before the call;
 on the CPU, the peak resident set size (VmHWM, reset before each call) minus RSS before the call.
 
@@ -22,6 +26,7 @@ Examples::
 
     python bench/bench_rollout.py                                   # CPU, fp32, `small` model
     python bench/bench_rollout.py --device cuda --dtype bf16 --model-config qwen2-0.5b
+    python bench/bench_rollout.py --model-config qwen2.5-0.5b-2l --prompts 2   # bench_real_shape's model
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo_ascend import device as devmod  # noqa: E402
 from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
@@ -51,9 +57,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_model(name: str, dtype: torch.dtype, dev: torch.device):
-    """The offline model (tiny/small) or a random-init Qwen2-0.5B-shaped model, with the tiny tokenizer."""
+    """The offline model (tiny/small), a random-init Qwen2-0.5B-shaped model, or bench_real_shape's
+    ``qwen2.5-0.5b-<n>l`` (Qwen2.5-0.5B's shapes with n layers), with the tiny tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+    if name.startswith("qwen2.5-0.5b-"):
+        from bench_real_shape import build_real_shape_model
+
+        path = build_real_shape_model(name)
+        model = AutoModelForCausalLM.from_pretrained(path).to(device=dev, dtype=dtype).eval()
+        return model, AutoTokenizer.from_pretrained(path)
     tok_dir = build_tiny_model("small" if name == "qwen2-0.5b" else name)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     if name == "qwen2-0.5b":
@@ -112,12 +125,12 @@ def memory_before(dev: torch.device) -> int:
 
 def run_ours(engine, prompts, params, dev, seed):
     base = memory_before(dev)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     batch = engine.generate(prompts, params, generator=torch.Generator(device=dev).manual_seed(seed))
     devmod.synchronize(dev)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = devmod.memory_stats(dev)["peak"] - base
-    return int(batch.completion_lengths.sum()), elapsed, peak
+    return int(batch.completion_lengths.sum()), elapsed, peak, cpu
 
 
 def run_generate(model, tokenizer, prompts, args, stops, dev, seed):
@@ -129,7 +142,7 @@ def run_generate(model, tokenizer, prompts, args, stops, dev, seed):
     gen_config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(seed)
     base = memory_before(dev)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():
         out = model.generate(
             **enc,
@@ -142,16 +155,16 @@ def run_generate(model, tokenizer, prompts, args, stops, dev, seed):
             max_new_tokens=args.new_tokens,
         )
     devmod.synchronize(dev)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = devmod.memory_stats(dev)["peak"] - base
-    return count_tokens(out[:, enc["input_ids"].shape[1] :], stops), elapsed, peak
+    return count_tokens(out[:, enc["input_ids"].shape[1] :], stops), elapsed, peak, cpu
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="auto, cpu, or an accelerator name (default cpu)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    parser.add_argument("--model-config", default="small", choices=["tiny", "small", "qwen2-0.5b"])
+    parser.add_argument("--model-config", default="small", help="tiny, small, qwen2-0.5b or qwen2.5-0.5b-<n>l")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--G", type=int, default=8)
@@ -169,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--length-bucket", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     args = parser.parse_args(argv)
+    if args.model_config not in ("tiny", "small", "qwen2-0.5b") and not args.model_config.startswith("qwen2.5-0.5b-"):
+        raise SystemExit(f"unknown --model-config {args.model_config!r}: tiny, small, qwen2-0.5b or qwen2.5-0.5b-<n>l")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -180,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"model {args.model_config} ({n_params / 1e6:.1f}M params, {args.dtype}) on {dev}, "
         f"torch threads {torch.get_num_threads()}; {args.prompts} prompts of {min(lens)}-{max(lens)} tokens, "
-        f"G={args.G}, {args.new_tokens} new tokens, {args.repeats} interleaved repeats after a warm-up"
+        f"G={args.G}, {args.new_tokens} new tokens, {args.repeats} interleaved repeats after a warm-up; "
+        f"load average {os.getloadavg()[0]:.2f}"
     )
     engine = RolloutEngine(model, tokenizer)
     eos = engine.eos_token_ids
@@ -204,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
             max_prompt_length=None,
             length_bucket=args.length_bucket,
         )
-        results: dict[str, list[tuple[int, float, int]]] = {"ours": [], "generate": []}
+        results: dict[str, list[tuple[int, float, int, float]]] = {"ours": [], "generate": []}
         for rep in range(args.repeats + 1):
             ours = run_ours(engine, prompts, params, dev, seed=rep)
             ref = run_generate(model, tokenizer, prompts, args, stops, dev, seed=rep)
@@ -213,30 +229,43 @@ def main(argv: list[str] | None = None) -> None:
                 results["generate"].append(ref)
             print(
                 f"  [{mode} {'warm-up' if rep == 0 else f'run {rep}'}] ours {ours[0] / ours[1]:8.1f} tok/s "
-                f"({ours[1]:.2f} s)  generate {ref[0] / ref[1]:8.1f} tok/s ({ref[1]:.2f} s)",
+                f"({ours[1]:.2f} s, CPU {ours[3]:.2f} s)  generate {ref[0] / ref[1]:8.1f} tok/s "
+                f"({ref[1]:.2f} s, CPU {ref[3]:.2f} s)  load {os.getloadavg()[0]:.2f}",
                 flush=True,
             )
         summary = {}
         for name, runs in results.items():
+            tps = [r[0] / r[1] for r in runs]
             summary[name] = (
-                statistics.median(r[0] / r[1] for r in runs),
+                statistics.median(tps),
+                (min(tps), max(tps)),
                 statistics.median(r[1] for r in runs),
+                statistics.median(r[3] for r in runs),
                 statistics.median(r[0] for r in runs),
                 max(r[2] for r in runs),
             )
-        ratios = [o[0] / o[1] / (g[0] / g[1]) for o, g in zip(results["ours"], results["generate"])]
-        rows.append((mode, summary, statistics.median(ratios)))
+        pairs = list(zip(results["ours"], results["generate"]))
+        ratios = [o[0] / o[1] / (g[0] / g[1]) for o, g in pairs]
+        cpu_ratios = [o[0] / o[3] / (g[0] / g[3]) for o, g in pairs]
+        rows.append((mode, summary, ratios, cpu_ratios))
 
-    print()
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     print(
-        "| mode | engine | tokens/s (median) | s/call | tokens/call | peak mem (MiB) | ratio ours/generate |"
+        "| mode | engine | tokens/s median (range) | s/call | CPU s/call | tokens/call | peak mem (MiB) "
+        "| ours/generate tokens/s, median (range) | by CPU time |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for mode, summary, ratio in rows:
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for mode, summary, ratios, cpu_ratios in rows:
         for name in ("ours", "generate"):
-            tps, sec, toks, peak = summary[name]
-            r = f"{ratio:.2f}x" if name == "ours" else ""
-            print(f"| {mode} | {name} | {tps:.1f} | {sec:.2f} | {toks:.0f} | {peak / 2**20:.0f} | {r} |")
+            tps, (lo, hi), sec, cpu, toks, peak = summary[name]
+            r = c = ""
+            if name == "ours":
+                r = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+                c = f"{statistics.median(cpu_ratios):.2f}x"
+            print(
+                f"| {mode} | {name} | {tps:.1f} ({lo:.1f}-{hi:.1f}) | {sec:.2f} | {cpu:.2f} | {toks:.0f} "
+                f"| {peak / 2**20:.0f} | {r} | {c} |"
+            )
 
 
 if __name__ == "__main__":

@@ -23,11 +23,15 @@ def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
 LOGITS = torch.tensor([-math.inf, 2.0, 1.5, -math.inf, 1.0, 0.0, -1.0, -3.0, -math.inf])
 
 
-@pytest.fixture(params=["inverse_cdf", "exponential_race"])
+@pytest.fixture(params=["inverse_cdf", "chunked", "exponential_race"])
 def draw_path(request, monkeypatch):
-    """Run a test on the float64 inverse-CDF path and on the race kept for devices without float64."""
+    """Run a test on the float64 inverse-CDF path, on its vocabulary-chunked form (chunks of 2 here:
+    one of them all -inf, the last one partial) and on the race kept for devices without float64."""
     if request.param == "exponential_race":
         monkeypatch.setattr(sampling, "float64_supported", lambda device: False)
+    if request.param == "chunked":
+        monkeypatch.setattr(sampling, "CHUNK_ELEMENTS", 2)
+        monkeypatch.setattr(sampling, "MIN_CHUNK_WIDTH", 2)
     return request.param
 
 

@@ -21,9 +21,9 @@ over 150k tokens are off by ~1e-11), needs no host synchronisation, is reproduci
 (a per-token exponential race or Gumbel noise costs more than the whole rest of the step on the
 CPU). Devices without native float64 (see ``device.float64_supported``) keep the exponential race
 (argmax of p / E with E ~ Exp(1)), also exact. For the default settings (no top-k/top-p/min-p, no
-repetition penalty) :func:`sample_with_logprob` reads the logits once: one max, one
-``exp((x - max) / T)`` into a float32 buffer whose float64 running sum gives both the draw and the
-exact log-normaliser of the reported log-prob.
+repetition penalty) :func:`sample_with_logprob` reads the logits from memory once: per
+cache-sized vocabulary chunk a max, ``exp((x - max_c) / T)`` and its sum; the chunk totals give
+the exact log-normaliser and pick the chunk, and an inverse CDF inside that chunk picks the token.
 """
 
 from __future__ import annotations
@@ -209,28 +209,99 @@ def sample_categorical(logits: Tensor, generator: torch.Generator | None = None)
     return probs.div_(race).argmax(dim=-1)
 
 
+CHUNK_ELEMENTS = 1 << 16  # logits per vocabulary chunk (all rows): 256 KiB of float32, cache-sized
+MIN_CHUNK_WIDTH = 2048  # columns: fewer chunks cost more per-op overhead than the cache saves
+
+
+def _chunk_width(rows: int, vocab: int) -> int:
+    """Vocabulary columns per chunk of :func:`sample_with_logprob`."""
+    return min(vocab, max(MIN_CHUNK_WIDTH, CHUNK_ELEMENTS // max(rows, 1)))
+
+
 def sample_with_logprob(
     logits: Tensor, temperature: float, generator: torch.Generator | None = None
 ) -> tuple[Tensor, Tensor]:
     """(tokens [B], float32 ``log_softmax(logits / T)`` at them) drawn from softmax(logits / T).
 
-    The plain-sampling fast path: the logits are read once by a max and once by
-    ``exp((x - max) / T)``; the float64 cumulative sum of those weights gives the draw and, as
-    its last entry, the normaliser: log-prob = ``(x_tok - max) / T - log(total)``, exact.
+    The plain-sampling fast path. It reads the logits from memory once: the vocabulary is cut into
+    cache-sized chunks, and each chunk's max, its weights ``exp((x - max_c) / T)`` and their sum
+    are computed while the chunk is in the cache. The chunk totals rescaled to the row max (float64)
+    give the normaliser (log-prob = ``(x_tok - max) / T - log(total)``) and, with one uniform per
+    row, the chunk the token falls in; the draw then finishes by inverse CDF inside that one chunk
+    (recomputed: 1/C of the row). A vocabulary of one chunk is drawn directly (:func:`_inverse_cdf`).
+    Chunk sums are float32 (cascade summation over at most a few thousand terms: relative error
+    ~1e-7, the size of float32 ``exp``'s own rounding); sums across chunks and inside the picked
+    chunk are float64. The RNG use is unchanged: one float64 uniform per row.
     """
     inv_t = 1.0 / temperature
     logits = logits.float()  # a no-op for float32; mixed-dtype kernels are slower than this copy
+    rows, vocab = logits.shape
+    if not float64_supported(logits.device):
+        return _race_with_logprob(logits, inv_t, generator)
+    width = _chunk_width(rows, vocab)
+    if width >= vocab:
+        neg_peak = logits.amax(dim=-1, keepdim=True) * -inv_t
+        weights = torch.add(neg_peak, logits, alpha=inv_t).exp_()
+        tokens, total = _inverse_cdf(weights, generator)
+        chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) * inv_t + neg_peak.squeeze(-1)
+        return tokens, chosen - total.log().float()
+    return _chunked_with_logprob(logits, inv_t, width, generator)
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _chunked_with_logprob(
+    logits: Tensor, inv_t: float, width: int, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """:func:`sample_with_logprob` over vocabulary chunks of ``width`` columns (float32 logits)."""
+    rows, vocab = logits.shape
+    n_chunks = -(-vocab // width)
+    dev = logits.device
+    neg_peaks = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)  # -max_c / T
+    sums = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
+    buf = torch.empty((rows, width), dtype=torch.float32, device=dev)
+    for c in range(n_chunks):
+        chunk = logits[:, c * width : (c + 1) * width]
+        out = buf[:, : chunk.shape[1]]
+        neg = neg_peaks[:, c : c + 1]
+        # an all -inf chunk gets a finite shift, so its weights are exp(-inf) = 0 rather than NaN
+        torch.amax(chunk, dim=-1, keepdim=True, out=neg).mul_(-inv_t).clamp_max_(_FLOAT32_MAX)
+        torch.add(neg, chunk, alpha=inv_t, out=out).exp_()
+        torch.sum(out, dim=-1, out=sums[:, c])
+    neg_peak = neg_peaks.amin(dim=-1, keepdim=True)  # -max / T of the whole row
+    mass = sums.double() * (neg_peak - neg_peaks).double().exp_()  # chunk totals at the row's scale
+    cum = mass.cumsum(-1)
+    total = cum[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=dev) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u == total only by rounding
+    pick = torch.searchsorted(cum, u, right=True).clamp_max_(n_chunks - 1)  # never a zero-mass chunk
+    picked_mass = mass.gather(1, pick)
+    frac = ((u - cum.gather(1, pick) + picked_mass) / picked_mass).clamp_(0.0, 1.0)
+    # the picked chunk again, for every row: columns past the vocabulary get weight 0
+    cols = pick * width + torch.arange(width, device=dev)
+    inside = cols < vocab
+    x = logits.gather(1, cols.clamp_max(vocab - 1))
+    weights = torch.add(neg_peaks.gather(1, pick), x, alpha=inv_t).exp_().masked_fill_(~inside, 0.0)
+    cdf = weights.cumsum(-1, dtype=torch.float64)
+    last = cdf[:, -1:]
+    target = torch.minimum(frac * last, torch.nextafter(last, torch.zeros_like(last)))
+    within = torch.searchsorted(cdf, target, right=True)
+    tokens = (pick * width + within).squeeze(-1)
+    chosen = x.gather(1, within).squeeze(-1) * inv_t + neg_peak.squeeze(-1)
+    return tokens, chosen - total.squeeze(-1).log().float()
+
+
+def _race_with_logprob(
+    logits: Tensor, inv_t: float, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """Exponential race (argmax of p / E, E ~ Exp(1)) for devices without float64; exact as well."""
     neg_peak = logits.amax(dim=-1, keepdim=True) * -inv_t
     weights = torch.add(neg_peak, logits, alpha=inv_t).exp_()
-    if float64_supported(logits.device):
-        tokens, total = _inverse_cdf(weights, generator)
-        log_total = total.log().float()
-    else:
-        race = torch.empty_like(weights).exponential_(generator=generator).clamp_min_(torch.finfo(weights.dtype).tiny)
-        tokens = (weights / race).argmax(dim=-1)
-        log_total = weights.sum(-1).log()
+    race = torch.empty_like(weights).exponential_(generator=generator).clamp_min_(torch.finfo(weights.dtype).tiny)
+    tokens = (weights / race).argmax(dim=-1)
     chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) * inv_t + neg_peak.squeeze(-1)
-    return tokens, chosen - log_total
+    return tokens, chosen - weights.sum(-1).log()
 
 
 def plain_sampling(params: SamplingParams, seen: Tensor | None) -> bool:

@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "GRPOConfig": "grpo_ascend.config",
     "PPOConfig": "grpo_ascend.config",
-    "RecipeConfig": "grpo_ascend.config",
+    "RecipeConfig": "grpo_ascend.recipe",
     "GRPOTrainer": "grpo_ascend.trainers.grpo",
     "PPOTrainer": "grpo_ascend.trainers.ppo",
 }

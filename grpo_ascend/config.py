@@ -1,9 +1,9 @@
-"""Configuration: ``GRPOConfig`` / ``PPOConfig`` (TRL's field names and meanings) and ``RecipeConfig``.
+"""Trainer configuration: ``GRPOConfig`` / ``PPOConfig`` (TRL's field names and meanings) and the batch plan.
 
 Every field carries its help text in ``metadata["help"]`` so the README's config reference is
 generated from these dataclasses and cannot drift. Values come from Python, a YAML recipe, or
-``--key value`` overrides on the command line; bad values raise :class:`ConfigError` with one
-clear line.
+``--key value`` overrides on the command line (:mod:`grpo_ascend.recipe`); bad values raise
+:class:`ConfigError` with one clear line.
 """
 
 from __future__ import annotations
@@ -11,143 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import types
 import typing
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from dataclasses import dataclass
+from typing import Any, Literal
 
-import yaml
-
+from grpo_ascend.config_validation import _check_choice, _f, _positive, _Validated
 from grpo_ascend.errors import ConfigError, closest
-
-T = TypeVar("T", bound="_Validated")
-
-
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
-
-
-#: Settings that were removed, with why; a config naming one gets this instead of "unknown key".
-REMOVED_KEYS = {
-    "rollout_buffer_size": "LM PPO trains on each rollout batch as it is made, so a buffer capacity changed "
-    "nothing; remove the key",
-}
-
-
-def _unknown_key(source: str, key: str, names: Any) -> ConfigError:
-    if key in REMOVED_KEYS:
-        return ConfigError(f"{source}: {key!r} was removed: {REMOVED_KEYS[key]}")
-    return ConfigError(f"{source}: unknown key {key!r}{closest(key, names)}")
-
-
-class _Validated:
-    """Mixin: typed construction from dicts and YAML with helpful errors."""
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-
-    @classmethod
-    def from_dict(cls: type[T], values: dict[str, Any], source: str = "config") -> T:
-        """Build from a mapping, rejecting unknown keys (with the closest valid name) and wrong types."""
-        if not isinstance(values, dict):
-            raise ConfigError(f"{source}: expected a mapping of settings, got {type(values).__name__}")
-        names = cls.field_names()
-        hints = typing.get_type_hints(cls)
-        kwargs = {}
-        for key, value in values.items():
-            if key not in names:
-                raise _unknown_key(source, key, names)
-            kwargs[key] = _coerce(value, hints[key], f"{source}: {key}")
-        return cls(**kwargs)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
-
-    def replace(self: T, **changes: Any) -> T:
-        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
-
-
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    """Check ``value`` against a type hint; int→float and int/str→bool-free conversions only."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if hint is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"{where}: expected {_type_name(hint)}, got {value!r}")
-    if origin is Literal:
-        if value in args:
-            return value
-        raise ConfigError(
-            f"{where}: expected one of {list(args)}, got {value!r}{closest(str(value), [str(a) for a in args])}"
-        )
-    if origin in (list, tuple):
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        inner = args[0] if args else Any
-        return [_coerce(v, inner, where) for v in value]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML reads "1e-5" as a string
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    return value
-
-
-_FRIENDLY = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _type_name(hint: Any) -> str:
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    names = []
-    for a in args:
-        if typing.get_origin(a) is Literal:
-            names.append(" | ".join(repr(x) for x in typing.get_args(a)))
-        else:
-            names.append(_FRIENDLY.get(a, getattr(a, "__name__", str(a))))
-    optional = " or null" if type(None) in typing.get_args(hint) else ""
-    return " or ".join(names) + optional
-
-
-def _positive(cfg: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{name} must be > 0, got {value}")
 
 
 @dataclass
@@ -573,13 +442,6 @@ class GRPOConfig(BaseRLConfig):
             )
 
 
-def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(
-            f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}{closest(str(value), map(str, choices))}"
-        )
-
-
 def _apply_aliases(cfg: Any) -> None:
     """Move values given under an alias name (fields with ``alias_of`` metadata, e.g. TRL's
     ``vllm_importance_sampling_mode``) onto their own field, then reset the alias to None so the
@@ -661,96 +523,11 @@ class PPOConfig(BaseRLConfig):
         return spg
 
 
-@dataclass
-class RecipeConfig(_Validated):
-    """What a recipe adds around the trainer config: model, LoRA, dataset and rewards."""
+def __getattr__(name: str) -> Any:
+    """``from grpo_ascend.config import RecipeConfig`` (and load_recipe, parse_overrides) still works: the recipe
+    layer lives in :mod:`grpo_ascend.recipe`, which imports this module, so it is loaded on first use."""
+    if name in ("RecipeConfig", "load_recipe", "parse_overrides"):
+        from grpo_ascend import recipe
 
-    algorithm: Literal["grpo", "ppo"] = _f("grpo", "Which trainer runs the recipe.")
-    model: str = _f("builtin:tiny-warm", "Model path or hub id; builtin:tiny, builtin:tiny-warm, builtin:small are offline.")
-    model_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f("float32", "Dtype the policy weights load in.")
-    use_peft: bool = _f(True, "Train a LoRA adapter (true) or the full model (false).")
-    lora_r: int = _f(16, "LoRA rank.")
-    lora_alpha: int = _f(32, "LoRA alpha (scaling = alpha / r).")
-    lora_dropout: float = _f(0.0, "LoRA dropout.")
-    lora_target_modules: str | list[str] = _f("all-linear", "Modules that get adapters ('all-linear' = every linear but the head).")
-    dataset: str = _f("synthetic:arithmetic", "Hub id, local .json/.jsonl/.parquet/.csv file, or synthetic:arithmetic.")
-    dataset_config: str | None = _f(None, "Dataset configuration name (hub datasets).")
-    dataset_split: str = _f("train", "Split to train on.")
-    dataset_kwargs: dict[str, Any] = _f({}, "Options for the synthetic task: n, max_operand, ops, seed.")
-    prompt_column: str = _f("prompt", "Column holding the prompt (text or chat messages).")
-    system_prompt: str | None = _f(None, "System message prepended to text prompts (turns them into chats).")
-    max_train_samples: int | None = _f(None, "Use only the first N prompts.")
-    eval_dataset: str | None = _f(None, "Eval prompts (same forms as dataset); null = eval_split of dataset, or "
-                                  "eval_fraction held out of it, or no evaluation.")
-    eval_split: str | None = _f(None, "Split of the eval dataset (or of dataset when eval_dataset is null), e.g. 'test'.")
-    eval_fraction: float | None = _f(None, "Hold out this fraction of the training prompts (seeded shuffle) for evaluation.")
-    max_eval_samples: int | None = _f(None, "Use only the first N eval prompts.")
-    reward_funcs: list[Any] = _f(["accuracy"], "Reward functions: built-in names, module:function, file.py:function, model paths.")
-    tools: list[Any] = _f([], "Tools the model may call (multi-turn rollouts): module:function, file.py:function, python, "
-                          "or {name: python, timeout: 5, ...}.")
-    environment: Any = _f(None, "Environment class per rollout (TRL environment_factory): module:Class, file.py:Class, "
-                               "or {name: spec} selected by an `environment` column.")
-
-    def __post_init__(self) -> None:
-        _positive(self, "lora_r", "lora_alpha", "max_train_samples", "max_eval_samples")
-        if self.eval_fraction is not None and not 0 < self.eval_fraction < 1:
-            raise ConfigError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.eval_fraction is not None and (self.eval_dataset is not None or self.eval_split is not None):
-            raise ConfigError("eval_fraction holds out training prompts; it cannot be combined with eval_dataset or "
-                              "eval_split — choose one source of eval prompts")
-        if not self.reward_funcs and self.environment is None:
-            raise ConfigError("reward_funcs is empty: give at least one reward function (or an environment with get_reward)")
-
-
-def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """Turn ``["--key", "value", "--flag=1"]`` into a dict, values parsed as YAML scalars/lists."""
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"override {arg!r} is not of the form --key value")
-        key = arg[2:]
-        if "=" in key:
-            key, raw = key.split("=", 1)
-        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-            raw = args[i + 1]
-            i += 1
-        else:
-            raw = "true"
-        out[key.replace("-", "_")] = yaml.safe_load(raw) if raw != "" else ""
-        i += 1
-    return out
-
-
-def load_recipe(path: str | Path | None, overrides: dict[str, Any] | None = None) -> tuple[RecipeConfig, BaseRLConfig]:
-    """Read a flat YAML recipe (+ overrides) into a RecipeConfig and a GRPOConfig or PPOConfig."""
-    values: dict[str, Any] = {}
-    source = "overrides"
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {str(p)!r}")
-        source = str(p)
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: not valid YAML: {exc}".splitlines()[0]) from exc
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: expected a mapping of settings at the top level, got {type(loaded).__name__}")
-        values.update(loaded)
-    values.update(overrides or {})
-    algorithm = values.get("algorithm", "grpo")
-    trainer_cls: type[BaseRLConfig] = {"grpo": GRPOConfig, "ppo": PPOConfig}.get(algorithm)  # type: ignore[assignment]
-    if trainer_cls is None:
-        raise ConfigError(f"{source}: algorithm must be 'grpo' or 'ppo', got {algorithm!r}")
-    recipe_keys = set(RecipeConfig.field_names())
-    trainer_keys = set(trainer_cls.field_names())
-    unknown = [k for k in values if k not in recipe_keys | trainer_keys]
-    if unknown:
-        raise _unknown_key(source, unknown[0], recipe_keys | trainer_keys)
-    recipe = RecipeConfig.from_dict({k: v for k, v in values.items() if k in recipe_keys}, source)
-    trainer = trainer_cls.from_dict({k: v for k, v in values.items() if k in trainer_keys}, source)
-    return recipe, trainer
+        return getattr(recipe, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,8 +9,9 @@ import subprocess
 import sys
 from typing import Any
 
-from grpo_ascend.config import BaseRLConfig, RecipeConfig, load_recipe, parse_overrides
+from grpo_ascend.config import BaseRLConfig
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.recipe import RecipeConfig, load_recipe, parse_overrides
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ returns one float (or None for "not applicable") per completion; ``async def`` f
 concurrently. :class:`RewardSet` loads, calls, checks and combines several of them.
 """
 
-from reward_models.core import RewardOutput, RewardSet, TrainerStateView
+from reward_models.calling import TrainerStateView
+from reward_models.core import RewardOutput, RewardSet
 from reward_models.loading import BUILTIN_REWARDS, load_reward_function, register_reward, reward_name
 from reward_models.math_answer import AccuracyReward, answers_match, extract_answer, parse_number
 from reward_models.reward_model import RewardModelScorer

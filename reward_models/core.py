@@ -1,25 +1,19 @@
 """RewardSet: call every reward function exactly as TRL's GRPOTrainer does, check what comes back,
 and combine the results into one weighted reward per completion.
 
-Calling convention (TRL's)::
-
-    f(prompts=prompts, completions=completions, completion_ids=completion_ids,
-      **columns, trainer_state=trainer_state) -> list[float | None]
-
-with one entry per completion in every list. ``None`` means "not applicable": it becomes NaN in
-``per_function`` and is left out of that completion's weighted sum.
+The calling convention and the check of each return value are in :mod:`reward_models.calling`;
+running one call under ``reward_timeout`` (sync or async) in :mod:`reward_models.timed_call`.
+``None`` from a function means "not applicable": it becomes NaN in ``per_function`` and is left
+out of that completion's weighted sum.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
 import math
 import numbers
-import os
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,30 +22,20 @@ from typing import Any
 import torch
 
 from grpo_ascend.errors import ConfigError, DataError, GrpoAscendError, RewardError, closest
+from reward_models.calling import (
+    _DROPPED_COLUMNS,
+    _RESERVED_COLUMNS,
+    TrainerStateView,
+    _Batch,
+    _check_output,
+    _optional_dropped,
+)
 from reward_models.loading import load_reward_function, reward_name
-from reward_models.text import completion_text
+from reward_models.timed_call import _background_loop, _call_async, _call_sync, _is_async, _Timeout
 
 logger = logging.getLogger(__name__)
 
 REWARD_ERROR_MODES = ("raise", "zero")
-# Dataset columns TRL does not forward to reward functions, and names the call itself uses.
-_DROPPED_COLUMNS = ("prompt", "completion", "completion_ids")
-_RESERVED_COLUMNS = ("prompts", "completions", "trainer_state", "log_metric", "log_extra")
-#: Keyword arguments TRL 1.16 also passes (``log_metric(name, value)``, ``log_extra(column, values)``);
-#: a function gets each only if it names it or takes ``**kwargs``, so older functions keep working.
-OPTIONAL_KWARGS = ("log_metric", "log_extra")
-
-
-def _optional_dropped(fn: Callable[..., Any]) -> frozenset[str]:
-    """The optional keyword arguments ``fn`` cannot take (neither named nor covered by ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return frozenset()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return frozenset()
-    names = {p.name for p in params}
-    return frozenset(k for k in OPTIONAL_KWARGS if k not in names)
 
 
 @dataclass
@@ -95,105 +79,6 @@ class RewardOutput:
         return out
 
 
-class TrainerStateView(dict):
-    """The ``trainer_state`` passed to reward functions: a dict (``step``, ``epoch``, ...) whose keys
-    also read as attributes, with ``global_step`` mirroring ``step``, so functions written for TRL
-    (which passes a ``transformers.TrainerState``) can use ``trainer_state.global_step`` unchanged."""
-
-    def __init__(self, state: Mapping[str, Any] | None = None) -> None:
-        super().__init__({"step": 0, "epoch": 0.0} if state is None else state)
-        if "step" in self and "global_step" not in self:
-            self["global_step"] = self["step"]
-        elif "global_step" in self and "step" not in self:
-            self["step"] = self["global_step"]
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(f"trainer_state has no {name!r}; it has {sorted(self)}") from None
-
-
-class _Timeout(Exception):
-    """A reward call ran past ``reward_timeout``."""
-
-
-# One background event loop per process for async reward functions: it works even when the caller
-# is itself inside a running loop (Jupyter), and clients an async function caches (HTTP sessions)
-# stay bound to the same loop across calls.
-_loop_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_pid: int | None = None
-
-
-def _background_loop() -> asyncio.AbstractEventLoop:
-    global _loop, _loop_pid
-    with _loop_lock:
-        if _loop is None or _loop.is_closed() or _loop_pid != os.getpid():
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="reward-models-async", daemon=True).start()
-            _loop, _loop_pid = loop, os.getpid()
-        return _loop
-
-
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
-
-
-def _is_async(fn: Any) -> bool:
-    """True for ``async def`` functions, partials of them, and objects with an ``async def __call__``."""
-    if inspect.iscoroutinefunction(fn):
-        return True
-    call = None if inspect.isfunction(fn) else inspect.getattr_static(type(fn), "__call__", None)
-    return call is not None and inspect.iscoroutinefunction(call)
-
-
-@dataclass
-class _Batch:
-    """The arguments of one reward call, with per-function copies so one function cannot mutate
-    the lists another one sees."""
-
-    prompts: list
-    completions: list
-    completion_ids: list
-    columns: dict[str, list]
-    state: Any
-    optional: dict[str, Any]
-
-    @property
-    def n(self) -> int:
-        return len(self.completions)
-
-    def kwargs(self, drop: frozenset[str] = frozenset()) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "prompts": list(self.prompts),
-            "completions": list(self.completions),
-            "completion_ids": [list(ids) for ids in self.completion_ids],
-        }
-        out.update({k: list(v) for k, v in self.columns.items()})
-        out["trainer_state"] = self.state
-        out.update({k: v for k, v in self.optional.items() if k not in drop})
-        return out
-
-    def kwargs_for(self, i: int, drop: frozenset[str] = frozenset()) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "prompts": [self.prompts[i]],
-            "completions": [self.completions[i]],
-            "completion_ids": [list(self.completion_ids[i])],
-        }
-        out.update({k: [v[i]] for k, v in self.columns.items()})
-        out["trainer_state"] = self.state
-        out.update({k: v for k, v in self.optional.items() if k not in drop})
-        return out
-
-    def describe(self, i: int) -> str:
-        try:
-            text = completion_text(self.completions[i])
-        except RewardError:
-            text = repr(self.completions[i])
-        return repr(text if len(text) <= 80 else text[:77] + "...")
-
-
 @dataclass
 class _Result:
     """What one function produced for a batch: values (None = not applicable), the completions it
@@ -204,61 +89,6 @@ class _Result:
     batch_error: BaseException | None = None
     fatal: GrpoAscendError | None = None
     seconds: float = 0.0
-
-
-def _check_output(name: str, out: Any, n: int, offset: int = 0) -> list[float | None]:
-    """Validate a reward function's return value: n finite numbers or None."""
-    if isinstance(out, torch.Tensor):
-        if out.dim() != 1:
-            raise RewardError(
-                f"reward function {name!r} returned a tensor of shape {tuple(out.shape)}; expected a list "
-                f"(or 1-D tensor) of {n} values, one per completion"
-            )
-        out = out.detach().float().tolist()
-    elif hasattr(out, "tolist") and getattr(out, "ndim", None) is not None:
-        if out.ndim != 1:
-            raise RewardError(
-                f"reward function {name!r} returned an array of shape {tuple(out.shape)}; expected a list "
-                f"(or 1-D array) of {n} values, one per completion"
-            )
-        out = out.tolist()
-    if out is None or isinstance(out, (str, bytes, Mapping, set, frozenset)) or not hasattr(out, "__iter__"):
-        raise RewardError(
-            f"reward function {name!r} returned {type(out).__name__}; expected a list of {n} values "
-            "(float, or None for 'not applicable'), one per completion"
-        )
-    values = list(out)
-    if len(values) != n:
-        raise RewardError(
-            f"reward function {name!r} returned {len(values)} values for {n} completions; expected exactly one "
-            "value (float, or None for 'not applicable') per completion, in order"
-        )
-    checked: list[float | None] = []
-    for j, value in enumerate(values):
-        if value is None:
-            checked.append(None)
-            continue
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        elif (
-            not isinstance(value, numbers.Real)
-            and hasattr(value, "item")
-            and getattr(value, "size", None) == 1
-        ):
-            value = value.item()
-        if not isinstance(value, numbers.Real):
-            raise RewardError(
-                f"reward function {name!r} returned a non-numeric value {value!r} ({type(value).__name__}) for "
-                f"completion {offset + j}; expected a float, or None for 'not applicable'"
-            )
-        number = float(value)
-        if not math.isfinite(number):
-            raise RewardError(
-                f"reward function {name!r} returned {number} for completion {offset + j}; rewards must be finite "
-                "(return None to mark a completion as not applicable)"
-            )
-        checked.append(number)
-    return checked
 
 
 def _describe_exception(exc: BaseException) -> str:
@@ -371,47 +201,6 @@ class RewardSet:
             ) from None
         self._signatures_ok.add(cache_key)
 
-    def _call_sync(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
-        timeout = self.reward_timeout
-        if timeout is None:
-            out = fn(**kwargs)
-        else:
-            box: dict[str, Any] = {}
-
-            def target() -> None:
-                try:
-                    box["value"] = fn(**kwargs)
-                except BaseException as exc:  # re-raised in the calling thread
-                    box["error"] = exc
-
-            worker = threading.Thread(target=target, name=f"reward-{reward_name(fn)}", daemon=True)
-            worker.start()
-            worker.join(timeout)
-            if worker.is_alive():
-                raise _Timeout()
-            if "error" in box:
-                raise box["error"]
-            out = box["value"]
-        if inspect.isawaitable(out):  # a sync-looking callable that returned a coroutine
-            future = asyncio.run_coroutine_threadsafe(_await(out), _background_loop())
-            try:
-                out = future.result(timeout)
-            except concurrent.futures.TimeoutError:
-                future.cancel()
-                raise _Timeout() from None
-        return out
-
-    async def _call_async(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
-        out = fn(**kwargs)
-        if not inspect.isawaitable(out):
-            return out
-        task = asyncio.ensure_future(out)
-        done, _ = await asyncio.wait({task}, timeout=self.reward_timeout)
-        if not done:
-            task.cancel()
-            raise _Timeout()
-        return task.result()
-
     def _finish(self, j: int, batch: _Batch, out: Any, result: _Result) -> None:
         try:
             result.values = _check_output(self.names[j], out, batch.n)
@@ -437,7 +226,7 @@ class RewardSet:
         fn = self.funcs[j]
         result = _Result([None] * batch.n)
         try:
-            out = self._call_sync(fn, batch.kwargs(self._dropped[j]))
+            out = _call_sync(fn, batch.kwargs(self._dropped[j]), self.reward_timeout)
         except Exception as exc:
             result = self._after_failure(j, batch, exc) or self._locate_sync(j, batch, exc)
         else:
@@ -450,7 +239,7 @@ class RewardSet:
         result = _Result([None] * batch.n)
         for i in range(batch.n):
             try:
-                out = self._call_sync(self.funcs[j], batch.kwargs_for(i, self._dropped[j]))
+                out = _call_sync(self.funcs[j], batch.kwargs_for(i, self._dropped[j]), self.reward_timeout)
             except _Timeout as exc:  # too slow even alone: give up on the whole batch
                 result.batch_error = exc
                 break
@@ -469,13 +258,13 @@ class RewardSet:
         fn = self.funcs[j]
         result = _Result([None] * batch.n)
         try:
-            out = await self._call_async(fn, batch.kwargs(self._dropped[j]))
+            out = await _call_async(fn, batch.kwargs(self._dropped[j]), self.reward_timeout)
         except Exception as exc:
             result = self._after_failure(j, batch, exc)
             if result is None:
                 result = _Result([None] * batch.n)
                 outs = await asyncio.gather(
-                    *(self._call_async(fn, batch.kwargs_for(i, self._dropped[j])) for i in range(batch.n)),
+                    *(_call_async(fn, batch.kwargs_for(i, self._dropped[j]), self.reward_timeout) for i in range(batch.n)),
                     return_exceptions=True,
                 )
                 for i, single in enumerate(outs):

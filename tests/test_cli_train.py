@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from grpo_ascend.cli import main
-from grpo_ascend.config import load_recipe
+from grpo_ascend.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_ascend.config import GRPOConfig, PPOConfig, RecipeConfig, load_recipe, parse_overrides
+from grpo_ascend.config import GRPOConfig, PPOConfig
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.recipe import RecipeConfig, load_recipe, parse_overrides
 
 
 @pytest.mark.parametrize(
@@ -89,3 +90,15 @@ def test_ppo_validation():
         PPOConfig(lam=1.5)
     with pytest.raises(ConfigError, match="critic_model"):
         PPOConfig(critic_init="reward_model")
+
+
+def test_recipe_names_still_import_from_config():
+    """The recipe layer moved to grpo_ascend.recipe; ``from grpo_ascend.config import ...`` keeps working."""
+    import grpo_ascend
+    from grpo_ascend import config, recipe
+
+    for name in ("RecipeConfig", "load_recipe", "parse_overrides"):
+        assert getattr(config, name) is getattr(recipe, name)
+    assert grpo_ascend.RecipeConfig is recipe.RecipeConfig
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        config.nope  # noqa: B018

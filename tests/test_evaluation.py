@@ -192,7 +192,7 @@ def test_evaluation_settings_are_checked(tmp_path, capsys):
 
 
 def test_recipe_eval_fraction_holds_out_prompts():
-    from grpo_ascend.config import RecipeConfig
+    from grpo_ascend.recipe import RecipeConfig
     from grpo_ascend.run import _eval_dataset
 
     data = arithmetic_dataset(20, seed=0)

@@ -140,7 +140,7 @@ def test_tool_surface_errors(tiny_model_dir):
 
 
 def test_recipe_tools_and_environment_keys(tmp_path, tiny_model_dir):
-    from grpo_ascend.config import RecipeConfig
+    from grpo_ascend.recipe import RecipeConfig
     from grpo_ascend.rollout.row_rollouts import ToolRollout
     from grpo_ascend.run import build_trainer
 

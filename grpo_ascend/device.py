@@ -279,8 +279,8 @@ def resolve_device(requested: str = "auto", local_rank: int | None = None) -> to
 def tune_host_allocator(device: torch.device | str, env: Mapping[str, str] = os.environ) -> int | None:
     """On the CPU, fix glibc's mmap threshold (unless the user set one) so freed tensors return to the OS.
 
-    Tensors then live in the host heap, whose freed space glibc otherwise keeps resident: peak RSS
-    1.03 GiB instead of 0.81 GiB on bench/bench_random_model.py (see grpo_ascend/host_allocator.py).
+    Otherwise glibc serves tensors from its heap, whose freed space stays resident: peak RSS 1.00-1.03 GiB
+    instead of 0.88 GiB on bench/bench_random_model.py (see grpo_ascend/host_allocator.py).
     Returns the threshold set, or None (another device, not glibc, or the user's own setting).
     Called by :func:`resolve_device` for the CPU.
     """

@@ -6,14 +6,17 @@ such a block is freed it raises the threshold to that block's size (up to 32 MiB
 threshold to twice that. From then on a training step's activations (a few MiB each) come from the
 heap, and what they leave behind when freed stays resident: the heap only shrinks from its top,
 and only past the trim threshold. A GRPO round -- rollouts, a reference forward, then a forward
-and backward per micro-batch -- leaves the heap grown to the largest phase's live set plus the
-fragmentation between phases, and the process's RSS stays there. On the random-weight 25M-parameter
-benchmark model (bench/bench_random_model.py) that is a peak RSS of ~1.03 GiB where ~0.81 GiB is
-live at once.
+and backward per micro-batch -- leaves the heap grown to its largest phase's live set plus the
+fragmentation, and the process's RSS stays there.
 
-Setting the threshold explicitly (``mallopt(M_MMAP_THRESHOLD, ...)``, which also switches the
-adaptation off) keeps every large tensor in its own mapping, returned on free: RSS then follows the
-live tensors. The setting is what ``MALLOC_MMAP_THRESHOLD_=131072`` would give, applied at run
+Holding the threshold fixed (``mallopt(M_MMAP_THRESHOLD, ...)``, which also switches the
+adaptation off) keeps every large tensor in its own mapping, returned on free, so RSS follows the
+live tensors more closely. The value trades memory for page faults: each mapped block is faulted in
+afresh. Measured on bench/bench_random_model.py (random-weight 25M-parameter Qwen2, 1 thread; see
+docs/benchmarks.md): glibc's adaptive threshold 1.00-1.03 GiB peak RSS; 1 MiB 0.88 GiB at the same
+CPU time per step; 128 KiB 0.81 GiB but ~35 % more CPU time (every decode step's MLP tensors, a
+few hundred KiB each, are then mapped and unmapped); ``malloc_trim`` between phases instead: 0.99 GiB.
+Hence 1 MiB. The setting is what ``MALLOC_MMAP_THRESHOLD_=1048576`` would give, applied at run
 time, and only when the user has not chosen one (that variable, or ``glibc.malloc.mmap_threshold``
 in ``GLIBC_TUNABLES``). Nothing happens on other C libraries (musl, macOS, Windows).
 """
@@ -32,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 #: glibc's ``M_MMAP_THRESHOLD`` parameter number for ``mallopt`` (malloc.h).
 M_MMAP_THRESHOLD = -3
-#: The threshold set: glibc's own starting value, held fixed instead of adapting upwards.
-MMAP_THRESHOLD_BYTES = 128 * 1024
+#: The threshold set (held fixed instead of adapting upwards); see the module docstring for why 1 MiB.
+MMAP_THRESHOLD_BYTES = 1024 * 1024
 #: Environment variables through which a user sets the threshold (then it is left alone).
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_",)
 _TUNABLE = "glibc.malloc.mmap_threshold"

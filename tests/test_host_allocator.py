@@ -28,8 +28,8 @@ class FakeLibc:
 
 def test_fixes_threshold_when_unset() -> None:
     libc = FakeLibc()
-    assert ha.fix_mmap_threshold({}, libc) == 131072
-    assert libc.calls == [(ha.M_MMAP_THRESHOLD, 131072)]
+    assert ha.fix_mmap_threshold({}, libc) == ha.MMAP_THRESHOLD_BYTES
+    assert libc.calls == [(ha.M_MMAP_THRESHOLD, ha.MMAP_THRESHOLD_BYTES)]
 
 
 @pytest.mark.parametrize("env", [
@@ -45,7 +45,7 @@ def test_user_setting_is_left_alone(env: dict[str, str]) -> None:
 
 def test_other_tunables_do_not_count_as_a_threshold() -> None:
     libc = FakeLibc()
-    assert ha.fix_mmap_threshold({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, libc) == 131072
+    assert ha.fix_mmap_threshold({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, libc) == ha.MMAP_THRESHOLD_BYTES
     assert libc.calls
 
 
@@ -62,38 +62,43 @@ def test_only_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
         assert dev.tune_host_allocator(device) is None
     assert libc.calls == []
     assert dev.resolve_device("cpu").type == "cpu"
-    assert libc.calls == [(ha.M_MMAP_THRESHOLD, 131072)]
+    assert libc.calls == [(ha.M_MMAP_THRESHOLD, ha.MMAP_THRESHOLD_BYTES)]
 
 
 _PROBE = r"""
-import json, sys, torch
-from grpo_ascend import device as dev
+import ctypes, json, sys
+from grpo_ascend import host_allocator
 
 def rss_kib():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
 if sys.argv[1] == "tuned":
-    dev.resolve_device("cpu")
-n = 4 * 2**20  # 16 MiB of float32: its first free raises glibc's adaptive threshold above it
-t = torch.ones(n)
-del t
-t = torch.ones(n)  # adaptive: now from the heap (its top); fixed: its own mapping again
+    assert host_allocator.fix_mmap_threshold() is not None
+n = 16 * 2**20  # a tensor-sized block: its first free raises glibc's adaptive threshold above it
+block = libc.malloc(n)
+ctypes.memset(block, 1, n)
+libc.free(block)
+block = libc.malloc(n)  # adaptive: now from the heap (its top); fixed: its own mapping again
+ctypes.memset(block, 1, n)
 held = rss_kib()
-del t
+libc.free(block)
 print(json.dumps({"released_mib": (held - rss_kib()) / 1024}))
 """
 
 
 @pytest.mark.skipif(ha.glibc() is None, reason="glibc only")
 def test_freed_tensor_leaves_the_resident_set() -> None:
-    """The mechanism itself: with glibc's adaptive threshold a freed 16 MiB tensor stays resident,
-    with the fixed one it is returned to the OS."""
+    """The mechanism itself: with glibc's adaptive threshold a freed 16 MiB block stays resident,
+    with the fixed one it is returned to the OS (PyTorch's CPU tensors are such malloc blocks)."""
     env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
     released = {}
     for mode in ("default", "tuned"):
         out = subprocess.run([sys.executable, "-c", _PROBE, mode], env=env, capture_output=True, text=True,
-                             check=True, timeout=120)
+                             check=True, timeout=60)
         released[mode] = json.loads(out.stdout.strip().splitlines()[-1])["released_mib"]
     assert released["tuned"] > 12, released
     assert released["default"] < 4, released

@@ -19,7 +19,9 @@ times. A step's time is the wall-clock interval between consecutive optimizer-st
 per-step metrics hook; TRL: ``on_step_end``), so it covers generation, rewards, reference and
 policy forwards, backward, optimizer and logging; the first (warm-up) step is not counted. Peak
 memory is that process's peak RSS during ``train()`` (VmHWM reset just before it) on the CPU, or
-the allocator's peak on an accelerator.
+the allocator's peak on an accelerator. On the CPU each runs as a user gets it: ours with the fixed
+glibc mmap threshold grpo_ascend sets (device.py; ``--host-malloc adaptive`` switches it off), TRL
+with glibc's adaptive one.
 
 The CPU may be shared: each step also records its process CPU time, and a step counts as
 uncontended when CPU time >= 0.8 × threads × wall time (a preempted OpenMP thread stalls every
@@ -99,6 +101,7 @@ class Settings:
     dataset_size: int = 256
     max_operand: int = 10
     seed: int = 0
+    host_malloc: str = "tuned"
 
 
 # ------------------------------------------------------------------------------ shared pieces
@@ -199,19 +202,24 @@ def model_flops(s: Settings, p_all: int, p_lora: int, lp: float, lc: float) -> f
 
 
 # ------------------------------------------------------------------------------ workers
-def _setup(s: Settings) -> tuple[Any, Any, Any]:
+def _setup(s: Settings, impl: str) -> tuple[Any, Any, Any]:
     import torch
 
     from grpo_ascend import device as dev
+    from grpo_ascend import host_allocator
     from grpo_ascend.tiny_model import build_tiny_model
 
     torch.set_num_threads(s.threads)
+    if impl == "trl" or s.host_malloc == "adaptive":  # glibc's adaptive mmap threshold, as TRL runs
+        host_allocator.fix_mmap_threshold = lambda *args, **kwargs: None
     device = dev.resolve_device(s.device)
     if s.model_config.startswith("qwen2.5-"):  # bench_real_shape's random-weight real-shape models
-        from bench_real_shape import build_real_shape_model
-
-        return device, build_real_shape_model(s.model_config), torch
-    return device, build_tiny_model(s.model_config), torch
+        from bench_real_shape import build_real_shape_model as build
+    elif s.model_config.startswith("random-"):  # bench_random_model's random-weight models
+        from bench_random_model import build_random_model as build
+    else:
+        build = build_tiny_model
+    return device, build(s.model_config), torch
 
 
 def _finish_memory(device: Any, before_train_hwm_kib: int, rss_before_kib: int) -> dict[str, float]:
@@ -268,7 +276,7 @@ def _measured_train(trainer: Any, device: Any, s: Settings, profile: str | None,
 
 def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
     """Train with grpo_ascend's GRPOTrainer; return timings, memory and the FLOP inputs."""
-    device, model_dir, torch = _setup(s)
+    device, model_dir, torch = _setup(s, "ours")
     from transformers import AutoTokenizer
 
     from grpo_ascend import GRPOConfig, GRPOTrainer
@@ -301,7 +309,8 @@ def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
     result, warmup, gaps = _measured_train(trainer, device, s, profile, ends, cpu_ends)
     records = read_jsonl(out_dir / "metrics.jsonl")[s.warmup_steps:]
     phases = {}
-    for key in ("time/step", "time/generation", "time/reward", "time/reference", "time/training"):
+    phase_keys = [k for k in records[0] if k == "time/step" or k.startswith(("time/", "memory/peak_gb/"))]
+    for key in phase_keys:
         values = [r[key] for r in records if r.get(key) is not None]
         if values:
             phases[key] = statistics.median(values)
@@ -318,7 +327,7 @@ def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
 
 def run_trl(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
     """Train with TRL's GRPOTrainer (transformers ``generate``, no vLLM); return timings and memory."""
-    device, model_dir, torch = _setup(s)
+    device, model_dir, torch = _setup(s, "trl")
     import trl
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -460,7 +469,11 @@ def report(s: Settings, runs: dict[str, list[dict[str, Any]]], loads: list[tuple
         keys = sorted({k for r in runs[impl] for k in r["phases"]})
         phases = {k: statistics.median(r["phases"].get(k, 0.0) for r in runs[impl]) for k in keys}
         label = "ours (metrics.jsonl)" if impl == "ours" else "TRL (its profiling blocks, nested)"
-        print(f"{label}, median s per timed step: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+        times = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if not k.startswith("memory/"))
+        print(f"{label}, median s per timed step: {times}")
+        peaks = ", ".join(f"{k.rsplit('/', 1)[1]} {v:.2f}" for k, v in phases.items() if k.startswith("memory/"))
+        if peaks:
+            print(f"{label}, peak GiB per phase (memory/peak_gb, median over runs): {peaks}")
     print(f"model FLOPs per step {flops / 1e9:.1f} GFLOP (P={ours[0]['p_all'] / 1e6:.2f}M matmul weights, "
           f"P_lora={ours[0]['p_lora'] / 1e6:.2f}M, Lp={ours[0]['prompt_len']:.1f}, "
           f"Lc={lens['ours']:.1f}); measured {s.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s "
@@ -484,7 +497,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--length-bucket", type=int, default=None,
                         help="our length_bucket (default: the config's, exact lengths off NPU and 64 on NPU)")
     parser.add_argument("--model-config", default="small",
-                        help="tiny or small (built-in), or qwen2.5-0.5b-<N>l (bench_real_shape.py's models)")
+                        help="tiny or small (built-in), qwen2.5-0.5b-<N>l (bench_real_shape.py's) or random-25m "
+                        "(bench_random_model.py's)")
     parser.add_argument("--prompts-per-step", type=int, default=4,
                         help="prompts per optimizer step (G=8 completions each, micro-batches of 8)")
     parser.add_argument("--max-operand", type=int, default=10,
@@ -492,6 +506,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--malloc-mmap-threshold", type=int, default=0,
                         help="glibc MALLOC_MMAP_THRESHOLD_ for the workers (e.g. 131072): large tensors are then "
                         "mmapped and returned on free, so peak RSS tracks live memory instead of heap retention")
+    parser.add_argument("--host-malloc", default="tuned", choices=["tuned", "adaptive"],
+                        help="ours only (TRL always runs with glibc's): tuned = the fixed glibc mmap threshold "
+                        "grpo_ascend sets on the CPU (device.py), adaptive = glibc's own adaptive one")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the workers (needs trl)")
     parser.add_argument("--keep-logs", default=None, help="folder for worker logs/results (default: a temp dir)")
     parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
@@ -515,7 +532,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device, dtype=args.dtype or ("bf16" if accelerator else "fp32"), threads=args.threads,
         model_config=args.model_config, new_tokens=args.new_tokens, loss_type=args.loss_type,
         warmup_steps=args.warmup_steps, steps=args.steps, lengths=args.lengths, length_bucket=args.length_bucket,
-        max_operand=args.max_operand, prompts_per_step=args.prompts_per_step,
+        max_operand=args.max_operand, prompts_per_step=args.prompts_per_step, host_malloc=args.host_malloc,
         grad_accum=args.prompts_per_step * Settings.num_generations // Settings.micro_batch,
     )
     print(f"GRPO step, {s.model_config} model, {s.dtype} on {s.device}, {s.threads} thread(s): "
@@ -524,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
           f"({s.lengths} lengths), beta={s.beta}, loss_type={s.loss_type}, LoRA r={s.lora_r} all-linear; "
           f"{s.warmup_steps} warm-up + {s.steps} timed steps per run, {args.repeats} run(s) each, alternating; "
           f"our length_bucket {s.length_bucket or 'config default'}; malloc mmap threshold "
-          f"{args.malloc_mmap_threshold or 'glibc default'}", flush=True)
+          f"{args.malloc_mmap_threshold or 'not exported'}, host malloc {s.host_malloc}", flush=True)
     log_dir = Path(args.keep_logs) if args.keep_logs else Path(tempfile.mkdtemp(prefix="bench-trainer-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {impl: [] for impl in IMPLS}

@@ -1,0 +1,104 @@
+"""glibc malloc tuning on the CPU path: applied only there, only when the user set nothing, and it
+makes freed tensors leave the resident set."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from grpo_ascend import device as dev
+from grpo_ascend import host_allocator as ha
+
+
+class FakeLibc:
+    """Records mallopt calls; answers ``result`` (glibc returns 1 on success, 0 on error)."""
+
+    def __init__(self, result: int = 1) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.result = result
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return self.result
+
+
+def test_fixes_threshold_when_unset() -> None:
+    libc = FakeLibc()
+    assert ha.fix_mmap_threshold({}, libc) == ha.MMAP_THRESHOLD_BYTES
+    assert libc.calls == [(ha.M_MMAP_THRESHOLD, ha.MMAP_THRESHOLD_BYTES)]
+
+
+@pytest.mark.parametrize("env", [
+    {"MALLOC_MMAP_THRESHOLD_": "65536"},
+    {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=262144"},
+    {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.mmap_threshold=262144"},
+])
+def test_user_setting_is_left_alone(env: dict[str, str]) -> None:
+    libc = FakeLibc()
+    assert ha.fix_mmap_threshold(env, libc) is None
+    assert libc.calls == []
+
+
+def test_other_tunables_do_not_count_as_a_threshold() -> None:
+    libc = FakeLibc()
+    assert ha.fix_mmap_threshold({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, libc) == ha.MMAP_THRESHOLD_BYTES
+    assert libc.calls
+
+
+def test_refused_mallopt_reports_nothing_set() -> None:
+    assert ha.fix_mmap_threshold({}, FakeLibc(result=0)) is None
+
+
+def test_only_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    libc = FakeLibc()
+    monkeypatch.setattr(ha, "glibc", lambda: libc)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    for device in ("cuda", "cuda:1", "npu:0"):
+        assert dev.tune_host_allocator(device) is None
+    assert libc.calls == []
+    assert dev.resolve_device("cpu").type == "cpu"
+    assert libc.calls == [(ha.M_MMAP_THRESHOLD, ha.MMAP_THRESHOLD_BYTES)]
+
+
+_PROBE = r"""
+import ctypes, json, sys
+from grpo_ascend import host_allocator
+
+def rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "tuned":
+    assert host_allocator.fix_mmap_threshold() is not None
+n = 16 * 2**20  # a tensor-sized block: its first free raises glibc's adaptive threshold above it
+block = libc.malloc(n)
+ctypes.memset(block, 1, n)
+libc.free(block)
+block = libc.malloc(n)  # adaptive: now from the heap (its top); fixed: its own mapping again
+ctypes.memset(block, 1, n)
+held = rss_kib()
+libc.free(block)
+print(json.dumps({"released_mib": (held - rss_kib()) / 1024}))
+"""
+
+
+@pytest.mark.skipif(ha.glibc() is None, reason="glibc only")
+def test_freed_tensor_leaves_the_resident_set() -> None:
+    """The mechanism itself: with glibc's adaptive threshold a freed 16 MiB block stays resident,
+    with the fixed one it is returned to the OS (PyTorch's CPU tensors are such malloc blocks)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    released = {}
+    for mode in ("default", "tuned"):
+        out = subprocess.run([sys.executable, "-c", _PROBE, mode], env=env, capture_output=True, text=True,
+                             check=True, timeout=60)
+        released[mode] = json.loads(out.stdout.strip().splitlines()[-1])["released_mib"]
+    assert released["tuned"] > 12, released
+    assert released["default"] < 4, released

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 # warm start, so every other weight equals version 2's) and a chat template that renders tools.
 BUILD_VERSION = 3
 # The ``-tool-warm`` variant's own version (its cache folder is ``<size>-tool-warm-s<seed>-v3.<this>``).
-TOOL_WARM_VERSION = 1
+TOOL_WARM_VERSION = 2
 #: Built-in model flavours: ``builtin:<size>``, ``-warm`` (arithmetic warm start), ``-tool-warm``
 #: (then calculator transcripts; compact tool prompt).
 FLAVOURS = ("", "warm", "tool-warm")

@@ -11,9 +11,9 @@ hard for it to compute) in three kinds of transcript:
 
 Each transcript is tokenized the way a multi-turn rollout builds it (the prompt rendered by the
 chat template, the generated call and EOS, the rendered tool suffix, the answer and EOS), and the
-loss covers only the model's own tokens. The phase is short, so the model ends up calling the tool
-in most but not all rollouts and copying arguments and results imperfectly: accuracy that RL can
-raise by calling the tool and copying its result.
+loss covers only the model's own tokens. The run is stopped early (:data:`TOOL_WARM_PHASES`), so the
+model calls the tool in most but not all rollouts and copies arguments and results imperfectly:
+accuracy that RL can raise by calling the tool and copying its result.
 """
 
 from __future__ import annotations
@@ -34,14 +34,27 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ToolWarmStart:
-    """The phase's settings: optimizer steps, batch size, learning rate, the share of transcripts
-    with tools listed, and among those the share that calls the calculator."""
+    """One phase: optimizer steps, batch size, peak learning rate, the share of transcripts with
+    tools listed and, among those, the share that calls the calculator; ``seed_offset`` is added to
+    the build seed (the phase's problems, kinds and RNG)."""
 
-    steps: int = 150
-    batch_size: int = 32
-    lr: float = 1e-3
-    with_tools: float = 0.75
-    calls: float = 0.8
+    steps: int
+    batch_size: int
+    lr: float
+    with_tools: float
+    calls: float
+    seed_offset: int = 0
+
+
+#: The phases, each with a fresh optimizer: a first pass over all three kinds teaches the format; two
+#: call-heavy passes at higher learning rates then teach copying the question's numbers into the call
+#: and the tool's result into the answer (it appears only after a few hundred steps). The result calls
+#: the tool in ~85% of rollouts and is right in about half at temperature 1 (none without the tool).
+TOOL_WARM_PHASES = (
+    ToolWarmStart(steps=150, batch_size=32, lr=1e-3, with_tools=0.75, calls=0.8, seed_offset=0),
+    ToolWarmStart(steps=100, batch_size=16, lr=2e-3, with_tools=0.9, calls=0.9, seed_offset=5),
+    ToolWarmStart(steps=200, batch_size=16, lr=3e-3, with_tools=0.9, calls=0.9, seed_offset=6),
+)
 
 
 def tool_transcript(tokenizer: Any, question: str, answer: int, kind: str) -> tuple[list[int], list[int]]:
@@ -70,8 +83,15 @@ def tool_transcript(tokenizer: Any, question: str, answer: int, kind: str) -> tu
     return ids + answer_ids, labels + answer_ids
 
 
-def tool_warm_start(model: Any, tokenizer: Any, settings: ToolWarmStart = ToolWarmStart(), seed: int = 0) -> Any:
-    """Supervised run on the calculator transcripts (loss on the model's tokens only); returns ``model``."""
+def tool_warm_start(model: Any, tokenizer: Any, seed: int = 0, phases: tuple[ToolWarmStart, ...] = TOOL_WARM_PHASES) -> Any:
+    """The calculator warm start of ``model`` (in place), phase after phase; returns ``model``."""
+    for phase in phases:
+        tool_warm_phase(model, tokenizer, phase, seed + phase.seed_offset)
+    return model
+
+
+def tool_warm_phase(model: Any, tokenizer: Any, settings: ToolWarmStart, seed: int) -> Any:
+    """One supervised phase on the calculator transcripts (loss on the model's tokens only)."""
     import torch
 
     from grpo_ascend.tiny_model import _seeded

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import SMALL_RUN, late_rewards_vs_control
 from transformers import AutoTokenizer
 
 from grpo_ascend.data import load_prompt_dataset
@@ -89,3 +90,34 @@ def test_warm_start_transcripts_are_what_a_rollout_generates(tiny_model_dir):
     assert labels == [-100] * n_prompt + generated + [-100] * len(suffix) + answer
     ids, labels = tool_transcript(tok, "What is 123 * 45?", 5535, "no_tools")
     assert "<tools>" not in tok.decode(ids) and labels[-len(answer):] == answer
+
+
+def _calculator_run(tmp_path, model_dir, name, learning_rate, tools=("calculator",), steps=16):
+    """A short GRPO run of the demo's setting (products, the calculator, accuracy); its output folder."""
+    from grpo_ascend import GRPOConfig, GRPOTrainer
+    from grpo_ascend.models import default_lora_config
+    from grpo_ascend.synthetic import products_dataset
+    from reward_models import load_reward_function
+
+    cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / name), "max_steps": steps, "num_generations": 8,
+                        "per_device_train_batch_size": 32, "learning_rate": learning_rate,
+                        "max_completion_length": 100, "max_prompt_length": 160, "temperature": 1.0,
+                        "max_tool_calling_iterations": 1, "loss_type": "dapo", "beta": 0.0})
+    GRPOTrainer(str(model_dir), [load_reward_function({"name": "accuracy", "math_verify": False})], cfg,
+                products_dataset(64, seed=5), peft_config=default_lora_config(r=16), tools=list(tools)).train()
+    return tmp_path / name
+
+
+@pytest.mark.slow
+def test_grpo_raises_accuracy_with_the_calculator(tmp_path, tiny_tool_model_dir):
+    """Trained with the calculator, the tool-warm model ends far above a control run at learning
+    rate 0 (same seed and prompts): GRPO makes it call the tool and copy the result.
+
+    Measured (warm seed 0, mean reward of the last 6 of 16 steps): 0.58 trained vs 0.33 control;
+    with the advantages' sign flipped the trained run falls to 0.0 and this fails. About 70 s of
+    CPU time for both runs (one thread).
+    """
+    trained, control = late_rewards_vs_control(
+        lambda lr, name: _calculator_run(tmp_path, tiny_tool_model_dir, name, 1e-3 if lr is None else lr), steps=6
+    )
+    assert trained > control + 0.1, (trained, control)

@@ -109,7 +109,7 @@ def _calculator_run(tmp_path, model_dir, name, learning_rate, tools=("calculator
 
 
 @pytest.mark.slow
-def test_grpo_raises_accuracy_with_the_calculator(tmp_path, tiny_tool_model_dir):
+def test_accuracy_rises_with_the_calculator(tmp_path, tiny_tool_model_dir):
     """Trained with the calculator, the tool-warm model ends far above a control run at learning
     rate 0 (same seed and prompts): GRPO makes it call the tool and copy the result.
 

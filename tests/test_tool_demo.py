@@ -8,9 +8,9 @@ from helpers import SMALL_RUN, late_rewards_vs_control
 from transformers import AutoTokenizer
 
 from grpo_ascend.data import load_prompt_dataset
-from grpo_ascend.errors import DataError
+from grpo_ascend.errors import ConfigError, DataError
 from grpo_ascend.synthetic import product_problems
-from grpo_ascend.tiny_model import CHAT_TEMPLATE, COMPACT_TOOLS_CHAT_TEMPLATE, FLAVOURS
+from grpo_ascend.tiny_model import CHAT_TEMPLATE, COMPACT_TOOLS_CHAT_TEMPLATE, FLAVOURS, resolve_builtin
 from grpo_ascend.tiny_tool_warm import tool_transcript
 from grpo_ascend.tools import Toolset, calculator, check_tool_chat_template, load_toolset, render_tool_suffix
 from grpo_ascend.tools.execution import ToolResult
@@ -71,6 +71,8 @@ def test_compact_tool_prompt_is_short_and_the_plain_template_is_unchanged(tiny_m
             texts = [t[t.index("<|im_start|>user"):] for t in texts]
         assert texts[0] == texts[1]
     assert "tool-warm" in FLAVOURS
+    with pytest.raises(ConfigError, match=r"builtin:<size>\[-warm\|-tool-warm\]"):
+        resolve_builtin("builtin:tiny-toolwarm")
 
 
 def test_warm_start_transcripts_are_what_a_rollout_generates(tiny_model_dir):

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from grpo_ascend.errors import DataError
+from grpo_ascend.errors import DataError, closest
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -23,22 +23,27 @@ def load_prompt_dataset(
     system_prompt: str | None = None,
     max_samples: int | None = None,
 ):
-    """Load a prompt dataset from ``synthetic:arithmetic``, a local file, or a hub id, then check it."""
+    """Load a prompt dataset from ``synthetic:<task>`` (``arithmetic``, ``products``), a local file, or a hub id, then check it."""
     from datasets import load_dataset
 
     if spec.startswith("synthetic:"):
-        from grpo_ascend.synthetic import arithmetic_dataset
+        import inspect
+
+        from grpo_ascend.synthetic import SYNTHETIC_TASKS
 
         task = spec.split(":", 1)[1]
-        if task != "arithmetic":
-            raise DataError(f"unknown synthetic task {task!r}; the built-in one is 'synthetic:arithmetic'")
+        if task not in SYNTHETIC_TASKS:
+            known = ", ".join(f"synthetic:{t}" for t in SYNTHETIC_TASKS)
+            raise DataError(f"unknown synthetic task {task!r}{closest(task, SYNTHETIC_TASKS)}; the built-in ones are {known}")
+        builder = SYNTHETIC_TASKS[task]
         kwargs = dict(synthetic_kwargs or {})
         if system_prompt is not None:
             kwargs["system_prompt"] = system_prompt
         try:
-            ds = arithmetic_dataset(**kwargs)
+            ds = builder(**kwargs)
         except TypeError as exc:
-            raise DataError(f"dataset_kwargs for synthetic:arithmetic: {exc}; valid: n, seed, max_operand, ops") from exc
+            valid = ", ".join(p for p in inspect.signature(builder).parameters if p != "system_prompt")
+            raise DataError(f"dataset_kwargs for {spec}: {exc}; valid: {valid}") from exc
         system_prompt = None
     else:
         suffix = Path(spec).suffix.lower()

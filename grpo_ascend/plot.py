@@ -1,5 +1,6 @@
 """``grpo-ascend plot RUN_DIR [RUN_DIR ...]``: reward (per function; eval reward, greedy reward and pass@1
-when the run evaluated), KL, length and step time vs step."""
+when the run evaluated), KL (tool calls per completion for a tool run without KL), length and step
+time vs step."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ def _panels(records: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
     reward_keys = ["reward", *sorted(k for k in keys if k.startswith("rewards/") and k.endswith("/mean"))]
     eval_keys = [k for k in ("eval/reward", "eval/greedy/reward", "eval/pass@1") if k in keys]
     panels = [("reward", [k for k in reward_keys if k in keys] + eval_keys)]
-    panels.append(("KL to reference", ["kl"] if "kl" in keys else []))
+    if "kl" not in keys and "tools/calls_per_completion" in keys:  # a tool run without KL: its tool use
+        panels.append(("tool calls per completion", ["tools/calls_per_completion"]))
+    else:
+        panels.append(("KL to reference", ["kl"] if "kl" in keys else []))
     panels.append(("completion length (tokens)",
                    [k for k in ("completion_length/mean", "eval/completion_length/mean") if k in keys]))
     panels.append(("seconds per step", [k for k in ("time/step", "time/generation", "time/training") if k in keys]))

@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 # Version 3: tool-calling tokens appended to the vocabulary (their embedding rows added after the
 # warm start, so every other weight equals version 2's) and a chat template that renders tools.
 BUILD_VERSION = 3
+# The ``-tool-warm`` variant's own version (its cache folder is ``<size>-tool-warm-s<seed>-v3.<this>``).
+TOOL_WARM_VERSION = 2
+#: Built-in model flavours: ``builtin:<size>``, ``-warm`` (arithmetic warm start), ``-tool-warm``
+#: (then calculator transcripts; compact tool prompt).
+FLAVOURS = ("", "warm", "tool-warm")
 VOCAB_SIZE = 1024
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
@@ -33,7 +38,7 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 # Qwen2.5-style: with ``tools`` the system turn lists their JSON schemas; assistant ``tool_calls``
 # render as <tool_call> JSON blocks; consecutive ``tool`` messages form one user turn of
 # <tool_response> blocks. Without tools it renders exactly as the plain ChatML template.
-CHAT_TEMPLATE = (
+_FULL_TOOLS_SYSTEM = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
@@ -44,6 +49,30 @@ CHAT_TEMPLATE = (
     "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
     "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
     "{%- endif %}"
+)
+# The ``tiny-tool-warm`` model's variant: the same tool format (tools in the system turn, <tool_call>
+# JSON calls, <tool_response> blocks), but each tool listed as one signature line
+# ``name(arg: type, ...): description`` instead of its whole JSON schema and the instructions,
+# which would make a tiny model's prompt ~500 tokens.
+_COMPACT_TOOLS_SYSTEM = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n' }}{%- endif %}"
+    "{{- '<tools>' }}"
+    "{%- for tool in tools %}"
+    "{%- if tool.get('function') %}{%- set tool = tool['function'] %}{%- endif %}"
+    "{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- tool['name'] + '(' }}"
+    "{%- for arg, spec in tool.get('parameters', {}).get('properties', {}).items() %}"
+    "{{- arg + ': ' + (spec.get('type', 'any') if spec.get('type', 'any') is string else spec['type'] | join('|')) }}"
+    "{%- if not loop.last %}{{- ', ' }}{%- endif %}"
+    "{%- endfor %}"
+    "{{- ')' }}{%- if tool.get('description') %}{{- ': ' + tool['description'] }}{%- endif %}"
+    "{%- endfor %}"
+    "{{- '</tools><|im_end|>\\n' }}"
+    "{%- endif %}"
+)
+_MESSAGES = (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'tool' %}"
     "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
@@ -65,6 +94,10 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+
+CHAT_TEMPLATE = _FULL_TOOLS_SYSTEM + _MESSAGES
+COMPACT_TOOLS_CHAT_TEMPLATE = _COMPACT_TOOLS_SYSTEM + _MESSAGES
 
 
 @dataclass(frozen=True)
@@ -244,25 +277,35 @@ def build_tiny_model(
     out_dir: str | os.PathLike | None = None,
     force: bool = False,
     seed: int = 0,
+    tools: bool = False,
 ) -> Path:
     """Build (or reuse from the cache) a built-in model + tokenizer and return its directory.
 
     The directory loads with ``AutoModelForCausalLM.from_pretrained`` and
-    ``AutoTokenizer.from_pretrained``. ``warm=True`` adds the supervised warm start.
+    ``AutoTokenizer.from_pretrained``. ``warm=True`` adds the supervised warm start; ``tools=True``
+    (``builtin:<size>-tool-warm``) continues the warm model with calculator transcripts
+    (:mod:`grpo_ascend.tiny_tool_warm`) and gives its tokenizer the compact-tools chat template.
     """
     _size(size)
-    name = f"{size}{'-warm' if warm else ''}-s{seed}-v{BUILD_VERSION}"
+    if tools:
+        name = f"{size}-tool-warm-s{seed}-v{BUILD_VERSION}.{TOOL_WARM_VERSION}"
+    else:
+        name = f"{size}{'-warm' if warm else ''}-s{seed}-v{BUILD_VERSION}"
     target = Path(out_dir) if out_dir is not None else cache_dir() / name
     if (target / "config.json").exists() and (target / "tokenizer.json").exists() and not force:
         return target
+    warm_dir = build_tiny_model(size, warm=True, seed=seed) if tools else None
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        tokenizer = build_tokenizer(seed=seed)
-        model = _build_base_model(size, tokenizer, seed=seed)
-        if warm:
-            warm_start(model, tokenizer, seed=seed)
-        add_tool_token_embeddings(model, tokenizer, seed=seed)
+        if warm_dir is not None:
+            model, tokenizer = _tool_warm_model(warm_dir, seed)
+        else:
+            tokenizer = build_tokenizer(seed=seed)
+            model = _build_base_model(size, tokenizer, seed=seed)
+            if warm:
+                warm_start(model, tokenizer, seed=seed)
+            add_tool_token_embeddings(model, tokenizer, seed=seed)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if target.exists():
@@ -276,15 +319,32 @@ def build_tiny_model(
     return target
 
 
+def _tool_warm_model(warm_dir: Path, seed: int):
+    """The warm model from ``warm_dir`` after the calculator warm start, with the compact-tools template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_ascend.tiny_tool_warm import tool_warm_start
+
+    tokenizer = AutoTokenizer.from_pretrained(warm_dir)
+    tokenizer.chat_template = COMPACT_TOOLS_CHAT_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(warm_dir, dtype=torch.float32)
+    tool_warm_start(model, tokenizer, seed=seed)
+    return model, tokenizer
+
+
 def resolve_builtin(name: str) -> Path | None:
-    """Map ``builtin:tiny``, ``builtin:tiny-warm``, ``builtin:small`` to a built model directory."""
+    """Map ``builtin:tiny``, ``builtin:tiny-warm``, ``builtin:tiny-tool-warm``, ``builtin:small`` to a
+    built model directory."""
     if not name.startswith("builtin:"):
         return None
     spec = name.split(":", 1)[1]
     size, _, flavour = spec.partition("-")
-    if flavour not in ("", "warm"):
-        raise ConfigError(f"unknown built-in model {name!r}: expected builtin:<size>[-warm], size in {sorted(SIZES)}")
-    return build_tiny_model(size, warm=flavour == "warm")
+    if flavour not in FLAVOURS:
+        raise ConfigError(
+            f"unknown built-in model {name!r}: expected builtin:<size>[-warm|-tool-warm], size in {sorted(SIZES)}"
+        )
+    return build_tiny_model(size, warm=flavour != "", tools=flavour == "tool-warm")
 
 
 def _size(size: str) -> TinySize:
@@ -314,6 +374,8 @@ def add_build_arguments(parser) -> None:
     """Arguments of ``grpo-ascend build-tiny-model``."""
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size (default tiny)")
     parser.add_argument("--warm", action="store_true", help="add the supervised warm start on the synthetic task")
+    parser.add_argument("--tools", action="store_true",
+                        help="the tool-use variant (implies --warm): calculator transcripts, compact tool prompt")
     parser.add_argument("--out", default=None, help="folder to write (default: the cache, reused if present)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the folder exists")
     parser.add_argument("--seed", type=int, default=0, help="seed of the tokenizer, weights and warm start")
@@ -322,6 +384,7 @@ def add_build_arguments(parser) -> None:
 def run_build(ns) -> int:
     """``grpo-ascend build-tiny-model``: build (or find) a built-in model and print its folder."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    path = build_tiny_model(ns.size, warm=ns.warm, out_dir=ns.out, force=ns.force, seed=ns.seed)
+    path = build_tiny_model(ns.size, warm=ns.warm or ns.tools, out_dir=ns.out, force=ns.force, seed=ns.seed,
+                            tools=ns.tools)
     print(path)
     return 0

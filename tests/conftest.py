@@ -34,6 +34,15 @@ def tiny_warm_model_dir():
     return build_tiny_model("tiny", warm=True, seed=int(os.environ.get("GRPO_ASCEND_WARM_SEED", "0")))
 
 
+@pytest.fixture(scope="session")
+def tiny_tool_model_dir():
+    """Directory of ``builtin:tiny-tool-warm`` (the warm model after calculator transcripts); the
+    warm seed as for :func:`tiny_warm_model_dir`."""
+    from grpo_ascend.tiny_model import build_tiny_model
+
+    return build_tiny_model("tiny", warm=True, tools=True, seed=int(os.environ.get("GRPO_ASCEND_WARM_SEED", "0")))
+
+
 @pytest.fixture()
 def tiny_model(tiny_model_dir):
     """A fresh fp32 ``tiny`` model (eval mode) and its tokenizer."""

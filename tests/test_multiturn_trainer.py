@@ -233,3 +233,29 @@ def test_resume_with_tools_and_environments_is_exact(tmp_path, tiny_model_dir):
     full_log, resumed_log = stable(tmp_path / "full" / "metrics.jsonl"), stable(tmp_path / "resumed" / "metrics.jsonl")
     assert full_log == resumed_log and len(full_log) == 4
     assert all(r["tools/calls_per_completion"] == 1.0 and r["rewards/AddEnv/mean"] == 1.0 for r in full_log)
+
+
+@pytest.mark.parametrize("outcome", ["finished", "failed"])
+def test_tool_executor_is_closed_when_training_ends(tmp_path, tiny_model_dir, outcome):
+    """No idle tool threads are left after train(), whether it finished or raised."""
+    model, tok, *_ = _scripted(tiny_model_dir)
+
+    def reward(prompts, completions, **kwargs):
+        if outcome == "failed":
+            raise RuntimeError("reward server down")
+        return [1.0] * len(completions)
+
+    cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), "max_steps": 1, "max_prompt_length": 1024,
+                        "max_completion_length": 80, "per_device_train_batch_size": 4})
+    trainer = GRPOTrainer(model, reward, cfg, Dataset.from_list([{"prompt": PROMPT}] * 4), processing_class=tok,
+                          tools=[add])
+    executor = trainer.engine.multiturn.tools.executor
+    used = []
+    run = executor.run
+    executor.run = lambda *a, **kw: used.append(1) or run(*a, **kw)
+    if outcome == "failed":
+        with pytest.raises(Exception, match="reward server down"):
+            trainer.train()
+    else:
+        trainer.train()
+    assert used and not executor.running

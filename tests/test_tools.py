@@ -287,6 +287,34 @@ def test_execute_per_row_toolsets_and_row_count_check():
             executor.run([_turn()], [Toolset(), Toolset()])
 
 
+def _tool_threads(settle: float = 0.0):
+    """The executors' live threads; with ``settle``, after waiting up to that long for them to end
+    (idle pool workers exit just after ``close`` returns)."""
+    import threading
+
+    deadline = time.perf_counter() + settle
+    while True:
+        alive = [t for t in threading.enumerate() if t.name.startswith("grpo-tool")]
+        if not alive or time.perf_counter() >= deadline:
+            return alive
+        time.sleep(0.01)
+
+
+def test_executor_threads_start_at_first_run_and_close_stops_them_until_the_next_run():
+    before = len(_tool_threads(settle=2.0))
+    executor = ToolExecutor()
+    assert not executor.running and len(_tool_threads()) == before  # nothing started yet
+    (row,) = executor.run([_turn(ToolCall("add", {"a": 1, "b": 2}))], Toolset([add, shout]))
+    assert row[0].content == "3" and executor.running and len(_tool_threads()) > before
+    executor.close()
+    assert not executor.running and len(_tool_threads(settle=2.0)) == before
+    executor.close()  # closing twice is harmless
+    (row,) = executor.run([_turn(ToolCall("shout", {"text": "hi"}))], Toolset([add, shout]))
+    assert row[0].content == "HI"
+    executor.close()
+    assert len(_tool_threads(settle=2.0)) == before
+
+
 # ---- environments ------------------------------------------------------------------------------
 
 

@@ -46,6 +46,10 @@ class ToolRollout:
     def params(self) -> Any:
         return self.multiturn.engine.params
 
+    def close(self) -> None:
+        """Stop the tool executor's threads (they start again at the next rollout)."""
+        self.multiturn.tools.executor.close()
+
     def generate(self, prompts: list[Any], generator: torch.Generator | None = None, **kwargs: Any) -> MultiTurnBatch:
         """Tool rollouts of plain prompts (no environments)."""
         return self.multiturn.generate(prompts, generator=generator, **kwargs)

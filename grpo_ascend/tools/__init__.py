@@ -2,6 +2,7 @@
 their responses, and the sandboxed ``python`` tool. The multi-turn rollout loop uses these as
 ``parse_tool_calls`` → ``ToolExecutor.run`` → ``render_tool_suffix``, together :func:`run_tool_step`."""
 
+from grpo_ascend.tools.calculator import calculator
 from grpo_ascend.tools.environments import (
     EnvironmentPool,
     RolloutEnvironment,
@@ -55,6 +56,7 @@ __all__ = [
     "ToolStep",
     "Toolset",
     "append_observation",
+    "calculator",
     "check_arguments",
     "check_tool_chat_template",
     "environment_methods",

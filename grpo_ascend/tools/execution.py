@@ -107,15 +107,29 @@ def check_arguments(tool: Tool, arguments: dict[str, Any]) -> str | None:
 
 class ToolExecutor:
     """Runs parsed calls concurrently. ``timeout`` (seconds) applies per call, ``max_output_chars``
-    truncates each result (None: no limit). Reusable; call :meth:`close` (or use ``with``) at the end."""
+    truncates each result (None: no limit). Its thread pool and event-loop thread start at the first
+    :meth:`run`; :meth:`close` (or ``with``) stops them, and a later :meth:`run` starts them again."""
 
     def __init__(self, timeout: float = 30.0, max_output_chars: int | None = 4096, max_workers: int = 32):
         self.timeout = timeout
         self.max_output_chars = max_output_chars
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpo-tool")
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="grpo-tool-loop", daemon=True)
-        self._thread.start()
+        self.max_workers = max_workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        """True while the pool and the event-loop thread are up (between a run and close)."""
+        return self._loop is not None
+
+    def _start(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="grpo-tool")
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="grpo-tool-loop", daemon=True)
+            self._thread.start()
+        return self._loop
 
     def run(
         self, turns: Sequence[ParsedTurn], toolsets: Toolset | Sequence[Toolset]
@@ -128,7 +142,7 @@ class ToolExecutor:
             toolsets = [toolsets] * len(turns)
         if len(toolsets) != len(turns):
             raise ValueError(f"got {len(turns)} turns but {len(toolsets)} toolsets; give one toolset per row")
-        future = asyncio.run_coroutine_threadsafe(self._run_all(turns, toolsets), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._run_all(turns, toolsets), self._start())
         return future.result()
 
     async def _run_all(
@@ -158,7 +172,7 @@ class ToolExecutor:
             if tool.is_async:
                 awaitable = tool.function(**call.arguments)
             else:
-                awaitable = self._loop.run_in_executor(
+                awaitable = asyncio.get_running_loop().run_in_executor(
                     self._pool, functools.partial(tool.function, **call.arguments)
                 )
             value = await asyncio.wait_for(awaitable, self.timeout)
@@ -178,11 +192,20 @@ class ToolExecutor:
         return ToolResult(call.name, content, None, time.perf_counter() - start, truncated)
 
     def close(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5)
-        self._loop.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the event-loop thread and the thread pool (abandoned timed-out sync calls are not
+        waited for); does nothing when not running."""
+        loop, thread, pool = self._loop, self._thread, self._pool
+        if loop is None:
+            return
+        self._loop = self._thread = self._pool = None
+        if loop.is_running():
+            loop.call_soon_threadsafe(loop.stop)
+            assert thread is not None
+            thread.join(timeout=5)
+        if not loop.is_running():
+            loop.close()
+        assert pool is not None
+        pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> ToolExecutor:
         return self

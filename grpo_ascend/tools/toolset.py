@@ -3,7 +3,7 @@
 A tool is a sync or async function with type hints and a Google-style docstring (TRL's convention);
 its schema comes from transformers' ``get_json_schema`` and is what the chat template renders in the
 system prompt. Recipes name tools as ``module:function``, ``path/to/file.py:function`` or a built-in
-name (``python``), optionally as a mapping with options: ``{name: python, timeout: 5}``.
+name (``python``, ``calculator``), optionally as a mapping with options: ``{name: python, timeout: 5}``.
 """
 
 from __future__ import annotations
@@ -135,8 +135,14 @@ def _python_tool(**options: Any) -> ToolFunction:
     return make_python_tool(**options)
 
 
+def _calculator_tool(**options: Any) -> ToolFunction:
+    from grpo_ascend.tools.calculator import make_calculator_tool
+
+    return make_calculator_tool(**options)
+
+
 #: Built-in tools by name; each value is a factory called with the spec's options returning a function.
-BUILTIN_TOOLS: dict[str, Callable[..., ToolFunction]] = {"python": _python_tool}
+BUILTIN_TOOLS: dict[str, Callable[..., ToolFunction]] = {"python": _python_tool, "calculator": _calculator_tool}
 
 _TOOL_FORMS = "a function, 'module:function', 'path/to/file.py:function', a built-in name ({names}), or {{name: ..., option: value}}"
 

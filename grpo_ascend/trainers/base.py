@@ -330,7 +330,16 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             assert self.tracker is not None
             self.tracker.abort()
             raise
+        finally:
+            self._release_rollout()
         return self._finish()
+
+    def _release_rollout(self) -> None:
+        """Stop what the rollout keeps running between rounds (the tool executor's threads), at the
+        end of ``train`` whether it finished or failed; a later ``train``/``evaluate`` restarts it."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def _begin(self, resume_from_checkpoint: str | bool | None) -> None:
         """Resume if asked, prepare the output folder and the tracker."""

@@ -1,0 +1,125 @@
+"""The calculator demo: the calculator tool, the products task, the compact tool prompt of
+``builtin:tiny-tool-warm``, its warm-start transcripts, and (slow) that GRPO raises its accuracy."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import SMALL_RUN, late_rewards_vs_control
+from transformers import AutoTokenizer
+
+from grpo_ascend.data import load_prompt_dataset
+from grpo_ascend.errors import ConfigError, DataError
+from grpo_ascend.synthetic import product_problems
+from grpo_ascend.tiny_model import CHAT_TEMPLATE, COMPACT_TOOLS_CHAT_TEMPLATE, FLAVOURS, resolve_builtin
+from grpo_ascend.tiny_tool_warm import tool_transcript
+from grpo_ascend.tools import Toolset, calculator, check_tool_chat_template, load_toolset, render_tool_suffix
+from grpo_ascend.tools.execution import ToolResult
+
+
+def test_calculator_is_exact_and_refuses_anything_but_arithmetic():
+    assert calculator("123 * 45") == "5535"
+    assert calculator(" (2 + 3) * -4 ") == "-20"
+    assert calculator("7 / 2") == "3.5" and calculator("8 / 2") == "4" and calculator("2 ** 10") == "1024"
+    assert calculator("1 / 0") == "Error: division by zero"
+    assert "not an arithmetic expression" in calculator("12 *")
+    assert "unsupported element" in calculator("__import__('os').system('true')")
+    assert "exponent" in calculator("9 ** 9 ** 9")
+    assert "longer than" in calculator("1+" * 200 + "1")
+    tools = load_toolset(["calculator"])
+    schema = tools.schemas[0]["function"]
+    assert tools.names == ["calculator"] and schema["parameters"]["required"] == ["expression"]
+
+
+def test_products_task():
+    problems = product_problems(200, seed=3)
+    assert problems == product_problems(200, seed=3)
+    for p in problems:
+        a, op, b = p.question.removeprefix("What is ").rstrip("?").split()
+        assert op == "*" and len(a) == 3 and len(b) == 2 and int(a) * int(b) == p.answer
+    ds = load_prompt_dataset("synthetic:products", synthetic_kwargs={"n": 5, "digits": [2, 1], "seed": 1})
+    assert ds[0]["prompt"][-1]["content"].startswith("What is ") and len(ds) == 5
+    with pytest.raises(DataError, match="did you mean 'products'"):
+        load_prompt_dataset("synthetic:product")
+    with pytest.raises(DataError, match="valid: n, seed, digits"):
+        load_prompt_dataset("synthetic:products", synthetic_kwargs={"max_operand": 3})
+
+
+def test_compact_tool_prompt_is_short_and_the_plain_template_is_unchanged(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tok.chat_template == CHAT_TEMPLATE  # the other built-in models keep their template
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 123 * 45?"}]
+    schemas = Toolset([calculator]).schemas
+    full = tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
+    tok.chat_template = COMPACT_TOOLS_CHAT_TEMPLATE
+    check_tool_chat_template(tok)
+    compact = tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
+    assert compact == (
+        "<|im_start|>system\nBe brief.\n<tools>calculator(expression: string): Evaluate an arithmetic expression."
+        "</tools><|im_end|>\n<|im_start|>user\nWhat is 123 * 45?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert len(tok(compact)["input_ids"]) * 3 < len(tok(full)["input_ids"])
+    # Without tools, and for calls and responses, the two templates render the same.
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1 + 1"}}}]}
+    rest = [call, {"role": "tool", "name": "calculator", "content": "2"}]
+    for template_kwargs in ({}, {"tools": schemas}):
+        texts = []
+        for template in (CHAT_TEMPLATE, COMPACT_TOOLS_CHAT_TEMPLATE):
+            tok.chat_template = template
+            texts.append(tok.apply_chat_template([*messages, *rest], tokenize=False, **template_kwargs))
+        if template_kwargs:
+            texts = [t[t.index("<|im_start|>user"):] for t in texts]
+        assert texts[0] == texts[1]
+    assert "tool-warm" in FLAVOURS
+    with pytest.raises(ConfigError, match=r"builtin:<size>\[-warm\|-tool-warm\]"):
+        resolve_builtin("builtin:tiny-toolwarm")
+
+
+def test_warm_start_transcripts_are_what_a_rollout_generates(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = COMPACT_TOOLS_CHAT_TEMPLATE
+    ids, labels = tool_transcript(tok, "What is 123 * 45?", 5535, "call")
+    prompt = tok.apply_chat_template(
+        [{"role": "system", "content": "Solve the problem. Put only the final number inside <answer></answer>."},
+         {"role": "user", "content": "What is 123 * 45?"}],
+        tools=Toolset([calculator]).schemas, tokenize=False, add_generation_prompt=True)
+    n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    suffix = render_tool_suffix(tok, [ToolResult("calculator", "5535")])
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 * 45"}}\n</tool_call>'
+    generated = tok(call, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    answer = tok("<answer>5535</answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert ids[n_prompt:] == generated + suffix + answer
+    assert labels == [-100] * n_prompt + generated + [-100] * len(suffix) + answer
+    ids, labels = tool_transcript(tok, "What is 123 * 45?", 5535, "no_tools")
+    assert "<tools>" not in tok.decode(ids) and labels[-len(answer):] == answer
+
+
+def _calculator_run(tmp_path, model_dir, name, learning_rate, tools=("calculator",), steps=16):
+    """A short GRPO run of the demo's setting (products, the calculator, accuracy); its output folder."""
+    from grpo_ascend import GRPOConfig, GRPOTrainer
+    from grpo_ascend.models import default_lora_config
+    from grpo_ascend.synthetic import products_dataset
+    from reward_models import load_reward_function
+
+    cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / name), "max_steps": steps, "num_generations": 8,
+                        "per_device_train_batch_size": 32, "learning_rate": learning_rate,
+                        "max_completion_length": 100, "max_prompt_length": 160, "temperature": 1.0,
+                        "max_tool_calling_iterations": 1, "loss_type": "dapo", "beta": 0.0})
+    GRPOTrainer(str(model_dir), [load_reward_function({"name": "accuracy", "math_verify": False})], cfg,
+                products_dataset(64, seed=5), peft_config=default_lora_config(r=16), tools=list(tools)).train()
+    return tmp_path / name
+
+
+@pytest.mark.slow
+def test_accuracy_rises_with_the_calculator(tmp_path, tiny_tool_model_dir):
+    """Trained with the calculator, the tool-warm model ends far above a control run at learning
+    rate 0 (same seed and prompts): GRPO makes it call the tool and copy the result.
+
+    Measured (warm seed 0, mean reward of the last 6 of 16 steps): 0.58 trained vs 0.33 control;
+    with the advantages' sign flipped the trained run falls to 0.0 and this fails. About 70 s of
+    CPU time for both runs (one thread).
+    """
+    trained, control = late_rewards_vs_control(
+        lambda lr, name: _calculator_run(tmp_path, tiny_tool_model_dir, name, 1e-3 if lr is None else lr), steps=6
+    )
+    assert trained > control + 0.1, (trained, control)

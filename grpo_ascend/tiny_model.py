@@ -8,11 +8,13 @@ has signal), and saves both with ``save_pretrained``. Builds are cached per size
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,6 +298,31 @@ def build_tiny_model(
         return target
     warm_dir = build_tiny_model(size, warm=True, seed=seed) if tools else None
     target.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(target):
+        if (target / "config.json").exists() and (target / "tokenizer.json").exists() and not force:
+            return target  # another process built it while this one waited
+        return _build_into(target, size, warm, seed, warm_dir, force)
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock for building ``target``: a second process asking for the same model
+    (parallel test workers, two runs starting together) waits for the first build instead of repeating it."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: concurrent builds still end in one atomic rename, just duplicated work
+        yield
+        return
+    with open(target.parent / f".{target.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_into(target: Path, size: str, warm: bool, seed: int, warm_dir: Path | None, force: bool) -> Path:
+    """Build the model in a temporary folder next to ``target`` and rename it into place."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         if warm_dir is not None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the test suite in a fresh or reused virtual environment.
-#   bash scripts/test.sh            # everything (CPU, under 10 minutes on 2 cores)
+#   bash scripts/test.sh            # everything (CPU, under 15 minutes on 2 cores, two workers)
 #   bash scripts/test.sh --fast     # skip the slow end-to-end tests
 #   bash scripts/test.sh tests/test_config.py -k yaml   # any pytest arguments
 set -euo pipefail
@@ -12,4 +12,6 @@ for a in "$@"; do
   if [ "$a" = "--fast" ]; then args+=(-m "not slow"); else args+=("$a"); fi
 done
 ruff check grpo_ascend reward_models tests bench recipes examples
-python -m pytest "${args[@]}"
+# Two workers by default (GRPO_TEST_WORKERS=0 runs in this process): each test pins one OpenMP thread,
+# so a single worker leaves a core idle. Whole files go to one worker, keeping module fixtures built once.
+python -m pytest -n "${GRPO_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "${args[@]}"

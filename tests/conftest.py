@@ -51,3 +51,12 @@ def tiny_model(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.eval()
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+#: Files that build the slowest model (``tiny-tool-warm``, minutes) go first: under the two workers of
+#: scripts/test.sh one worker builds it while the other runs the rest, instead of it starting last.
+FIRST_FILES = ("test_tool_demo.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in FIRST_FILES)

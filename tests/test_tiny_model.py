@@ -52,3 +52,19 @@ def test_synthetic_task_is_deterministic_and_correct():
     assert ds[0]["prompt"][-1]["role"] == "user"
     with pytest.raises(ValueError, match="ops"):
         arithmetic_problems(3, ops="/")
+
+
+def test_a_second_builder_waits_for_the_first(tmp_path):
+    """The build lock is exclusive across processes: parallel test workers build a model once."""
+    import subprocess
+    import sys
+
+    from grpo_ascend.tiny_model import _build_lock
+
+    target = tmp_path / "model"
+    probe = ("import fcntl, sys; f = open(sys.argv[1], 'w')\n"
+             "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(3)")
+    lock_file = str(tmp_path / ".model.lock")
+    with _build_lock(target):
+        assert subprocess.run([sys.executable, "-c", probe, lock_file]).returncode == 3
+    assert subprocess.run([sys.executable, "-c", probe, lock_file]).returncode == 0

@@ -34,9 +34,14 @@ def _check(temperature: float, chunk_size: int) -> None:
 
 
 def _logprob_entropy(
-    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+    logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool, entropy_grad: bool = True
 ) -> tuple[Tensor, Tensor]:
-    """float32 log-prob of ``targets`` [N] and entropy [N] from logits [N, V]."""
+    """float32 log-prob of ``targets`` [N] and entropy [N] from logits [N, V].
+
+    ``entropy_grad=False`` computes the entropy outside autograd: under the chunk's checkpoint its
+    softmax and product would otherwise be recomputed in the backward and, never consumed, stay
+    alive with the graph (three [N, V] float32 tensors per chunk, the whole micro-batch's vocabulary).
+    """
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -44,8 +49,9 @@ def _logprob_entropy(
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     if not with_entropy:
         return logp, torch.zeros_like(logp)
-    probs = torch.softmax(logits, dim=-1)
-    entropy = lse - (probs * logits).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        probs = torch.softmax(logits, dim=-1)
+        entropy = lse - (probs * logits).sum(-1)
     return logp, entropy
 
 
@@ -91,11 +97,14 @@ def token_logprobs_from_hidden(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs [B, T] (float32) of ``targets`` from last hidden states [B, T, H] and the LM head.
 
     The projection runs in the head's own dtype (no float32 copy of the V×H weight); softmax,
     log-sum-exp and entropy run in float32 per chunk. ``temperature`` divides the logits.
+    ``entropy_grad=False``: the entropies carry no gradient (a loss without an entropy term), and
+    the backward keeps no full-vocabulary tensor for them (see :func:`_logprob_entropy`).
     Returns (logps, entropies or None).
     """
     _check(temperature, chunk_size)
@@ -106,7 +115,7 @@ def token_logprobs_from_hidden(
     targets = targets.long()
 
     def fn(h: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-        return _logprob_entropy(lm_head(h), t, temperature, with_entropy)
+        return _logprob_entropy(lm_head(h), t, temperature, with_entropy, entropy_grad)
 
     logp, ent = _chunked(fn, hidden.reshape(-1, width), targets.reshape(-1), chunk_size, with_entropy)
     logp = logp.view(batch, length)

@@ -263,7 +263,10 @@ class CompletionLogprobs(nn.Module):
         completion_mask: Tensor,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        entropy_grad: bool = True,
     ) -> tuple[Tensor, Tensor | None]:
+        """Log-probs [B, W] and entropies (or None) of the completions; ``entropy_grad=False`` when no
+        loss term differentiates the entropies (saves the backward a full-vocabulary tensor per chunk)."""
         width = completion_ids.shape[1]
         target = used_completion_width(completion_mask)
         if self.fixed_calls and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -271,16 +274,17 @@ class CompletionLogprobs(nn.Module):
             torch.distributed.all_reduce(widest, op=torch.distributed.ReduceOp.MAX)
             target = int(widest)  # padded columns come after every real token: attention never reads them
         if target == width:
-            return self._logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy)
+            return self._logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
+                                  entropy_grad)
         logps, entropies = self._logprobs(
             prompt_ids, prompt_mask, _fit_width(completion_ids, target), _fit_width(completion_mask, target),
-            temperature, with_entropy,
+            temperature, with_entropy, entropy_grad,
         )
         return _fit_width(logps, width), None if entropies is None else _fit_width(entropies, width)
 
     def _logprobs(
         self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-        temperature: float, with_entropy: bool,
+        temperature: float, with_entropy: bool, entropy_grad: bool = True,
     ) -> tuple[Tensor, Tensor | None]:
         backbone, head = backbone_and_head(self.model)
         hidden = completion_hidden_states(
@@ -288,7 +292,7 @@ class CompletionLogprobs(nn.Module):
         )
         return token_logprobs_from_hidden(
             hidden, head, completion_ids, temperature=temperature or 1.0,  # greedy (0) reads T=1 log-probs
-            chunk_size=self.chunk_size, with_entropy=with_entropy,
+            chunk_size=self.chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
         )
 
 

@@ -81,6 +81,30 @@ def test_gradient_accumulation_is_exact(tmp_path, tiny_model_dir, loss_type):
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-5)
 
 
+def test_no_full_vocabulary_tensor_outlives_a_micro_batch_backward(tmp_path, tiny_model_dir):
+    """Without an entropy term the policy forward's entropies carry no graph: the trainer keeps them
+    (detached into the stats) through the backward, and the checkpointed chunks' softmax/product
+    recomputed there for them, never consumed, would live on into the next micro-batch -- 3 [chunk, V]
+    tensors per chunk, 2.6 GiB at Qwen2.5's vocabulary with 8 x 256 tokens (docs/benchmarks.md)."""
+    import gc
+    import warnings
+
+    def vocab_tensors(vocab):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return sum(o.numel() for o in gc.get_objects()
+                       if isinstance(o, torch.Tensor) and o.dim() == 2 and o.shape[1] == vocab)
+
+    cfg = _config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, beta=0.04, num_generations=2)
+    trainer = GRPOTrainer(str(tiny_model_dir), first_digit_is_one, cfg, arithmetic_dataset(8),
+                          peft_config=default_lora_config(r=4))
+    vocab = trainer.policy.config.vocab_size
+    alive, backward = [], trainer._backward
+    trainer._backward = lambda loss, *a: (backward(loss, *a), alive.append(vocab_tensors(vocab)))
+    one_round_gradients(trainer, fixed_experience())
+    assert alive == [0, 0]
+
+
 @pytest.mark.slow
 def test_reward_rises_on_a_learnable_pattern(tmp_path, tiny_warm_model_dir):
     """The trained policy ends far above a control run at learning rate 0 (same seed and prompts).

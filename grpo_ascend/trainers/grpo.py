@@ -128,7 +128,7 @@ class GRPOTrainer(RLTrainerBase):
             for micro, last in self._micro_batches(rows, exp):
                 with self._no_sync(self.logprob_model, last):
                     logps, entropies = self.logprob_model(*exp.model_inputs(micro), temperature=args.temperature,
-                                                          with_entropy=True)
+                                                          with_entropy=True, entropy_grad=bool(args.entropy_coef))
                     batch = PolicyLossBatch(
                         logps=logps, advantages=exp.advantages[micro], mask=exp.loss_mask[micro],
                         old_logps=None if exp.old_logps is None else exp.old_logps[micro],

@@ -131,7 +131,8 @@ class PPOTrainer(RLTrainerBase):
                                                      normaliser)
                     self._backward(args.vf_coef * v_loss, self.critic_model)
                 with self._no_sync(self.logprob_model, last):
-                    logps, entropies = self.logprob_model(*inputs, temperature=args.temperature, with_entropy=True)
+                    logps, entropies = self.logprob_model(*inputs, temperature=args.temperature, with_entropy=True,
+                                                          entropy_grad=bool(args.entropy_coef))
                     batch = PolicyLossBatch(
                         logps=logps, advantages=exp.advantages[micro], mask=mask, old_logps=exp.old_logps[micro],
                         entropies=entropies if args.entropy_coef or entropies is None else entropies.detach(),

@@ -109,13 +109,14 @@ def test_no_full_vocabulary_tensor_outlives_a_micro_batch_backward(tmp_path, tin
 def test_reward_rises_on_a_learnable_pattern(tmp_path, tiny_warm_model_dir):
     """The trained policy ends far above a control run at learning rate 0 (same seed and prompts).
 
-    Measured: 0.97 vs 0.27 (warm seed 0), 0.93 vs 0.24 (warm seed 1); with the advantages' sign
-    flipped the trained run falls to 0.0 and this fails.
+    At learning rate 2e-3 a warm start built on another CPU learned slowly (0.59 vs 0.33), so the run
+    uses 5e-3: 0.99 vs 0.33 there. Earlier, at 2e-3: 0.97 vs 0.27 (warm seed 0), 0.93 vs 0.24 (warm
+    seed 1); with the advantages' sign flipped the trained run falls to 0.0 and this fails.
     """
 
     def train(lr, name):
         cfg = _config(tmp_path, output_dir=str(tmp_path / name), max_steps=30, per_device_train_batch_size=32,
-                      num_generations=8, learning_rate=2e-3 if lr is None else lr, max_completion_length=8,
+                      num_generations=8, learning_rate=5e-3 if lr is None else lr, max_completion_length=8,
                       temperature=1.0)
         GRPOTrainer(str(tiny_warm_model_dir), first_digit_is_one, cfg, arithmetic_dataset(400, seed=5),
                     peft_config=default_lora_config(r=8)).train()

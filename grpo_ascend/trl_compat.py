@@ -12,13 +12,13 @@ listing each with why. trl is never imported here: a TRL config is recognised by
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.generated_docs import update_block
 from grpo_ascend.trl_fields import IMPLIED_SETTINGS, TRL_FIELDS, plain
 
 DOC = "docs/trl_compatibility.md"
@@ -207,17 +207,7 @@ DEFAULT_PATH = Path(__file__).resolve().parents[1] / DOC
 
 def update_doc(path: str | Path = DEFAULT_PATH, check: bool = False) -> bool:
     """Rewrite (or with ``check``, compare) the generated block; True if it was up to date."""
-    p = Path(path)
-    text = p.read_text()
-    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        raise SystemExit(f"{p}: markers {START!r} ... {END!r} not found")
-    new = pattern.sub(lambda _: f"{START}\n\n{render_tables()}\n\n{END}", text)
-    if new == text:
-        return True
-    if not check:
-        p.write_text(new)
-    return False
+    return update_block(path, START, END, render_tables(), check)
 
 
 def main(argv: list[str]) -> int:

@@ -42,8 +42,7 @@ RANDOM_MODELS: dict[str, dict[str, int]] = {
 
 def build_random_model(name: str) -> Path:
     """Directory of the random-weight model ``name`` (see RANDOM_MODELS) with the built-in tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, Qwen2Config
 
     from grpo_ascend.tiny_model import build_tiny_model, cache_dir
 
@@ -55,15 +54,9 @@ def build_random_model(name: str) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model("small"))
     config = Qwen2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **RANDOM_MODELS[name])
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
-    return target
+    from bench_real_shape import save_random_model
+
+    return save_random_model(target, tokenizer, config)
 
 
 def main(argv: list[str] | None = None) -> None:

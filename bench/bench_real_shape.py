@@ -37,8 +37,7 @@ PREFIX = "qwen2.5-0.5b-"
 
 def build_real_shape_model(name: str) -> Path:
     """Directory of a random-weight model named ``qwen2.5-0.5b-<layers>l`` with the built-in tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, Qwen2Config
 
     from grpo_ascend.tiny_model import build_tiny_model, cache_dir
 
@@ -50,6 +49,14 @@ def build_real_shape_model(name: str) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model("small"))
     config = Qwen2Config(num_hidden_layers=int(name[len(PREFIX):-1]), pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **QWEN25_05B)
+    return save_random_model(target, tokenizer, config)
+
+
+def save_random_model(target: Path, tokenizer, config) -> Path:
+    """A seed-0 random-weight fp32 Qwen2 of ``config`` with ``tokenizer``, saved to ``target`` (via a temp folder)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.float32)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
@@ -37,6 +37,51 @@ def _layer_classes() -> tuple[type, type] | None:
     return LoraLayer, Linear
 
 
+def lora_linear_class() -> type:
+    """peft's LoRA ``Linear`` layer class (for :mod:`grpo_ascend.lora_kernel`'s subclass)."""
+    classes = _layer_classes()
+    if classes is None:
+        raise _changed("the module peft.tuners.lora.layer (LoraLayer, Linear)")
+    return classes[1]
+
+
+def _is_plain_linear(layer: nn.Module, classes: tuple[type, type]) -> bool:
+    """peft's LoRA ``Linear`` itself or a subclass that computes the same (``computes_plain_lora``)."""
+    return type(layer) is classes[1] or getattr(type(layer), "computes_plain_lora", False)
+
+
+class LoraParts(NamedTuple):
+    """What one plain LoRA call computes: ``x·weightᵀ + bias + scaling · dropout(x)·lora_aᵀ·lora_bᵀ``."""
+
+    weight: Tensor
+    bias: Tensor | None
+    lora_a: Tensor
+    lora_b: Tensor
+    scaling: float
+    dropout: nn.Module
+
+
+def plain_lora_parts(layer: nn.Module, x: Tensor) -> LoraParts | None:
+    """The weights of ``layer``'s call on ``x`` when it is plain LoRA: adapters on and unmerged, exactly
+    one active adapter, no variant (DoRA, ...), no LoRA bias, a floating-point ``nn.Linear`` base in
+    ``x``'s dtype. None otherwise (peft's own forward then runs)."""
+    if layer.merged or layer.disable_adapters:
+        return None
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    if len(active) != 1 or active[0] in layer.lora_variant:
+        return None
+    name = active[0]
+    base, lora_a, lora_b = layer.get_base_layer(), layer.lora_A[name], layer.lora_B[name]
+    if type(base) is not nn.Linear or type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear:
+        return None
+    if lora_b.bias is not None or lora_a.bias is not None:
+        return None
+    if not (x.is_floating_point() and x.dtype == base.weight.dtype == lora_a.weight.dtype == lora_b.weight.dtype):
+        return None
+    return LoraParts(base.weight, base.bias, lora_a.weight, lora_b.weight, float(layer.scaling[name]),
+                     layer.lora_dropout[name])
+
+
 def lora_layers(model: nn.Module) -> Iterator[nn.Module]:
     """Every LoRA layer of ``model`` (none when peft has no LoRA layer module)."""
     classes = _layer_classes()
@@ -55,7 +100,8 @@ def mergeable_adapters(layer: nn.Module) -> list[str] | None:
         return []
     active = [a for a in layer.active_adapters if a in layer.lora_A]
     classes = _layer_classes()
-    if active and (classes is None or type(layer) is not classes[1] or any(a in layer.lora_variant for a in active)):
+    if active and (classes is None or not _is_plain_linear(layer, classes)
+                   or any(a in layer.lora_variant for a in active)):
         return None
     return active
 
@@ -128,6 +174,24 @@ def _probe_delta() -> None:
         raise _changed("the shape of LoraLayer.get_delta_weight(adapter)")
 
 
+def _probe_forward() -> None:
+    """peft's Linear still computes base(x) + lora_B(lora_A(dropout(x))) * scaling (what lora_kernel fuses)."""
+    import torch
+
+    layer = _probe_layer()
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_()
+        x = torch.randn(3, 4)
+        parts = plain_lora_parts(layer, x)
+        if parts is None:
+            raise _changed("the attributes plain_lora_parts reads (lora_A/lora_B/scaling/lora_dropout)")
+        expected = x @ parts.weight.T + parts.bias + (x @ parts.lora_a.T) @ parts.lora_b.T * parts.scaling
+        got = layer(x)
+        layer.lora_B["default"].weight.zero_()
+    if not torch.allclose(got, expected, atol=1e-6):
+        raise _changed("LoRA Linear.forward (no longer base(x) + lora_B(lora_A(dropout(x))) * scaling)")
+
+
 #: name -> probe; each raises CompatError naming the internal when the installed peft changed it.
 PINNED_INTERNALS: dict[str, Callable[[], Any]] = {
     "peft.tuners.lora.layer.LoraLayer/Linear": _probe_layer,
@@ -135,4 +199,6 @@ PINNED_INTERNALS: dict[str, Callable[[], Any]] = {
                                                      "lora_variant", "get_base_layer")},
     "LoraLayer._disable_adapters": _probe_disable_flag,
     "LoraLayer.get_delta_weight": _probe_delta,
+    **{f"LoraLayer.{name}": _has(name) for name in ("lora_B", "lora_dropout", "scaling")},
+    "LoraLayer Linear forward (the fused kernel's reference)": _probe_forward,
 }

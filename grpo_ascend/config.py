@@ -69,6 +69,11 @@ class BaseRLConfig(_Validated):
         None, "Fold LoRA into the weights while generating (one matmul per linear layer instead of three; "
         "costs a copy of the adapted weights meanwhile); null = when that copy fits in a quarter of free memory."
     )
+    fused_lora: bool = _f(
+        True, "Run plain LoRA linear layers (one active adapter, no DoRA, no LoRA bias) through grpo-ascend's "
+        "fused forward and backward: the adapter product is accumulated into the base output in place, with "
+        "no full-width multiply and add per layer (same math; see docs/trainer.md). Off under DeepSpeed ZeRO-3."
+    )
     compile_decode: bool | None = _f(
         None, "Compile the rollout's decode step (torch.compile, or the accelerator's graph mode); null = the "
         "device's default (off everywhere until measured to help: on the CPU it did not)."

@@ -9,16 +9,26 @@ and only past the trim threshold. A GRPO round -- rollouts, a reference forward,
 and backward per micro-batch -- leaves the heap grown to its largest phase's live set plus the
 fragmentation, and the process's RSS stays there.
 
-Holding the threshold fixed (``mallopt(M_MMAP_THRESHOLD, ...)``, which also switches the
-adaptation off) keeps every large tensor in its own mapping, returned on free, so RSS follows the
-live tensors more closely. The value trades memory for page faults: each mapped block is faulted in
-afresh. Measured on bench/bench_random_model.py (random-weight 25M-parameter Qwen2, 1 thread; see
-docs/benchmarks.md): glibc's adaptive threshold 1.00-1.03 GiB peak RSS; 1 MiB 0.88 GiB at the same
-CPU time per step; 128 KiB 0.81 GiB but ~35 % more CPU time (every decode step's MLP tensors, a
-few hundred KiB each, are then mapped and unmapped); ``malloc_trim`` between phases instead: 0.99 GiB.
-Hence 1 MiB. The setting is what ``MALLOC_MMAP_THRESHOLD_=1048576`` would give, applied at run
-time, and only when the user has not chosen one (that variable, or ``glibc.malloc.mmap_threshold``
-in ``GLIBC_TUNABLES``). Nothing happens on other C libraries (musl, macOS, Windows).
+Holding the thresholds fixed (``mallopt``, which also switches the adaptation off) keeps every
+large tensor in its own mapping, returned on free, so RSS follows the live tensors more closely.
+The price is page faults: each mapped block is faulted in afresh, and so is heap the top trim gave
+back. The values trade memory for those faults. Measured on bench/bench_random_model.py
+(random-weight 25M Qwen2, 1 thread, quiet machine; peak RSS of the whole process, system time over
+a 4-step run):
+
+* glibc's adaptive thresholds: 1,065 MB;
+* mmap 1 MiB (this module's first setting): 883-921 MB, but 4.6-7.0 s of system time against
+  ~1 s, and a training phase 1.3-1.4x as long: every activation of a training micro-batch
+  (1-3 MiB at 575 positions x 512-1,376 features) was a fresh mapping;
+* mmap 8 MiB, trim 16 MiB (now): 1,020 MB, 0.6-1.0 s of system time, the step as fast as with
+  the adaptive thresholds. Tensors under 8 MiB are reused from the heap; the heap keeps at most
+  16 MiB of free space at its top; larger blocks (full-vocabulary logits chunks, KV caches,
+  real-size MLP activations) still go back to the OS on free.
+
+The setting is what ``MALLOC_MMAP_THRESHOLD_=8388608 MALLOC_TRIM_THRESHOLD_=16777216`` would give,
+applied at run time, and only when the user has chosen neither (those variables, or
+``glibc.malloc.mmap_threshold`` / ``glibc.malloc.trim_threshold`` in ``GLIBC_TUNABLES``). Nothing
+happens on other C libraries (musl, macOS, Windows).
 """
 
 from __future__ import annotations
@@ -33,13 +43,16 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-#: glibc's ``M_MMAP_THRESHOLD`` parameter number for ``mallopt`` (malloc.h).
+#: glibc's ``M_TRIM_THRESHOLD`` and ``M_MMAP_THRESHOLD`` parameter numbers for ``mallopt`` (malloc.h).
+M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-#: The threshold set (held fixed instead of adapting upwards); see the module docstring for why 1 MiB.
-MMAP_THRESHOLD_BYTES = 1024 * 1024
-#: Environment variables through which a user sets the threshold (then it is left alone).
-USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_",)
-_TUNABLE = "glibc.malloc.mmap_threshold"
+#: The mmap threshold set (held fixed instead of adapting upwards); see the module docstring for why.
+MMAP_THRESHOLD_BYTES = 8 * 1024 * 1024
+#: Free space the heap keeps at its top before giving it back (fixed with the mmap threshold).
+TRIM_THRESHOLD_BYTES = 16 * 1024 * 1024
+#: Environment variables through which a user sets either threshold (then both are left alone).
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,16 +72,17 @@ def glibc() -> Any | None:
 
 
 def user_set_threshold(env: Mapping[str, str]) -> bool:
-    """Whether the environment already chooses glibc's mmap threshold."""
+    """Whether the environment already chooses glibc's mmap or trim threshold."""
     if any(env.get(name) for name in USER_SETTINGS):
         return True
-    return any(item.split("=", 1)[0].strip() == _TUNABLE
+    return any(item.split("=", 1)[0].strip() in _TUNABLES
                for item in env.get("GLIBC_TUNABLES", "").split(":"))
 
 
 def fix_mmap_threshold(env: Mapping[str, str] = os.environ, libc: Any | None = None) -> int | None:
-    """Set glibc's mmap threshold to :data:`MMAP_THRESHOLD_BYTES` unless the user set one; return
-    the bytes set, or None when nothing was set (not glibc, the user's own setting, mallopt refused).
+    """Set glibc's mmap and trim thresholds (:data:`MMAP_THRESHOLD_BYTES`, :data:`TRIM_THRESHOLD_BYTES`)
+    unless the user set one; return the mmap threshold set, or None when nothing was set (not glibc,
+    the user's own setting, mallopt refused).
 
     ``libc`` defaults to :func:`glibc` (tests pass a fake). Idempotent.
     """
@@ -80,4 +94,6 @@ def fix_mmap_threshold(env: Mapping[str, str] = os.environ, libc: Any | None = N
     if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
         logger.debug("mallopt(M_MMAP_THRESHOLD, %d) was refused", MMAP_THRESHOLD_BYTES)
         return None
+    if libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) != 1:
+        logger.debug("mallopt(M_TRIM_THRESHOLD, %d) was refused", TRIM_THRESHOLD_BYTES)
     return MMAP_THRESHOLD_BYTES

@@ -29,11 +29,13 @@ class FakeLibc:
 def test_fixes_threshold_when_unset() -> None:
     libc = FakeLibc()
     assert ha.fix_mmap_threshold({}, libc) == ha.MMAP_THRESHOLD_BYTES
-    assert libc.calls == [(ha.M_MMAP_THRESHOLD, ha.MMAP_THRESHOLD_BYTES)]
+    assert libc.calls == [(ha.M_MMAP_THRESHOLD, ha.MMAP_THRESHOLD_BYTES), (ha.M_TRIM_THRESHOLD, ha.TRIM_THRESHOLD_BYTES)]
 
 
 @pytest.mark.parametrize("env", [
     {"MALLOC_MMAP_THRESHOLD_": "65536"},
+    {"MALLOC_TRIM_THRESHOLD_": "65536"},
+    {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=262144"},
     {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=262144"},
     {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.mmap_threshold=262144"},
 ])
@@ -57,12 +59,13 @@ def test_only_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
     libc = FakeLibc()
     monkeypatch.setattr(ha, "glibc", lambda: libc)
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     for device in ("cuda", "cuda:1", "npu:0"):
         assert dev.tune_host_allocator(device) is None
     assert libc.calls == []
     assert dev.resolve_device("cpu").type == "cpu"
-    assert libc.calls == [(ha.M_MMAP_THRESHOLD, ha.MMAP_THRESHOLD_BYTES)]
+    assert libc.calls[0] == (ha.M_MMAP_THRESHOLD, ha.MMAP_THRESHOLD_BYTES)
 
 
 _PROBE = r"""
@@ -78,7 +81,7 @@ libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 if sys.argv[1] == "tuned":
     assert host_allocator.fix_mmap_threshold() is not None
-n = 16 * 2**20  # a tensor-sized block: its first free raises glibc's adaptive threshold above it
+n = 16 * 2**20  # a tensor-sized block above the fixed threshold (and under the adaptive maximum, 32 MiB): its first free raises glibc's adaptive threshold above it
 block = libc.malloc(n)
 ctypes.memset(block, 1, n)
 libc.free(block)
@@ -94,7 +97,7 @@ print(json.dumps({"released_mib": (held - rss_kib()) / 1024}))
 def test_freed_tensor_leaves_the_resident_set() -> None:
     """The mechanism itself: with glibc's adaptive threshold a freed 16 MiB block stays resident,
     with the fixed one it is returned to the OS (PyTorch's CPU tensors are such malloc blocks)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    env = {k: v for k, v in os.environ.items() if k not in (*ha.USER_SETTINGS, "GLIBC_TUNABLES")}
     released = {}
     for mode in ("default", "tuned"):
         out = subprocess.run([sys.executable, "-c", _PROBE, mode], env=env, capture_output=True, text=True,

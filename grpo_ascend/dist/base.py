@@ -9,6 +9,7 @@ and then calls it; it never asks which engine runs. The calls, in the order a ru
 ``unsharded_reference``    a whole frozen reference copy when the engine will shard the policy
 ``prepare``                wrap the log-prob model and optimizer (accelerate's prepare + extras)
 ``may_merge_lora``         whether rollouts may fold LoRA into the (engine-owned) weights
+``may_fuse_lora``          whether LoRA layers may run the fused kernel, which reads their weights itself
 ``whole_weights``          context: the whole policy on every rank for a generation round
 ``no_sync``                context: one micro-batch, gradient all-reduce only on the last
 ``backward``               backward of an already normalised micro-batch loss
@@ -104,6 +105,12 @@ class Strategy(abc.ABC):
     # ------------------------------------------------------------------ rollouts
     def may_merge_lora(self, wanted: bool | None, is_peft: bool) -> bool:
         """Whether rollouts may fold LoRA into the weights (False when the engine owns their storage)."""
+        return True
+
+    def may_fuse_lora(self) -> bool:
+        """Whether LoRA layers may run :mod:`grpo_ascend.lora_kernel`, which reads the base and adapter
+        weights inside the LoRA layer's call (False when the engine gathers each submodule's
+        parameters in that submodule's own forward hook)."""
         return True
 
     def whole_weights(self, model: nn.Module) -> contextlib.AbstractContextManager:

@@ -145,6 +145,9 @@ class DeepSpeedStrategy(PlainStrategy):
             logger.info("DeepSpeed ZeRO-3: rollouts run with the adapters unmerged")
         return False
 
+    def may_fuse_lora(self) -> bool:
+        return not self.partitions_parameters  # ZeRO-3 gathers lora_A/lora_B/base_layer in their own hooks
+
     def whole_weights(self, model: nn.Module) -> contextlib.AbstractContextManager:
         if not self.partitions_parameters:
             return contextlib.nullcontext()

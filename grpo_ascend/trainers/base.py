@@ -118,6 +118,10 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(args, self.max_steps))
         self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
         self.strategy.configure(self.policy, self.plan)
+        if args.fused_lora and self.is_peft and self.strategy.may_fuse_lora():
+            from grpo_ascend import lora_kernel
+
+            logger.info("fused LoRA kernel on %d layers", lora_kernel.install(self.policy))
         self._unsharded_reference = self.strategy.unsharded_reference(
             self.policy, self.is_peft, wants_reference=getattr(args, "beta", 0.0) > 0)
         self.logprob_model, self.optimizer = self.strategy.prepare(self.logprob_model, self.optimizer, self.policy)

@@ -1,8 +1,11 @@
 """GEMM GFLOP/s and memory bandwidth at the rollout decode's shapes: the ceiling of a decode step.
 
-For each linear layer of a decode step (``rows`` tokens against a ``[out, in]`` weight, as
-``nn.functional.linear`` runs it) prints the median time, GFLOP/s and the weight-read bandwidth
-it implies, plus the machine's copy bandwidth (a 256 MiB ``copy_``), at the given thread counts.
+For each linear layer of a decode step (``rows`` tokens against an ``[out, in]`` weight through
+``nn.functional.linear``) prints the median time, GFLOP/s and the weight-read bandwidth it implies,
+for the two weight layouts: row-major ``[out, in]`` (``nn.Linear``'s own, which the BLAS sees as a
+transposed operand) and stored ``[in, out]`` behind a ``.t()`` view (a plain operand; what
+``device.decode_weights_transposed`` picks for the rollout's merged LoRA copy on the CPU). Also the
+machine's copy bandwidth (a 256 MiB ``copy_``), at the given thread counts.
 A decode step cannot be faster than the sum of its GEMMs at these rates plus its KV-cache reads
 at the copy bandwidth.
 
@@ -23,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 SHAPES = {
+    # random-25m (bench_random_model): hidden 512, 8/4 heads, intermediate 1376, vocab 556, 32 rows
+    "random-25m": [(32, 512, 512), (32, 512, 256), (32, 512, 1376), (32, 1376, 512)],
     # (rows, in, out): small = hidden 512, 8/4 heads, intermediate 1408, vocab 552, 64 rows
     "small": [(64, 512, 512), (64, 512, 256), (64, 512, 1408), (64, 1408, 512), (64, 512, 552)],
     # Qwen2.5-0.5B: hidden 896, 14/2 heads of 64, intermediate 4864, vocab 151936, 16 rows
@@ -47,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
     print(f"load average {os.getloadavg()[0]:.2f}")
-    print("| threads | model | rows × in → out | ms | GFLOP/s | weight GB/s |")
+    print("| threads | model | rows × in → out | ms [out, in] / [in, out] | GFLOP/s [out, in] / [in, out] "
+          "| weight GB/s [out, in] / [in, out] |")
     print("|---:|---|---|---:|---:|---:|")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
@@ -58,11 +64,14 @@ def main(argv: list[str] | None = None) -> None:
         for model, shapes in SHAPES.items():
             for rows, k, n in shapes:
                 x, w = torch.randn(rows, k), torch.randn(n, k)
+                w_in_out = w.t().contiguous().t()  # same values and shape, stored [in, out]
                 reps = args.repeats if n < 100_000 else max(5, args.repeats // 5)
-                t = timed(lambda x=x, w=w: F.linear(x, w), reps)
+                times = [timed(lambda x=x, w=weight: F.linear(x, w), reps) for weight in (w, w_in_out)]
                 print(
-                    f"| {threads} | {model} | {rows} × {k} → {n} | {t * 1e3:.3f} | {2 * rows * k * n / t / 1e9:.1f} "
-                    f"| {w.numel() * 4 / t / 1e9:.1f} |"
+                    f"| {threads} | {model} | {rows} × {k} → {n} | "
+                    + " / ".join(f"{t * 1e3:.3f}" for t in times) + " | "
+                    + " / ".join(f"{2 * rows * k * n / t / 1e9:.1f}" for t in times) + " | "
+                    + " / ".join(f"{w.numel() * 4 / t / 1e9:.1f}" for t in times) + " |"
                 )
 
 

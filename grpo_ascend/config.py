@@ -72,7 +72,8 @@ class BaseRLConfig(_Validated):
     fused_lora: bool = _f(
         True, "Run plain LoRA linear layers (one active adapter, no DoRA, no LoRA bias) through grpo-ascend's "
         "fused forward and backward: the adapter product is accumulated into the base output in place, with "
-        "no full-width multiply and add per layer (same math; see docs/trainer.md). Off under DeepSpeed ZeRO-3."
+        "no full-width multiply and add per layer (same math; see docs/trainer.md). Off where the distributed "
+        "strategy gathers each module's weights in that module's own hook (docs/distributed.md)."
     )
     compile_decode: bool | None = _f(
         None, "Compile the rollout's decode step (torch.compile, or the accelerator's graph mode); null = the "

@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     import torch
+    from bench_random_model import build_random_model
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from bench_random_model import build_random_model
     from grpo_ascend import device as dev
     from grpo_ascend import lora_kernel
     from grpo_ascend.models import CompletionLogprobs

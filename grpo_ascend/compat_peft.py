@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 from grpo_ascend.errors import CompatError
@@ -64,7 +65,8 @@ class LoraParts(NamedTuple):
 def plain_lora_parts(layer: nn.Module, x: Tensor) -> LoraParts | None:
     """The weights of ``layer``'s call on ``x`` when it is plain LoRA: adapters on and unmerged, exactly
     one active adapter, no variant (DoRA, ...), no LoRA bias, a floating-point ``nn.Linear`` base in
-    ``x``'s dtype. None otherwise (peft's own forward then runs)."""
+    ``x``'s dtype (any floating dtypes under autocast, which casts them). None otherwise (peft's own
+    forward then runs)."""
     if layer.merged or layer.disable_adapters:
         return None
     active = [a for a in layer.active_adapters if a in layer.lora_A]
@@ -76,7 +78,10 @@ def plain_lora_parts(layer: nn.Module, x: Tensor) -> LoraParts | None:
         return None
     if lora_b.bias is not None or lora_a.bias is not None:
         return None
-    if not (x.is_floating_point() and x.dtype == base.weight.dtype == lora_a.weight.dtype == lora_b.weight.dtype):
+    dtypes = {x.dtype, base.weight.dtype, lora_a.weight.dtype, lora_b.weight.dtype}
+    if not all(d.is_floating_point for d in dtypes):
+        return None
+    if len(dtypes) > 1 and not torch.is_autocast_enabled(x.device.type):
         return None
     return LoraParts(base.weight, base.bias, lora_a.weight, lora_b.weight, float(layer.scaling[name]),
                      layer.lora_dropout[name])

@@ -20,12 +20,13 @@ a 4-step run):
 * mmap 1 MiB (this module's first setting): 883-921 MB, but 4.6-7.0 s of system time against
   ~1 s, and a training phase 1.3-1.4x as long: every activation of a training micro-batch
   (1-3 MiB at 575 positions x 512-1,376 features) was a fresh mapping;
-* mmap 8 MiB, trim 16 MiB (now): 1,020 MB, 0.6-1.0 s of system time, the step as fast as with
-  the adaptive thresholds. Tensors under 8 MiB are reused from the heap; the heap keeps at most
+* mmap 4 MiB, trim 16 MiB (now): 1,018 MB, ~1 s of system time, the step as fast as with the
+  adaptive thresholds. Tensors under 4 MiB are reused from the heap; the heap keeps at most
   16 MiB of free space at its top; larger blocks (full-vocabulary logits chunks, KV caches,
-  real-size MLP activations) still go back to the OS on free.
+  real-size MLP activations) still go back to the OS on free. 8 MiB was as fast but, at
+  Qwen2.5-0.5B's shapes (bench/bench_real_shape.py), peaked at 2.22 GiB against 1.95 GiB.
 
-The setting is what ``MALLOC_MMAP_THRESHOLD_=8388608 MALLOC_TRIM_THRESHOLD_=16777216`` would give,
+The setting is what ``MALLOC_MMAP_THRESHOLD_=4194304 MALLOC_TRIM_THRESHOLD_=16777216`` would give,
 applied at run time, and only when the user has chosen neither (those variables, or
 ``glibc.malloc.mmap_threshold`` / ``glibc.malloc.trim_threshold`` in ``GLIBC_TUNABLES``). Nothing
 happens on other C libraries (musl, macOS, Windows).
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 #: The mmap threshold set (held fixed instead of adapting upwards); see the module docstring for why.
-MMAP_THRESHOLD_BYTES = 8 * 1024 * 1024
+MMAP_THRESHOLD_BYTES = 4 * 1024 * 1024
 #: Free space the heap keeps at its top before giving it back (fixed with the mmap threshold).
 TRIM_THRESHOLD_BYTES = 16 * 1024 * 1024
 #: Environment variables through which a user sets either threshold (then both are left alone).

@@ -102,12 +102,17 @@ def test_falls_back_to_peft_when_the_call_is_not_plain():
     torch.testing.assert_close(dora_fused(x), dora(x))
 
 
-def test_under_autocast_casts_like_linear():
+def test_under_autocast_casts_like_linear(monkeypatch):
+    """Every layer fused (the second one's input is bf16 against float32 weights), peft's numbers."""
+    calls = []
     model, fused = _pair()
+    plain = lora_kernel.lora_linear
+    monkeypatch.setattr(lora_kernel, "lora_linear", lambda x, *a: calls.append(x.dtype) or plain(x, *a))
     x = torch.randn(6, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref, _, ref_grads = _run(model, x)
         out, _, grads = _run(fused, x)
+    assert calls == [torch.float32, torch.bfloat16]
     assert out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
     for name in ref_grads:

@@ -41,6 +41,31 @@ def test_merged_forward_equals_adapter_forward_and_weights_come_back_exactly(tin
         assert (policy(**ids).logits - plain).abs().max() > 1e-3
 
 
+def test_merged_copy_is_stored_in_the_decode_layout(tiny_model, monkeypatch):
+    """On the CPU the merged weight is W + delta stored [in, out] (a transposed view, the layout MKL's
+    small-row sgemm runs fastest); where the device keeps its own layout it stays row-major."""
+    from grpo_ascend import compat_peft
+    from grpo_ascend import device as dev
+
+    model, _ = tiny_model
+    policy = _adapted(model)
+    layer = next(compat_peft.lora_layers(policy))
+    weight = compat_peft.base_weight(layer)
+    expected = weight.detach() + compat_peft.delta_weight(layer, "default").detach()
+    original = weight.data
+    for transposed in (True, False):
+        monkeypatch.setattr(dev, "decode_weights_transposed", lambda device, t=transposed: t)
+        with torch.no_grad(), lora_merged(policy):
+            merged = compat_peft.base_weight(layer)
+            assert merged.shape == original.shape
+            assert merged.stride() == ((1, merged.shape[0]) if transposed else original.stride())
+            torch.testing.assert_close(merged.detach(), expected, rtol=0, atol=0)
+        assert compat_peft.base_weight(layer).data_ptr() == original.data_ptr()  # the original storage is back
+    monkeypatch.undo()
+    assert dev.decode_weights_transposed("cpu") and not dev.decode_weights_transposed("cuda:0")
+    assert not dev.decode_weights_transposed("npu:0")
+
+
 def test_merged_rollout_samples_the_same_tokens(tiny_model):
     model, tok = tiny_model
     policy = _adapted(model)

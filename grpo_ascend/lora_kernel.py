@@ -4,8 +4,8 @@ peft computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling``. Besides the th
 costs, per layer and micro-batch, a full ``[tokens, out]`` multiply and add in the forward and
 again in the backward (the scaling's gradient, then the sum of the two branches' input
 gradients), each writing a fresh activation-sized tensor. Over the 7 adapted layers of every
-decoder block these memory-bound passes were about a fifth of a LoRA training step on the CPU
-(bench/profile_training.py). Here the adapter product is accumulated into the base output in
+decoder block these memory-bound passes were about a fifth of the training phase's operator time
+on the CPU (random-25m, bench/profile_training.py). Here the adapter product is accumulated into the base output in
 place, ``out.addmm_(x·Aᵀ, Bᵀ, alpha=scaling)``, and the backward does the same for the input
 gradient, so the only full-width tensors are the output and the input gradient themselves. The
 scaling is applied to the ``[tokens, r]`` factor instead: the same sums, in another order.

@@ -352,6 +352,25 @@ def lora_merge_bytes(model: nn.Module) -> int | None:
     return sum(base_weight(m).nbytes for m, _ in layers)
 
 
+def _fold_adapters(module: nn.Module, active: list[str], original: Tensor, out: Tensor) -> None:
+    """``out = original + Σ B·A·scaling`` over the ``active`` adapters of ``module``.
+
+    One plain adapter folds in a single ``addmm`` computed on the side where ``out`` is contiguous
+    (``Wᵀ + s·Aᵀ·Bᵀ`` into an ``[in, out]`` buffer): writing an elementwise sum through a transposed
+    view runs about 5x slower (7 ms instead of 1.3 for a 1,376 x 512 weight on one core), and the
+    full-size delta is never built. Anything else goes through peft's own ``get_delta_weight``.
+    """
+    from grpo_ascend.compat_peft import delta_weight, plain_lora_parts
+
+    parts = plain_lora_parts(module, original) if len(active) == 1 else None
+    if parts is None or parts.lora_a.dtype != original.dtype or parts.lora_b.dtype != original.dtype:
+        torch.add(original, sum(delta_weight(module, a) for a in active).to(original.dtype), out=out)
+    elif out.is_contiguous():
+        torch.addmm(original, parts.lora_b, parts.lora_a, alpha=parts.scaling, out=out)
+    else:
+        torch.addmm(original.t(), parts.lora_a.t(), parts.lora_b.t(), alpha=parts.scaling, out=out.t())
+
+
 @contextlib.contextmanager
 def lora_merged(model: nn.Module) -> Iterator[bool]:
     """Inference with the active LoRA adapters folded into the base weights; yields whether it merged.
@@ -373,7 +392,7 @@ def lora_merged(model: nn.Module) -> Iterator[bool]:
     if not layers:
         yield False
         return
-    from grpo_ascend.compat_peft import base_weight, delta_weight, set_adapter_path
+    from grpo_ascend.compat_peft import base_weight, set_adapter_path
     from grpo_ascend.device import decode_weights_transposed
 
     swapped: list[tuple[nn.Module, Tensor]] = []
@@ -381,11 +400,10 @@ def lora_merged(model: nn.Module) -> Iterator[bool]:
         with torch.no_grad():
             for module, active in layers:
                 weight = base_weight(module)
-                delta = sum(delta_weight(module, a) for a in active)
                 original = weight.data
                 merged = original.new_empty(original.shape[::-1]).t() if (
                     original.dim() == 2 and decode_weights_transposed(original.device)) else torch.empty_like(original)
-                torch.add(original, delta.to(original.dtype), out=merged)
+                _fold_adapters(module, active, original, merged)
                 weight.data = merged
                 swapped.append((module, original))
                 set_adapter_path(module, False)

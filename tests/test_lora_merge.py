@@ -59,7 +59,7 @@ def test_merged_copy_is_stored_in_the_decode_layout(tiny_model, monkeypatch):
             merged = compat_peft.base_weight(layer)
             assert merged.shape == original.shape
             assert merged.stride() == ((1, merged.shape[0]) if transposed else original.stride())
-            torch.testing.assert_close(merged.detach(), expected, rtol=0, atol=0)
+            torch.testing.assert_close(merged.detach(), expected, rtol=1e-6, atol=1e-7)  # one fused addmm
         assert compat_peft.base_weight(layer).data_ptr() == original.data_ptr()  # the original storage is back
     monkeypatch.undo()
     assert dev.decode_weights_transposed("cpu") and not dev.decode_weights_transposed("cuda:0")

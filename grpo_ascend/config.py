@@ -79,6 +79,12 @@ class BaseRLConfig(_Validated):
         None, "Compile the rollout's decode step (torch.compile, or the accelerator's graph mode); null = the "
         "device's default (off everywhere until measured to help: on the CPU it did not)."
     )
+    shared_prefix_decode: bool | None = _f(
+        None, "In the rollout's decode steps a group's completions read their prompt's keys/values once instead "
+        "of once each (same attention up to float rounding); null = the device's default (on for the CPU, "
+        "where it is measured to help, off for CUDA/NPU until measured). Models with sliding-window or "
+        "soft-capped attention keep the plain cache."
+    )
     length_bucket: int | None = _f(
         None, "Pad prompt/completion lengths to multiples of this so NPUs compile few shapes; null = 64 on NPUs, "
         "exact lengths (1) elsewhere, where padding only costs compute."

@@ -379,6 +379,15 @@ def default_compile_decode(device: torch.device | str) -> bool:
     return False
 
 
+def default_shared_prefix_decode(device: torch.device | str) -> bool:
+    """Whether grouped decoding reads each prompt's keys/values once (rollout/shared_prefix.py) when
+    ``SamplingParams.shared_prefix`` is None: on the CPU, where a decode step's attention is bound by
+    its reads of the KV cache and the G copies of the prompt are most of them (bench/bench_rollout.py
+    measures it). CUDA and NPU have fused decode-attention kernels and are not measured here: opt-in.
+    """
+    return device_type(device) == "cpu"
+
+
 def is_accelerator(device: torch.device | str) -> bool:
     """True for NPU and CUDA devices."""
     return device_type(device) in ACCELERATOR_TYPES

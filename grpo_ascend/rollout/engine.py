@@ -37,10 +37,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from grpo_ascend.device import compile_for_decode, default_compile_decode, default_length_bucket
+from grpo_ascend.device import (
+    compile_for_decode,
+    default_compile_decode,
+    default_length_bucket,
+    default_shared_prefix_decode,
+)
 from grpo_ascend.errors import ConfigError, DataError
 from grpo_ascend.rollout.kv_cache import BucketedKVCache, round_up
 from grpo_ascend.rollout.sampling import SamplingParams, next_tokens
+from grpo_ascend.rollout.shared_prefix import SharedPrefixKVCache, supports_shared_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +126,7 @@ class RolloutEngine:
         self.params = params if params is not None else SamplingParams()
         self.compact = compact
         self._compiled: tuple[str, nn.Module] | None = None  # (device type, compiled decode model)
+        self._prefix_supported: bool | None = None  # supports_shared_prefix(model), asked once
         self._base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = getattr(self._base, "config", None)
         if config is None:
@@ -200,6 +207,20 @@ class RolloutEngine:
         if self._compiled is None or self._compiled[0] != device.type:
             self._compiled = (device.type, compile_for_decode(self.model, device))
         return self._compiled[1]
+
+    def _shares_prefix(self, params: SamplingParams, device: torch.device, group: int, compiled: bool) -> bool:
+        """Whether this rollout's decode reads each prompt's keys/values once (rollout/shared_prefix.py)."""
+        wanted = params.shared_prefix
+        if wanted is None:
+            wanted = default_shared_prefix_decode(device) and not compiled
+        if not wanted or group < 2:
+            return False
+        if self._prefix_supported is None:
+            self._prefix_supported = supports_shared_prefix(self.model)
+            if not self._prefix_supported:
+                logger.info("the model's attention is not plain causal softmax attention: decoding with the plain "
+                            "KV cache (each completion holds its own copy of the prompt)")
+        return self._prefix_supported
 
     def _forward(
         self,
@@ -330,7 +351,11 @@ class RolloutEngine:
         prefill_cache = BucketedKVCache(self.num_layers, lp, bucket)
         logits = self._forward(prompt_ids, prompt_mask, position_ids, prefill_cache)
         lc = round_up(max_new, bucket)
-        cache = prefill_cache.expand_into(group, lp + lc)
+        decode_model = self._decode_model(params, dev)
+        if self._shares_prefix(params, dev, group, compiled=decode_model is not self.model):
+            cache = SharedPrefixKVCache(prefill_cache, prompt_mask, group, lc)
+        else:
+            cache = prefill_cache.expand_into(group, lp + lc)
         del prefill_cache
         _synchronize(dev)
         t_prefill = time.perf_counter()
@@ -360,49 +385,49 @@ class RolloutEngine:
         buckets = _row_buckets(n_rows)
         batch_sizes = [n_rows]
 
-        decode_model = self._decode_model(params, dev)
         steps = 0
-        for t in range(max_new):
-            tokens, lps = next_tokens(logits, params, seen, generator)
-            tokens = tokens.masked_fill(done, pad)
-            out_ids[row_map, t] = tokens
-            out_lp[row_map, t] = lps.masked_fill(done, 0.0)
-            out_mask[row_map, t] = ~done
-            if seen is not None:
-                seen.scatter_(1, tokens.unsqueeze(1), True)
-            if stop_ids is not None:
-                done = done | (tokens.unsqueeze(1) == stop_ids).any(dim=1)
-            steps = t + 1
-            last = t == max_new - 1
-            check = last or (t + 1) % interval == 0
-            if check and stop_strings is not None:
-                done = stop_strings.check(t, row_map, ~done_at_check, done, out_ids, out_lp, out_mask)
-            if last:
-                break
-            if check:
-                n_alive = int((~done).sum())
-                if n_alive == 0:
+        with cache.decoding(self.model):
+            for t in range(max_new):
+                tokens, lps = next_tokens(logits, params, seen, generator)
+                tokens = tokens.masked_fill(done, pad)
+                out_ids[row_map, t] = tokens
+                out_lp[row_map, t] = lps.masked_fill(done, 0.0)
+                out_mask[row_map, t] = ~done
+                if seen is not None:
+                    seen.scatter_(1, tokens.unsqueeze(1), True)
+                if stop_ids is not None:
+                    done = done | (tokens.unsqueeze(1) == stop_ids).any(dim=1)
+                steps = t + 1
+                last = t == max_new - 1
+                check = last or (t + 1) % interval == 0
+                if check and stop_strings is not None:
+                    done = stop_strings.check(t, row_map, ~done_at_check, done, out_ids, out_lp, out_mask)
+                if last:
                     break
-                target = min(b for b in buckets if b >= n_alive)
-                if self.compact and target < tokens.shape[0]:
-                    keep = torch.argsort(done.to(torch.int32), stable=True)[:target]  # running rows first
-                    cache.select_rows(keep)
-                    row_map, tokens, row_len, attn, done = (
-                        row_map[keep],
-                        tokens[keep],
-                        row_len[keep],
-                        attn[keep],
-                        done[keep],
-                    )
-                    if seen is not None:
-                        seen = seen[keep]
-                    batch_sizes.append(target)
-                done_at_check = done
-            attn[:, lp + t] = True
-            view = cache.layers[0].view_length(lp + t + 1)
-            logits = self._forward(
-                tokens.unsqueeze(1), attn[:, :view], (row_len + t).unsqueeze(1), cache, decode_model
-            )
+                if check:
+                    n_alive = int((~done).sum())
+                    if n_alive == 0:
+                        break
+                    target = min(b for b in buckets if b >= n_alive)
+                    if self.compact and target < tokens.shape[0]:
+                        keep = torch.argsort(done.to(torch.int32), stable=True)[:target]  # running rows first
+                        cache.select_rows(keep)
+                        row_map, tokens, row_len, attn, done = (
+                            row_map[keep],
+                            tokens[keep],
+                            row_len[keep],
+                            attn[keep],
+                            done[keep],
+                        )
+                        if seen is not None:
+                            seen = seen[keep]
+                        batch_sizes.append(target)
+                    done_at_check = done
+                attn[:, lp + t] = True
+                view = cache.layers[0].view_length(lp + t + 1)
+                logits = self._forward(
+                    tokens.unsqueeze(1), attn[:, :view], (row_len + t).unsqueeze(1), cache, decode_model
+                )
         del cache, logits
 
         truncated = torch.zeros(n_rows, dtype=torch.bool, device=dev)

@@ -20,8 +20,10 @@ decode time (the view may contain unwritten columns).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -169,6 +171,10 @@ class BucketedKVCache(Cache):
     def select_rows(self, indices: Tensor) -> None:
         """Keep only the rows ``indices`` (compaction of finished sequences)."""
         self.batch_select_indices(indices)
+
+    def decoding(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Around the decode steps: nothing to switch (the model's own attention reads this cache)."""
+        return contextlib.nullcontext()
 
     def nbytes(self) -> int:
         """Bytes held by the key/value buffers."""

@@ -57,7 +57,11 @@ class SamplingParams:
     step pass a persistent ``torch.Generator`` to ``RolloutEngine.generate`` instead.
     ``compile_decode`` runs the decode steps through a compiled model (``torch.compile`` on CPU and
     CUDA, the NPU's graph mode; see ``device.compile_for_decode``); None = the device's default
-    (``device.default_compile_decode``). The prefill stays eager.
+    (``device.default_compile_decode``). The prefill stays eager. ``shared_prefix`` lets a group's G
+    completions read their prompt's keys/values once per decode step instead of once each
+    (``rollout/shared_prefix.py``; same attention up to float rounding); None = the device's default
+    (``device.default_shared_prefix_decode``: on the CPU, and not with a compiled decode). Models whose
+    attention it does not reproduce (sliding windows, soft-capping) keep the plain cache.
     """
 
     num_generations: int = 8
@@ -75,6 +79,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     compile_decode: bool | None = None
+    shared_prefix: bool | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None  # for apply_chat_template on chat prompts
 
     def __post_init__(self) -> None:
@@ -146,6 +151,10 @@ class SamplingParams:
         if self.compile_decode is not None and not isinstance(self.compile_decode, bool):
             raise ConfigError(
                 f"compile_decode must be None (device default), True or False, got {self.compile_decode!r}"
+            )
+        if self.shared_prefix is not None and not isinstance(self.shared_prefix, bool):
+            raise ConfigError(
+                f"shared_prefix must be None (device default), True or False, got {self.shared_prefix!r}"
             )
         if self.seed is not None and not is_int(self.seed):
             raise ConfigError(f"seed must be None or an int, got {self.seed!r}")

@@ -108,6 +108,7 @@ def build_engine(policy: nn.Module, tokenizer: Any, args: BaseRLConfig, device: 
         prompt_truncation=args.prompt_truncation,
         length_bucket=bucket,
         compile_decode=args.compile_decode,
+        shared_prefix=args.shared_prefix_decode,
         chat_template_kwargs=args.chat_template_kwargs,
     )
     return RolloutEngine(policy, tokenizer, sampling)

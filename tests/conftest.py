@@ -53,6 +53,25 @@ def tiny_model(tiny_model_dir):
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+@pytest.fixture(scope="module")
+def chaotic(tiny_model_dir):
+    """The tiny model with its weights perturbed (fixed seed) so that greedy outputs vary.
+
+    The plain random-init model has nearly flat logits and greedy-decodes one token forever,
+    which would make parity tests vacuous.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
 #: Files that build the slowest model (``tiny-tool-warm``, minutes) go first: under the two workers of
 #: scripts/test.sh one worker builds it while the other runs the rest, instead of it starting last.
 FIRST_FILES = ("test_tool_demo.py",)

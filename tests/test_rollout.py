@@ -21,24 +21,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def chaotic(tiny_model_dir):
-    """The tiny model with its weights perturbed (fixed seed) so that greedy outputs vary.
-
-    The plain random-init model has nearly flat logits and greedy-decodes one token forever,
-    which would make parity tests vacuous.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 def hf_greedy(model, tokenizer, prompts, max_new, **kwargs):
     enc = tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
     with torch.no_grad():

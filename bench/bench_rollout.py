@@ -19,6 +19,10 @@ Each call's wall time and process CPU time are recorded (other jobs on a shared 
 wall time well above CPU time × threads); the table gives medians and per-repeat ranges, and the
 load average before and after.
 
+``--plain-cache`` adds a third engine, ours with the plain KV cache (``shared_prefix=False``: every
+completion holds and reads its own copy of the prompt), so one run shows what the shared-prefix
+decode attention (``rollout/shared_prefix.py``, the CPU default) gains.
+
 Peak memory: on an accelerator, the allocator's peak minus what was allocated before the call;
 on the CPU, the peak resident set size (VmHWM, reset before each call) minus RSS before the call.
 
@@ -37,6 +41,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -181,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--length-bucket", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    parser.add_argument("--plain-cache", action="store_true",
+                        help="also time our engine with the plain KV cache (shared_prefix=False)")
     args = parser.parse_args(argv)
     if args.model_config not in ("tiny", "small", "qwen2-0.5b") and not args.model_config.startswith("qwen2.5-0.5b-"):
         raise SystemExit(f"unknown --model-config {args.model_config!r}: tiny, small, qwen2-0.5b or qwen2.5-0.5b-<n>l")
@@ -205,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     vocab = model.config.vocab_size
     extra = rng.sample([i for i in range(vocab) if i not in special], max(1, round(args.stop_prob * vocab)))
 
+    engines = ["ours", "ours-plain", "generate"] if args.plain_cache else ["ours", "generate"]
     rows = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode not in ("eos-off", "natural"):
@@ -220,19 +228,22 @@ def main(argv: list[str] | None = None) -> None:
             max_prompt_length=None,
             length_bucket=args.length_bucket,
         )
-        results: dict[str, list[tuple[int, float, int, float]]] = {"ours": [], "generate": []}
+        results: dict[str, list[tuple[int, float, int, float]]] = {name: [] for name in engines}
         for rep in range(args.repeats + 1):
-            ours = run_ours(engine, prompts, params, dev, seed=rep)
-            ref = run_generate(model, tokenizer, prompts, args, stops, dev, seed=rep)
+            timed = {}
+            for name in engines:
+                if name == "generate":
+                    timed[name] = run_generate(model, tokenizer, prompts, args, stops, dev, seed=rep)
+                else:
+                    own = replace(params, shared_prefix=False) if name == "ours-plain" else params
+                    timed[name] = run_ours(engine, prompts, own, dev, seed=rep)
             if rep:  # the first round is a warm-up
-                results["ours"].append(ours)
-                results["generate"].append(ref)
-            print(
-                f"  [{mode} {'warm-up' if rep == 0 else f'run {rep}'}] ours {ours[0] / ours[1]:8.1f} tok/s "
-                f"({ours[1]:.2f} s, CPU {ours[3]:.2f} s)  generate {ref[0] / ref[1]:8.1f} tok/s "
-                f"({ref[1]:.2f} s, CPU {ref[3]:.2f} s)  load {os.getloadavg()[0]:.2f}",
-                flush=True,
-            )
+                for name, run in timed.items():
+                    results[name].append(run)
+            shown = "  ".join(f"{name} {r[0] / r[1]:8.1f} tok/s ({r[1]:.2f} s, CPU {r[3]:.2f} s)"
+                              for name, r in timed.items())
+            print(f"  [{mode} {'warm-up' if rep == 0 else f'run {rep}'}] {shown}  load {os.getloadavg()[0]:.2f}",
+                  flush=True)
         summary = {}
         for name, runs in results.items():
             tps = [r[0] / r[1] for r in runs]
@@ -244,10 +255,16 @@ def main(argv: list[str] | None = None) -> None:
                 statistics.median(r[0] for r in runs),
                 max(r[2] for r in runs),
             )
-        pairs = list(zip(results["ours"], results["generate"]))
-        ratios = [o[0] / o[1] / (g[0] / g[1]) for o, g in pairs]
-        cpu_ratios = [o[0] / o[3] / (g[0] / g[3]) for o, g in pairs]
+        ratios, cpu_ratios = {}, {}
+        for name in engines[:-1]:
+            pairs = list(zip(results[name], results["generate"]))
+            ratios[name] = [o[0] / o[1] / (g[0] / g[1]) for o, g in pairs]
+            cpu_ratios[name] = [o[0] / o[3] / (g[0] / g[3]) for o, g in pairs]
         rows.append((mode, summary, ratios, cpu_ratios))
+        if args.plain_cache:
+            gain = [o[1] / p[1] for o, p in zip(results["ours-plain"], results["ours"])]
+            print(f"  [{mode}] shared-prefix vs plain cache, time per call plain/shared: median "
+                  f"{statistics.median(gain):.2f}x ({min(gain):.2f}-{max(gain):.2f})")
 
     print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     print(
@@ -256,12 +273,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for mode, summary, ratios, cpu_ratios in rows:
-        for name in ("ours", "generate"):
+        for name in engines:
             tps, (lo, hi), sec, cpu, toks, peak = summary[name]
             r = c = ""
-            if name == "ours":
-                r = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
-                c = f"{statistics.median(cpu_ratios):.2f}x"
+            if name in ratios:
+                r = f"{statistics.median(ratios[name]):.2f}x ({min(ratios[name]):.2f}-{max(ratios[name]):.2f})"
+                c = f"{statistics.median(cpu_ratios[name]):.2f}x"
             print(
                 f"| {mode} | {name} | {tps:.1f} ({lo:.1f}-{hi:.1f}) | {sec:.2f} | {cpu:.2f} | {toks:.0f} "
                 f"| {peak / 2**20:.0f} | {r} | {c} |"

@@ -127,3 +127,19 @@ def test_attention_outside_decoding_is_an_error_and_the_implementation_comes_bac
     assert model.config._attn_implementation == "sdpa"
     with pytest.raises(RuntimeError, match="single-token"):
         cache.update(torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 2, 4), 0)
+
+
+def test_a_decoder_that_bypasses_the_shared_attention_is_stopped():
+    """Attention code that reads the cache's keys itself would see only the completions: refused."""
+    prefill = BucketedKVCache(num_layers=2, capacity=3, bucket=1)
+    for layer in range(2):
+        prefill.update(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4), layer)
+    cache = SharedPrefixKVCache(prefill, torch.ones(1, 3, dtype=torch.bool), 2, capacity=4)
+    step = torch.zeros(2, 1, 1, 4)
+    for layer in range(2):  # a step whose layers call attend(): fine
+        keys, values = cache.update(step, step, layer)
+        cache.attend(layer, torch.zeros(2, 2, 1, 4), keys, values, 0.5)
+    for layer in range(2):  # a step whose layers do not
+        cache.update(step, step, layer)
+    with pytest.raises(RuntimeError, match="shared_prefix=False"):
+        cache.update(step, step, 0)

@@ -162,6 +162,19 @@ class SharedPrefixKVCache(Cache):
         self.capacity = capacity
         self._prompt_valid = prompt_mask.to(torch.bool)
         self._set_layout([p for p in range(prompts) for _ in range(repeats)])
+        self._updates = self._attends = 0  # a decoder that bypasses attend() would see only completions
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Store a layer's new keys/values; raises if the previous step's attention did not go through
+        :meth:`attend` (a decoder with its own attention code would attend to the completion part only)."""
+        if layer_idx == 0 and self._attends != self._updates:
+            raise RuntimeError(
+                f"the model's attention layers ran {self._attends} shared-prefix attention calls for "
+                f"{self._updates} cache updates: this decoder computes attention itself, which would miss the "
+                "prompt; decode it with the plain KV cache (SamplingParams(shared_prefix=False), config "
+                "shared_prefix_decode: false)")
+        self._updates += 1
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _set_layout(self, row_prompt: list[int]) -> None:
         self.layout = _RowLayout(row_prompt, self._prompt_valid)
@@ -197,6 +210,7 @@ class SharedPrefixKVCache(Cache):
     def attend(self, layer_idx: int, query: Tensor, keys: Tensor, values: Tensor, scaling: float) -> Tensor:
         """Attention output [B, 1, heads, D] of single-token ``query`` [B, heads, 1, D] over the row's prompt
         (this cache's prompt part) and its completion (``keys``/``values`` [B, kv_heads, Lc, D])."""
+        self._attends += 1
         layer, layout = self.layers[layer_idx], self.layout
         rows, heads, _, dim = query.shape
         kv_heads = keys.shape[1]

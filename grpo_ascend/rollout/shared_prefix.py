@@ -29,15 +29,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
-
-try:
-    from transformers import AttentionInterface
-    from transformers.cache_utils import Cache, CacheLayerMixin
-except ImportError as exc:  # transformers < 5: no per-layer cache API
-    raise ImportError(
-        "grpo_ascend's rollout engine needs transformers >= 5 (the per-layer Cache API); "
-        "upgrade with `pip install -U 'transformers>=5'`"
-    ) from exc
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.kv_cache import BucketedKVCache

@@ -82,7 +82,7 @@ class BaseRLConfig(_Validated):
     shared_prefix_decode: bool | None = _f(
         None, "In the rollout's decode steps a group's completions read their prompt's keys/values once instead "
         "of once each (same attention up to float rounding); null = the device's default (on for the CPU, "
-        "where it is measured to help, off for CUDA/NPU until measured). Models with sliding-window or "
+        "where it is measured to help, off on accelerators until measured there). Models with sliding-window or "
         "soft-capped attention keep the plain cache."
     )
     length_bucket: int | None = _f(

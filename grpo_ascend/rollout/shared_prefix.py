@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from grpo_ascend.errors import ConfigError
@@ -260,7 +260,13 @@ def shared_prefix_attention(
         return cache.attend(module.layer_idx, query, key, value, scale), None
 
 
-AttentionInterface.register(IMPLEMENTATION, shared_prefix_attention)
+@functools.cache
+def _register() -> None:
+    """Make :data:`IMPLEMENTATION` a transformers attention implementation (on first use: importing
+    ``AttentionInterface`` loads ``modeling_utils``, which probes the accelerator libraries)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(IMPLEMENTATION, shared_prefix_attention)
 
 
 def supports_shared_prefix(model: nn.Module) -> bool:
@@ -284,6 +290,7 @@ def supports_shared_prefix(model: nn.Module) -> bool:
 @contextlib.contextmanager
 def shared_prefix_decoding(model: nn.Module, cache: SharedPrefixKVCache) -> Iterator[None]:
     """Inside the block ``model``'s attention layers run :func:`shared_prefix_attention` over ``cache``."""
+    _register()
     config = model.config
     previous = config._attn_implementation
     token = _ACTIVE.set(cache)

@@ -60,15 +60,10 @@ def chaotic(tiny_model_dir):
     The plain random-init model has nearly flat logits and greedy-decodes one token forever,
     which would make parity tests vacuous.
     """
-    import torch
+    from helpers import perturb_weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    model = perturb_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval())
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 

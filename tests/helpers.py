@@ -83,3 +83,16 @@ def one_round_gradients(trainer, exp, **ppo_fixed):
 
     trainer._clip_and_step = capture
     return captured, run_round(trainer, exp, **ppo_fixed)
+
+
+def perturb_weights(model, scale: float = 0.1, seed: int = 0):
+    """Add seeded Gaussian noise (std ``scale``) to every matrix of ``model`` in place, so that a
+    random-init model's nearly flat logits vary and greedy outputs are not one token forever."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return model

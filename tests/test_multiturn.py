@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import perturb_weights
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from grpo_ascend.rollout.engine import RolloutEngine
@@ -59,12 +60,7 @@ class ScriptedQwen2(Qwen2ForCausalLM):
 
 @pytest.fixture(scope="module")
 def scripted(tiny_model_dir):
-    model = ScriptedQwen2.from_pretrained(tiny_model_dir).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    model = perturb_weights(ScriptedQwen2.from_pretrained(tiny_model_dir).eval())
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 

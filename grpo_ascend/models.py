@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from grpo_ascend.adapters import is_peft
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.grouped_attention import grouped_attention
 from grpo_ascend.logprobs import token_logprobs_from_hidden
 
 logger = logging.getLogger(__name__)
@@ -194,13 +195,26 @@ def completion_hidden_states(
         input_ids=prompt_ids[first], attention_mask=prompt_mask[first], position_ids=positions[first, :width],
         use_cache=True, **{cache_kwarg: cache},
     ).last_hidden_state
-    cache.batch_select_indices(row_run)
+    _select_cache_rows(cache, row_run)
     completion = backbone(
         input_ids=completion_ids, attention_mask=mask, position_ids=positions[:, width:],
         use_cache=True, **{cache_kwarg: cache},
     ).last_hidden_state
     # Token t of a completion is predicted from position t-1: the prompt's last for t = 0.
-    return torch.cat([prefill[row_run, -1:], completion[:, :-1]], dim=1)
+    return torch.cat([prefill[:, -1:].index_select(0, row_run), completion[:, :-1]], dim=1)
+
+
+def _select_cache_rows(cache: Any, rows: Tensor) -> None:
+    """Each layer's cached keys/values gathered to ``rows`` (the cache's own ``batch_select_indices``).
+
+    Gathers with ``index_select``: its backward is an ``index_add``, where plain indexing's is an
+    accumulating ``index_put`` that runs about 9x slower on the CPU (1.2 vs 0.13 ms for one
+    prompt's keys to 8 rows) -- 100 ms of a 2.8 s training phase on random-25m at 2 threads.
+    """
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
 
 
 def _fit_width(x: Tensor, width: int) -> Tensor:
@@ -287,9 +301,10 @@ class CompletionLogprobs(nn.Module):
         temperature: float, with_entropy: bool, entropy_grad: bool = True,
     ) -> tuple[Tensor, Tensor | None]:
         backbone, head = backbone_and_head(self.model)
-        hidden = completion_hidden_states(
-            backbone, prompt_ids, prompt_mask, completion_ids, completion_mask, self.share_prompts, self.fixed_calls
-        )
+        with grouped_attention(backbone):
+            hidden = completion_hidden_states(
+                backbone, prompt_ids, prompt_mask, completion_ids, completion_mask, self.share_prompts, self.fixed_calls
+            )
         return token_logprobs_from_hidden(
             hidden, head, completion_ids, temperature=temperature or 1.0,  # greedy (0) reads T=1 log-probs
             chunk_size=self.chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,

@@ -12,10 +12,11 @@ Random weights almost never emit EOS, and the run forces it anyway (``--lengths 
 default: ours samples with ``ignore_eos``, TRL's ``generate`` gets ``min_new_tokens``), so every
 completion has the full 64 tokens on both sides. Defaults: 4 prompts × G=8 (32 completions, 4
 micro-batches of 8) per optimizer step, 64 new tokens, LoRA r=16 all-linear, β=0.04, fp32 on the
-CPU, 1 warm-up + 3 timed steps, 2 runs each, alternating.
+CPU, 1 warm-up + 3 timed steps, 2 runs each, the two trainers taking turns step by step.
 
 The run itself is :mod:`bench_trainer`'s (each trainer in a fresh subprocess; every
-``bench_trainer.py`` option passes through): step time between optimizer-step ends, peak RSS
+``bench_trainer.py`` option passes through, e.g. ``--interleave runs``): the time of each
+optimizer step, peak RSS
 during ``train()``, and the split per phase (ours from metrics.jsonl: time and the peak RSS of
 each phase, ``memory/peak_gb/<phase>``; TRL's time from its profiling blocks).
 

@@ -8,9 +8,10 @@ also has more embedding rows than tokenizer entries), which only shortens the de
 Completions are long (256 new tokens by default, every completion at full length) and
 2 prompts × G=8 = 16 completions make one optimizer step (2 micro-batches of 8).
 
-The run itself is :mod:`bench_trainer`'s: each trainer in a fresh subprocess, alternating, TRL
-from ``--python`` (a separate virtual environment with ``trl==1.16.0``), step time = interval
-between optimizer-step ends after a warm-up step, peak RSS during ``train()``, and the per-phase
+The run itself is :mod:`bench_trainer`'s: each trainer in a fresh subprocess, the two taking turns
+step by step, TRL from ``--python`` (a separate virtual environment with ``trl==1.16.0``; the
+default is this interpreter), the time of each optimizer step after a warm-up step, peak RSS
+during ``train()``, and the per-phase
 split (ours from metrics.jsonl, TRL's from its profiling blocks). The model is built once and
 cached next to the built-in models.
 

@@ -14,10 +14,16 @@ Completion lengths are forced equal by default (``--lengths fixed``): ours sampl
 ``min_new_tokens`` (EOS is suppressed until the limit). Both then train on 32 × 64 completion
 tokens per step. ``--lengths natural`` lets both stop at EOS.
 
-Each trainer runs in a fresh subprocess (``--worker``), alternating ours / TRL's ``--repeats``
-times. A step's time is the wall-clock interval between consecutive optimizer-step ends (ours: the
-per-step metrics hook; TRL: ``on_step_end``), so it covers generation, rewards, reference and
-policy forwards, backward, optimizer and logging; the first (warm-up) step is not counted. Peak
+Each trainer runs in a fresh subprocess (``--worker``), ``--repeats`` times. By default
+(``--interleave steps``) the two workers of a repeat are alive together and take turns step by
+step: the driver hands a baton (one byte over a pipe) to ours, which runs one optimizer step and
+hands it back, then to TRL's, and so on, so a drift of the machine's speed (seconds to minutes
+here) hits both trainers' steps alike; a worker that has made its last step exits before the other
+runs again. ``--interleave runs`` runs one whole worker after the other instead. A step's time is
+the wall-clock interval from the moment its worker holds the baton (or, for ``runs``, from the
+previous optimizer-step end) to its optimizer-step end (ours: the per-step metrics hook; TRL:
+``on_step_end``), so it covers generation, rewards, reference and policy forwards, backward,
+optimizer and logging; the first (warm-up) step is not counted. Peak
 memory is that process's peak RSS during ``train()`` (VmHWM reset just before it) on the CPU, or
 the allocator's peak on an accelerator. On the CPU each runs as a user gets it: ours with the fixed
 glibc mmap threshold grpo_ascend sets (device.py; ``--host-malloc adaptive`` switches it off), TRL
@@ -235,10 +241,56 @@ def _finish_memory(device: Any, before_train_hwm_kib: int, rss_before_kib: int) 
     return out
 
 
-def _intervals(t0: float, ends: list[float], warmup: int) -> tuple[float, list[float]]:
-    stamps = [t0, *ends]
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return sum(gaps[:warmup]), gaps[warmup:]
+BATON_ENV = "GRPO_BENCH_BATON"  # "<read fd>,<write fd>" of a lockstep worker's pipes to the driver
+
+
+class StepClock:
+    """Wall and CPU stamps of each optimizer step's start and end.
+
+    Alone, a step starts where the previous one ended. In lockstep (``BATON_ENV`` set by the
+    driver) the worker reports ``r`` when set up and ``d`` after each step, and each step starts
+    when the driver's byte arrives, so the time another worker holds the machine is not counted.
+    """
+
+    def __init__(self, total_steps: int) -> None:
+        self.total = total_steps
+        self.starts: list[float] = []
+        self.cpu_starts: list[float] = []
+        self.ends: list[float] = []
+        self.cpu_ends: list[float] = []
+        fds = os.environ.get(BATON_ENV)
+        self.baton = tuple(int(fd) for fd in fds.split(",")) if fds else None
+
+    def _hand_over(self, message: bytes, then_wait: bool) -> None:
+        if self.baton is None:
+            return
+        os.write(self.baton[1], message)
+        if then_wait and os.read(self.baton[0], 1) != b"g":
+            raise SystemExit("the benchmark driver went away")
+
+    def _start(self) -> None:
+        self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
+
+    def begin(self) -> None:
+        """Before ``train()``: wait for the first turn."""
+        self._hand_over(b"r", then_wait=True)
+        self._start()
+
+    def step_end(self) -> None:
+        """At an optimizer-step end: stamp it, and in lockstep hand the machine over until the next turn."""
+        self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.process_time())
+        more = len(self.ends) < self.total
+        self._hand_over(b"d", then_wait=more)
+        if more:
+            self._start()
+
+    def steps(self, warmup: int) -> tuple[float, list[float], list[float]]:
+        """(warm-up wall s, timed steps' wall s, timed steps' CPU s)."""
+        wall = [e - b for b, e in zip(self.starts, self.ends)]
+        cpu = [e - b for b, e in zip(self.cpu_starts, self.cpu_ends)]
+        return sum(wall[:warmup]), wall[warmup:], cpu[warmup:]
 
 
 def _span_medians(spans: list[tuple[float, str, float]], ends: list[float], warmup: int) -> dict[str, float]:
@@ -252,16 +304,16 @@ def _span_medians(spans: list[tuple[float, str, float]], ends: list[float], warm
     return {n: statistics.median(d.get(n, 0.0) for d in per_step[warmup:]) for n in names}
 
 
-def _measured_train(trainer: Any, device: Any, s: Settings, profile: str | None, ends: list[float],
-                    cpu_ends: list[float]) -> tuple[dict[str, Any], float, list[float]]:
-    """Run ``trainer.train()`` (under cProfile if asked) measuring peak memory and the step ends
-    that ``ends`` / ``cpu_ends`` collect; returns (memory and CPU-time result, warm-up s, step gaps)."""
+def _measured_train(trainer: Any, device: Any, s: Settings, profile: str | None,
+                    clock: StepClock) -> tuple[dict[str, Any], float, list[float]]:
+    """Run ``trainer.train()`` (under cProfile if asked) measuring peak memory and the steps that
+    ``clock`` stamps; returns (memory and CPU-time result, warm-up s, timed steps' s)."""
     from grpo_ascend import device as dev
 
     rss_before, hwm_before = _status_kib("VmRSS"), _status_kib("VmHWM")
     _reset_peak_rss()
     dev.reset_peak_memory(device)
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    clock.begin()
     if profile:
         import cProfile
 
@@ -269,8 +321,7 @@ def _measured_train(trainer: Any, device: Any, s: Settings, profile: str | None,
     else:
         trainer.train()
     result = _finish_memory(device, hwm_before, rss_before)
-    warmup, gaps = _intervals(t0, ends, s.warmup_steps)
-    result["cpu_step_s"] = _intervals(cpu0, cpu_ends, s.warmup_steps)[1]
+    warmup, gaps, result["cpu_step_s"] = clock.steps(s.warmup_steps)
     return result, warmup, gaps
 
 
@@ -295,18 +346,16 @@ def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
                           processing_class=tokenizer, peft_config=lora_config(s))
     if s.lengths == "fixed":
         trainer.engine.params.ignore_eos = True
-    ends: list[float] = []
-    cpu_ends: list[float] = []
+    clock = StepClock(s.warmup_steps + s.steps)
     log_step = trainer._log_step
 
     def timed_log_step(*args: Any, **kwargs: Any) -> dict[str, float]:
         record = log_step(*args, **kwargs)
-        ends.append(time.perf_counter())
-        cpu_ends.append(time.process_time())
+        clock.step_end()
         return record
 
     trainer._log_step = timed_log_step  # type: ignore[method-assign]
-    result, warmup, gaps = _measured_train(trainer, device, s, profile, ends, cpu_ends)
+    result, warmup, gaps = _measured_train(trainer, device, s, profile, clock)
     records = read_jsonl(out_dir / "metrics.jsonl")[s.warmup_steps:]
     phases = {}
     phase_keys = [k for k in records[0] if k == "time/step" or k.startswith(("time/", "memory/peak_gb/"))]
@@ -334,17 +383,14 @@ def run_trl(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
 
     from grpo_ascend import device as dev
 
-    class StepEnds(TrainerCallback):
-        """Timestamps of optimizer-step ends."""
+    clock = StepClock(s.warmup_steps + s.steps)
 
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-            self.cpu_ends: list[float] = []
+    class StepEnds(TrainerCallback):
+        """Optimizer-step ends, to the step clock."""
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             dev.synchronize(device)
-            self.ends.append(time.perf_counter())
-            self.cpu_ends.append(time.process_time())
+            clock.step_end()
 
     import trl.extras.profiling as trl_profiling
 
@@ -368,13 +414,12 @@ def run_trl(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
         disable_tqdm=True, dataloader_num_workers=0, dataloader_pin_memory=False, lr_scheduler_type="linear",
         max_grad_norm=1.0, optim="adamw_torch",
     )
-    timer = StepEnds()
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[rule_reward], args=cfg, train_dataset=ds,
-                          processing_class=tokenizer, peft_config=lora_config(s), callbacks=[timer])
-    result, warmup, gaps = _measured_train(trainer, device, s, profile, timer.ends, timer.cpu_ends)
+                          processing_class=tokenizer, peft_config=lora_config(s), callbacks=[StepEnds()])
+    result, warmup, gaps = _measured_train(trainer, device, s, profile, clock)
     logs = [r for r in trainer.state.log_history if "completions/mean_length" in r][s.warmup_steps:]
     result.update(
-        warmup_s=warmup, step_s=gaps, phases=_span_medians(spans, timer.ends, s.warmup_steps),
+        warmup_s=warmup, step_s=gaps, phases=_span_medians(spans, clock.ends, s.warmup_steps),
         threads=torch.get_num_threads(), trl_version=trl.__version__,
         completion_len=statistics.fmean(r["completions/mean_length"] for r in logs) if logs else float("nan"),
     )
@@ -382,21 +427,86 @@ def run_trl(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ driver
-def spawn(impl: str, s: Settings, python: str, log_dir: Path, index: int, mmap_threshold: int = 0) -> dict[str, Any]:
-    """Run one worker in a fresh process with the thread count (and malloc setting) fixed in its environment."""
+@dataclass
+class _Worker:
+    """One worker's command line, environment and files."""
+
+    impl: str
+    cmd: list[str]
+    env: dict[str, str]
+    out: Path
+    log: Path
+
+    def failed(self, code: int | None) -> SystemExit:
+        tail = "".join(self.log.read_text().splitlines(keepends=True)[-30:])
+        return SystemExit(f"{self.impl} worker failed (exit {code}); log {self.log}:\n{tail}")
+
+
+def _worker(impl: str, s: Settings, python: str, log_dir: Path, index: int, mmap_threshold: int) -> _Worker:
+    """A worker in a fresh process with the thread count (and malloc setting) fixed in its environment."""
     out = log_dir / f"{impl}-{index}.json"
     env = dict(os.environ, OMP_NUM_THREADS=str(s.threads), MKL_NUM_THREADS=str(s.threads))
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     cmd = [python, str(Path(__file__).resolve()), "--worker", impl, "--settings", json.dumps(asdict(s)),
            "--result", str(out)]
-    log = log_dir / f"{impl}-{index}.log"
-    with open(log, "w") as handle:
-        proc = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, check=False)
+    return _Worker(impl, cmd, env, out, log_dir / f"{impl}-{index}.log")
+
+
+def spawn(impl: str, s: Settings, python: str, log_dir: Path, index: int, mmap_threshold: int = 0) -> dict[str, Any]:
+    """Run one worker to its end, alone."""
+    w = _worker(impl, s, python, log_dir, index, mmap_threshold)
+    with open(w.log, "w") as handle:
+        proc = subprocess.run(w.cmd, env=w.env, stdout=handle, stderr=subprocess.STDOUT, check=False)
     if proc.returncode != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
-        raise SystemExit(f"{impl} worker failed (exit {proc.returncode}); log {log}:\n{tail}")
-    return json.loads(out.read_text())
+        raise w.failed(proc.returncode)
+    return json.loads(w.out.read_text())
+
+
+def spawn_lockstep(s: Settings, python: str, log_dir: Path, index: int,
+                   mmap_threshold: int = 0) -> dict[str, dict[str, Any]]:
+    """Run ours and TRL's workers together, one optimizer step at a time in turn (see StepClock)."""
+    workers = [_worker(impl, s, python, log_dir, index, mmap_threshold) for impl in IMPLS]
+    procs, pipes, handles = {}, {}, []
+    try:
+        for w in workers:
+            to_worker, from_driver = os.pipe()
+            to_driver, from_worker = os.pipe()
+            env = dict(w.env, **{BATON_ENV: f"{to_worker},{from_worker}"})
+            handle = open(w.log, "w")
+            handles.append(handle)
+            procs[w.impl] = subprocess.Popen(w.cmd, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                             pass_fds=(to_worker, from_worker))
+            os.close(to_worker)
+            os.close(from_worker)
+            pipes[w.impl] = (from_driver, to_driver)  # the driver writes the first, reads the second
+
+        def expect(w: _Worker, message: bytes) -> None:
+            if os.read(pipes[w.impl][1], 1) != message:
+                raise w.failed(procs[w.impl].wait())
+
+        for w in workers:
+            expect(w, b"r")
+        left = {w.impl: s.warmup_steps + s.steps for w in workers}
+        while any(left.values()):
+            for w in workers:
+                if not left[w.impl]:
+                    continue
+                os.write(pipes[w.impl][0], b"g")
+                expect(w, b"d")
+                left[w.impl] -= 1
+                if not left[w.impl] and procs[w.impl].wait() != 0:  # its wind-down overlaps no step
+                    raise w.failed(procs[w.impl].returncode)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for fd in (fd for pair in pipes.values() for fd in pair):
+            os.close(fd)
+        for handle in handles:
+            handle.close()
+    return {w.impl: json.loads(w.out.read_text()) for w in workers}
 
 
 def worker_main(impl: str, settings: str, result: str, profile: str | None) -> None:
@@ -478,7 +588,7 @@ def report(s: Settings, runs: dict[str, list[dict[str, Any]]], loads: list[tuple
           f"P_lora={ours[0]['p_lora'] / 1e6:.2f}M, Lp={ours[0]['prompt_len']:.1f}, "
           f"Lc={lens['ours']:.1f}); measured {s.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s "
           f"at {ours[0]['threads']} thread(s); MFU = FLOPs / (headline s/step × peak)")
-    print("load average (1, 5, 15 min) before each run: " + "; ".join(f"{a:.2f} {b:.2f} {c:.2f}" for a, b, c in loads))
+    print("load average (1, 5, 15 min) before each run (each repeat when interleaved by step): " + "; ".join(f"{a:.2f} {b:.2f} {c:.2f}" for a, b, c in loads))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -489,7 +599,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads for both trainers")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per run, after the warm-up")
     parser.add_argument("--warmup-steps", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=2, help="runs per trainer, alternating ours / TRL's")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per trainer")
+    parser.add_argument("--interleave", default="steps", choices=["steps", "runs"],
+                        help="steps: each repeat's two workers take turns one optimizer step at a time (default); "
+                        "runs: one whole run after the other")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--loss-type", default="dapo", choices=["dapo", "grpo", "bnpo", "dr_grpo"])
     parser.add_argument("--lengths", default="fixed", choices=["fixed", "natural"],
@@ -539,7 +652,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{s.prompts_per_step} prompts × G={s.num_generations} = {s.micro_batch * s.grad_accum} completions per "
           f"optimizer step ({s.grad_accum} micro-batches of {s.micro_batch}), {s.new_tokens} new tokens "
           f"({s.lengths} lengths), beta={s.beta}, loss_type={s.loss_type}, LoRA r={s.lora_r} all-linear; "
-          f"{s.warmup_steps} warm-up + {s.steps} timed steps per run, {args.repeats} run(s) each, alternating; "
+          f"{s.warmup_steps} warm-up + {s.steps} timed steps per run, {args.repeats} run(s) each, interleaved by "
+          f"{args.interleave[:-1]}; "
           f"our length_bucket {s.length_bucket or 'config default'}; malloc mmap threshold "
           f"{args.malloc_mmap_threshold or 'not exported'}, host malloc {s.host_malloc}", flush=True)
     log_dir = Path(args.keep_logs) if args.keep_logs else Path(tempfile.mkdtemp(prefix="bench-trainer-"))
@@ -547,9 +661,16 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict[str, Any]]] = {impl: [] for impl in IMPLS}
     loads: list[tuple[float, float, float]] = []
     for rep in range(args.repeats):
-        for impl in IMPLS:
+        if args.interleave == "steps":
             loads.append(os.getloadavg())
-            r = spawn(impl, s, args.python, log_dir, rep, args.malloc_mmap_threshold)
+            results = spawn_lockstep(s, args.python, log_dir, rep, args.malloc_mmap_threshold)
+        else:
+            results = {}
+            for impl in IMPLS:
+                loads.append(os.getloadavg())
+                results[impl] = spawn(impl, s, args.python, log_dir, rep, args.malloc_mmap_threshold)
+        for impl in IMPLS:
+            r = results[impl]
             runs[impl].append(r)
             print(f"  [{impl} run {rep + 1}] warm-up {r['warmup_s']:.2f} s, steps "
                   f"{', '.join(f'{t:.2f}' for t in r['step_s'])} s wall, "

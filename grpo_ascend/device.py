@@ -392,8 +392,8 @@ def grouped_attention_max_bytes(device: torch.device | str) -> int:
     """Largest per-layer score block (bytes of ``[rows, heads, queries, keys]`` probabilities) that the
     log-prob forwards compute as two batched matmuls (grpo_ascend/grouped_attention.py) instead of SDPA.
 
-    CPU: 8 MiB -- SDPA's flash kernel runs a GRPO micro-batch's short masked blocks at about a third
-    of the batched matmuls' rate, but keeps no probabilities for backward, so long sequences stay on
+    CPU: 8 MiB -- SDPA's flash kernel runs a GRPO micro-batch's short masked blocks at about half
+    the batched matmuls' rate, but keeps no probabilities for backward, so long sequences stay on
     it (bench/ab_training_attention.py). CUDA and NPU: 0 (their fused SDPA kernels are the fast path).
     """
     return 8 << 20 if device_type(device) == "cpu" else 0

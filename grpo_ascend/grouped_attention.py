@@ -6,8 +6,9 @@ which runs such short masked blocks slowly, and transformers first copies every 
 its query heads (``repeat_kv``). :func:`grouped_attention_forward` instead stacks the ``g`` query
 heads of each key/value head as extra query rows, so one batched matmul per (row, kv head) reads the
 keys once; the mask enters as an additive bias, the softmax runs in float32, and a second batched
-matmul reads the values. It is exact softmax attention, equal to SDPA up to float rounding: on
-random-25m's completion block forward + backward take 4.8 instead of 9.1 ms at 2 threads
+matmul reads the values. It is exact softmax attention, equal to SDPA up to float rounding. For
+random-25m's completion block alone, forward + backward take 4.8 instead of 9.1 ms at 2 threads;
+a whole training micro-batch 0.88x the time at 2 threads and the same at 1
 (bench/ab_training_attention.py).
 
 The price is memory: autograd keeps the probabilities ``[rows, heads, queries, keys]`` of every

@@ -28,22 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def load_model(name: str):
-    """The random-weight model ``name`` (bench_random_model's or bench_real_shape's), float32."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    if name.startswith("qwen2.5-0.5b-"):
-        from bench_real_shape import build_real_shape_model
-
-        path = build_real_shape_model(name)
-    else:
-        from bench_random_model import build_random_model
-
-        path = build_random_model(name)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="random-25m")
@@ -56,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     import torch
+    from bench_rollout import load_model
     from peft import LoraConfig, get_peft_model
 
     from grpo_ascend import device as dev
@@ -64,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     dev.resolve_device("cpu")  # the trainer's host-allocator setting
-    model = get_peft_model(load_model(args.model), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    model, _ = load_model(args.model, torch.float32, torch.device("cpu"))
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     model.train()
     lora_kernel.install(model)
     vocab = model.config.vocab_size

@@ -62,14 +62,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_model(name: str, dtype: torch.dtype, dev: torch.device):
-    """The offline model (tiny/small), a random-init Qwen2-0.5B-shaped model, or bench_real_shape's
-    ``qwen2.5-0.5b-<n>l`` (Qwen2.5-0.5B's shapes with n layers), with the tiny tokenizer."""
+    """The offline model (tiny/small), a random-init Qwen2-0.5B-shaped model, bench_real_shape's
+    ``qwen2.5-0.5b-<n>l`` (Qwen2.5-0.5B's shapes with n layers) or bench_random_model's
+    ``random-25m``, with the tiny tokenizer."""
+    from bench_random_model import RANDOM_MODELS
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    if name.startswith("qwen2.5-0.5b-"):
+    if name.startswith("qwen2.5-0.5b-") or name in RANDOM_MODELS:
+        from bench_random_model import build_random_model
         from bench_real_shape import build_real_shape_model
 
-        path = build_real_shape_model(name)
+        path = build_real_shape_model(name) if name.startswith("qwen2.5-0.5b-") else build_random_model(name)
         model = AutoModelForCausalLM.from_pretrained(path).to(device=dev, dtype=dtype).eval()
         return model, AutoTokenizer.from_pretrained(path)
     tok_dir = build_tiny_model("small" if name == "qwen2-0.5b" else name)

@@ -44,13 +44,7 @@ ATTENTION_PREFIX = "aten::_scaled_dot_product"
 
 
 def load(name: str):
-    """The bench_rollout models, or a real-shape ``qwen2.5-0.5b-<n>l`` model from bench_real_shape."""
-    if name.startswith("qwen2.5-0.5b-"):
-        from bench_real_shape import build_real_shape_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        path = build_real_shape_model(name)
-        return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    """Any of bench_rollout's models, fp32 on the CPU."""
     return load_model(name, torch.float32, torch.device("cpu"))
 
 

@@ -23,11 +23,12 @@ backward's recomputation would run the other implementation.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+
+from grpo_ascend.attention_switch import attention_implementation, register
 
 IMPLEMENTATION = "grpo_ascend_grouped_sdpa"
 #: Keyword arguments that only transformers' SDPA function implements.
@@ -89,15 +90,9 @@ def _attend(query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None, scal
     return out.view(rows, heads, queries, dim).transpose(1, 2).contiguous()
 
 
-@functools.cache
 def _register() -> None:
-    """Make :data:`IMPLEMENTATION` a transformers attention implementation with SDPA's masks (on first
-    use: importing ``AttentionInterface`` loads ``modeling_utils``, which probes accelerator libraries)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    AttentionInterface.register(IMPLEMENTATION, grouped_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    """Make :data:`IMPLEMENTATION` a transformers attention implementation with SDPA's masks."""
+    register(IMPLEMENTATION, grouped_attention_forward, masks_like="sdpa")
 
 
 @contextlib.contextmanager
@@ -115,8 +110,5 @@ def grouped_attention(model: nn.Module) -> Iterator[bool]:
         yield False
         return
     _register()
-    config._attn_implementation = IMPLEMENTATION
-    try:
+    with attention_implementation(config, IMPLEMENTATION):
         yield True
-    finally:
-        config._attn_implementation = "sdpa"

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from grpo_ascend.attention_switch import attention_implementation, register
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.kv_cache import BucketedKVCache
 
@@ -260,13 +260,9 @@ def shared_prefix_attention(
         return cache.attend(module.layer_idx, query, key, value, scale), None
 
 
-@functools.cache
 def _register() -> None:
-    """Make :data:`IMPLEMENTATION` a transformers attention implementation (on first use: importing
-    ``AttentionInterface`` loads ``modeling_utils``, which probes the accelerator libraries)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(IMPLEMENTATION, shared_prefix_attention)
+    """Make :data:`IMPLEMENTATION` a transformers attention implementation (it needs no masks)."""
+    register(IMPLEMENTATION, shared_prefix_attention)
 
 
 def supports_shared_prefix(model: nn.Module) -> bool:
@@ -291,13 +287,10 @@ def supports_shared_prefix(model: nn.Module) -> bool:
 def shared_prefix_decoding(model: nn.Module, cache: SharedPrefixKVCache) -> Iterator[None]:
     """Inside the block ``model``'s attention layers run :func:`shared_prefix_attention` over ``cache``."""
     _register()
-    config = model.config
-    previous = config._attn_implementation
     token = _ACTIVE.set(cache)
-    config._attn_implementation = IMPLEMENTATION
     try:
-        yield
+        with attention_implementation(model.config, IMPLEMENTATION):
+            yield
     finally:
-        config._attn_implementation = previous
         _ACTIVE.reset(token)
 

@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.tools.sandbox_cgroup import CallGroup, create_call_group
+from grpo_ascend.tools.sandbox_sweep import WORLD_WRITABLE_PLACES, sweep_uid_files
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +49,9 @@ _LAUNCHER = str(Path(__file__).with_name("_sandbox_launcher.py"))
 #: Sandbox uids used when running as root: a block per trainer process, a slot per concurrent call.
 _UID_BASE = 2_000_000
 _UID_SLOTS = 64
-#: Seconds past the timeout after which the trainer kills the supervisor's group itself.
-_BACKSTOP_S = 1.0
+#: Seconds past the timeout after which the trainer kills the supervisor's group itself (the
+#: clean-up after it fits in the rest of the second the call may outlive its timeout by).
+_BACKSTOP_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class SandboxLimits:
     memory_bytes: int = 1 << 30
     file_size_bytes: int = 16 << 20
     max_processes: int = 32
+    #: Size of the call's private tmpfs behind /tmp, /var/tmp, /dev/shm and its working folder.
+    scratch_bytes: int = 64 << 20
     max_output_bytes: int = 8192
     output_kill_bytes: int = 1 << 20
     network: bool = False
@@ -74,6 +79,7 @@ class SandboxLimits:
             "memory_bytes",
             "file_size_bytes",
             "max_processes",
+            "scratch_bytes",
             "max_output_bytes",
             "output_kill_bytes",
         ):
@@ -223,7 +229,7 @@ def _probe(interpreter: str, uid: int) -> bool:
             f.write("print('ok')")
         os.chown(workdir, uid, uid)
         os.chown(script, uid, uid)
-        result = _supervise(script, workdir, uid, SandboxLimits(timeout=20), None, interpreter)
+        result = _supervise(workdir, uid, SandboxLimits(timeout=20), None, interpreter, None, 1)
         return result.ok and result.stdout.strip() == "ok"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -240,36 +246,109 @@ def run_python(code: str, limits: SandboxLimits | None = None, stdin: str | None
         uid = None
         interpreter = limits.interpreter or sys.executable
     workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
+    # The supervisor counts as one process of the group.
+    group, no_group = create_call_group(limits.memory_bytes, limits.max_processes + 1)
+    processes = _processes_without_cgroup(limits)
+    result = None
     try:
-        script = os.path.join(workdir, "main.py")
-        with open(script, "w", encoding="utf-8") as f:
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
         if uid is not None:
             os.chown(workdir, uid, uid)
-            os.chown(script, uid, uid)
-        result = _supervise(script, workdir, uid, limits, stdin, interpreter)
-        if as_root and uid is None:
-            result.isolation["uid"] = "not dropped: no interpreter executable by an unprivileged uid"
-        return result
+            os.chown(os.path.join(workdir, "main.py"), uid, uid)
+        result = _supervise(workdir, uid, limits, stdin, interpreter, group, processes)
     finally:
+        isolation = result.isolation if result is not None else {}
+        joined = isolation.pop("cgroup_joined", False)
+        if group is not None:
+            group.kill()
+            if joined:
+                isolation.update(_memory_report(group, limits))
+            group.remove()
+        if not joined:
+            why = no_group or isolation.pop("cgroup_error", "the supervisor did not start")
+            isolation.update(_fallback_memory_report(limits, processes, why))
         shutil.rmtree(workdir, ignore_errors=True)
         if uid is not None:
+            swept = sweep_uid_files(uid)
+            isolation["swept"] = swept
+            if isolation.get("scratch") == "shared":
+                isolation["scratch"] = "sweep"
+                isolation["scratch_note"] += (
+                    f"; files of uid {uid} in {', '.join(WORLD_WRITABLE_PLACES)} removed after the call"
+                )
+        elif as_root:
+            isolation["uid"] = "not dropped: no interpreter executable by an unprivileged uid"
+        if uid is not None:
             _SLOTS.release(uid)
+    return result
+
+
+def _processes_without_cgroup(limits: SandboxLimits) -> int:
+    """``max_processes``, lowered so that as many processes of ``memory_bytes`` each fit in the
+    memory the machine has available: the per-process limits' only bound on the call's total."""
+    available = _available_memory()
+    if available is None:
+        return limits.max_processes
+    return max(1, min(limits.max_processes, available // limits.memory_bytes))
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _memory_report(group: CallGroup, limits: SandboxLimits) -> dict[str, Any]:
+    return {
+        "memory": group.mechanism,
+        "memory_note": (
+            f"{limits.memory_bytes} bytes and {limits.max_processes} processes for the whole call "
+            f"({group.mechanism} group), {limits.memory_bytes} bytes of address space per process"
+        ),
+        "max_processes": limits.max_processes,
+        "memory_peak_bytes": group.peak_bytes(),
+        "oom_kills": group.oom_kills(),
+    }
+
+
+def _fallback_memory_report(limits: SandboxLimits, processes: int, why: str) -> dict[str, Any]:
+    lowered = f", lowered from {limits.max_processes} to fit the available memory" if processes < limits.max_processes else ""
+    return {
+        "memory": "rlimit",
+        "memory_note": (
+            f"{limits.memory_bytes} bytes of address space per process and at most {processes} processes"
+            f"{lowered}; no cgroup for the call ({why})"
+        ),
+        "max_processes": processes,
+    }
 
 
 def _supervise(
-    script: str, workdir: str, uid: int | None, limits: SandboxLimits, stdin: str | None, interpreter: str
+    workdir: str,
+    uid: int | None,
+    limits: SandboxLimits,
+    stdin: str | None,
+    interpreter: str,
+    group: CallGroup | None,
+    processes_without_cgroup: int,
 ) -> SandboxResult:
     status_r, status_w = os.pipe()
     config = {
         "python": interpreter,
-        "script": script,
+        "workdir": workdir,
         "env": _clean_env(workdir),
         "uid": uid,
         "gid": uid,
         "network": limits.network,
         "status_fd": status_w,
         "timeout": limits.timeout,
+        "scratch_bytes": limits.scratch_bytes,
+        "cgroup_procs": group.procs_files if group is not None else [],
+        "max_processes_without_cgroup": processes_without_cgroup,
         "limits": {
             "cpu_seconds": limits.cpu_seconds,
             "memory_bytes": limits.memory_bytes,
@@ -376,7 +455,7 @@ def _supervise(
     return SandboxResult(
         status=status,
         stdout=kept["stdout"].decode(errors="replace"),
-        stderr=_clean_traceback(kept["stderr"].decode(errors="replace"), workdir),
+        stderr=_clean_traceback(kept["stderr"].decode(errors="replace"), isolation.get("workdir", workdir)),
         exit_code=exit_code,
         signal=sig,
         duration=duration,

@@ -44,9 +44,12 @@ def _unshare(flags):
     return None
 
 
+def _encode(text):
+    return text.encode() if text is not None else None
+
+
 def _mount(source, target, fstype, flags, data):
-    encode = (lambda s: s.encode() if s is not None else None)  # noqa: E731
-    if _libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)) != 0:
+    if _libc.mount(_encode(source), _encode(target), _encode(fstype), flags, _encode(data)) != 0:
         raise OSError(ctypes.get_errno(), f"mount {target}: {_errno_text()}")
 
 
@@ -58,7 +61,11 @@ def _enter_user_namespace():
     if error is not None:
         return error
     try:
-        for path, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        for path, text in (
+            ("setgroups", "deny"),
+            ("uid_map", f"{uid} {uid} 1"),
+            ("gid_map", f"{gid} {gid} 1"),
+        ):
             with open(f"/proc/self/{path}", "w") as f:
                 f.write(text)
     except OSError as exc:
@@ -128,6 +135,7 @@ def _isolate(config, report):
     try:
         workdir = _private_scratch(config, uid)
         report["scratch"] = "tmpfs"
+        report["mount_namespace"] = os.stat("/proc/self/ns/mnt").st_ino  # the call's alone
         report["scratch_note"] = f"private tmpfs of {config['scratch_bytes']} bytes ({prefix}mount namespace)"
     except OSError as exc:
         report["scratch"], report["scratch_note"] = "shared", f"{prefix}{exc.strerror or exc}"

@@ -189,10 +189,36 @@ def _terminate(proc: subprocess.Popen) -> None:
         pass
 
 
-def _sweep_uid(uid: int) -> None:
-    """Kill every process of ``uid`` (used when the supervisor could not do it itself)."""
-    code = f"import os,signal\nos.setgid({uid})\nos.setuid({uid})\ntry: os.kill(-1, signal.SIGKILL)\nexcept OSError: pass"
-    subprocess.run([sys.executable, "-I", "-S", "-c", code], timeout=10, check=False, env={})
+def _kill_leftovers(uid: int | None, mount_namespace: int | None, grace: float = 0.3) -> None:
+    """Kill every process of the sandbox ``uid`` (as root) or in the call's own ``mount_namespace``,
+    for when the supervisor could not do it (it was killed or stopped by the program)."""
+    if uid is None and mount_namespace is None:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        found = False
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if uid is not None:
+                    match = os.stat(f"/proc/{entry}").st_uid == uid
+                else:
+                    match = os.stat(f"/proc/{entry}/ns/mnt").st_ino == mount_namespace
+                if match and not _is_zombie(entry):
+                    os.kill(int(entry), signal.SIGKILL)
+                    found = True
+            except OSError:
+                pass
+        if not found:
+            return
+        time.sleep(0.005)
+
+
+def _is_zombie(pid: str) -> bool:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"Z"
 
 
 _USABLE: dict[str, bool] = {}
@@ -316,7 +342,11 @@ def _memory_report(group: CallGroup, limits: SandboxLimits) -> dict[str, Any]:
 
 
 def _fallback_memory_report(limits: SandboxLimits, processes: int, why: str) -> dict[str, Any]:
-    lowered = f", lowered from {limits.max_processes} to fit the available memory" if processes < limits.max_processes else ""
+    lowered = (
+        f", lowered from {limits.max_processes} to fit the available memory"
+        if processes < limits.max_processes
+        else ""
+    )
     return {
         "memory": "rlimit",
         "memory_note": (
@@ -424,6 +454,8 @@ def _supervise(
     finally:
         selector.close()
         _kill_group(proc.pid)
+        if group is not None:
+            group.kill()  # the fastest way to end everything the call started
         proc.wait()
         for stream in (proc.stdout, proc.stderr):
             stream.close()
@@ -437,8 +469,8 @@ def _supervise(
     finished = next((r for r in reports if {"exit_code", "signal", "stopped"} & set(r)), None)
     if finished is None and child is not None:
         _kill_group(child)  # the supervisor died before killing the program's group
-    if uid is not None and finished is None:
-        _sweep_uid(uid)  # the supervisor died before it could kill the uid's leftovers
+    if finished is None:  # the supervisor died or hung before it could kill the program's leftovers
+        _kill_leftovers(uid, isolation.get("mount_namespace"))
     exit_code = finished.get("exit_code") if finished else None
     sig = finished.get("signal") if finished else None
     if stopped is None and finished is not None and "stopped" in finished:

@@ -62,18 +62,24 @@ def _needs_cgroup(result) -> None:
         )
 
 
-def _alive(pids: list[int]) -> list[int]:
-    """The pids that still run (zombies of a container init that does not reap count as gone)."""
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z":
-            alive.append(pid)
-    return alive
+def _alive(pids: list[int], wait: float = 1.0) -> list[int]:
+    """The pids still running after up to ``wait`` seconds (a killed process on a busy machine may
+    take a moment to be scheduled and exit; zombies of a container init that does not reap count
+    as gone)."""
+    deadline = time.monotonic() + wait
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z":
+                alive.append(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.02)
 
 
 def _oom_score_adj() -> int:

@@ -131,6 +131,7 @@ def _isolate(config, report):
     if not as_root:
         error = _enter_user_namespace()
         prefix = f"user namespace failed: {error}; " if error is not None else "user + "
+        report["user_namespace"] = error is None
     workdir = config["workdir"]
     try:
         workdir = _private_scratch(config, uid)
@@ -283,6 +284,9 @@ def main():
     uid = config["uid"]
     config["existing_processes"] = 0 if uid is not None else _count_user_processes(os.getuid())
     workdir = _isolate(config, report)
+    if report.get("user_namespace"):
+        # RLIMIT_NPROC counts per user namespace: here only the call's own processes.
+        config["existing_processes"] = 0
     if uid is not None:
         os.setgroups([])
         os.setgid(config["gid"])

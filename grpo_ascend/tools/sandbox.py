@@ -1,24 +1,30 @@
 """Sandboxed Python execution: the built-in ``python`` tool and a runner for code-task rewards.
 
-Each call runs ``python -I main.py`` in a fresh temporary folder (removed afterwards) under a
-supervisor process in its own session (``_sandbox_launcher.py``), with a clean environment and:
+Each call runs ``python -I main.py`` under a supervisor process in its own session
+(``_sandbox_launcher.py``), with a clean environment and:
 
-- a wall-clock timeout that kills the whole process group (and, as root, every process of the
-  call's sandbox uid, so children that left the group die too);
+- a wall-clock timeout; the call returns within a second of it whatever the program spawned, and
+  every process it started is killed (its group, every descendant, the call's cgroup, the sandbox
+  uid's processes as root, the call's mount namespace otherwise);
 - ``resource`` limits on CPU seconds, address space, file size and number of processes;
+- a cgroup per call where the trainer may make one (:mod:`.sandbox_cgroup`): ``memory_bytes`` and
+  ``max_processes`` then cap the call as a whole; otherwise ``max_processes`` is lowered so that
+  ``max_processes x memory_bytes`` fits in the memory available;
+- ``oom_score_adj`` 1000, so the OOM killer takes sandboxed code before the trainer;
+- a private tmpfs of ``scratch_bytes`` behind /tmp, /var/tmp, /dev/shm and the working folder, in a
+  mount namespace (as root, or through a user namespace), gone with the call; where that fails and
+  the trainer is root, every file of the call's uid in world-writable places is removed afterwards
+  (:mod:`.sandbox_sweep`);
 - stdout/stderr kept up to ``max_output_bytes`` each; a program printing more than
   ``output_kill_bytes`` in total is stopped;
-- no network when the kernel lets us create a network namespace (``unshare(CLONE_NEWNET)``: as
-  root with CAP_SYS_ADMIN, or unprivileged through a user namespace); ``SandboxResult.isolation``
-  says whether that happened;
+- no network where the kernel allows a network namespace;
 - as root, a dedicated unprivileged uid per concurrent call (``RLIMIT_NPROC`` is only enforced
   for non-root users, and per user), so the code cannot signal the trainer or write its files.
 
-What is NOT isolated on Linux without extra privileges (no mount namespace, seccomp or cgroups):
-the code can read every world-readable file (as root's sandbox uid: only world-readable ones; as
-an ordinary user: everything that user can read) and, when the trainer is not root, it runs as the
-trainer's user and could signal the trainer's processes by pid. Use a container or VM for
-untrusted code beyond model-written snippets.
+``SandboxResult.isolation`` says which of these held. What is NOT isolated (no seccomp, no PID
+namespace): the code can read every world-readable file outside the scratch places, and when the
+trainer is not root it runs as the trainer's user and could signal the trainer's processes by pid.
+Use a container or VM for untrusted code beyond model-written snippets.
 """
 
 from __future__ import annotations
@@ -60,8 +66,11 @@ class SandboxLimits:
 
     timeout: float = 10.0
     cpu_seconds: int = 10
+    #: Address space per process and, where a cgroup for the call holds, the resident memory of the
+    #: whole call (all its processes and its scratch tmpfs).
     memory_bytes: int = 1 << 30
     file_size_bytes: int = 16 << 20
+    #: Processes of the call (its supervisor included).
     max_processes: int = 32
     #: Size of the call's private tmpfs behind /tmp, /var/tmp, /dev/shm and its working folder.
     scratch_bytes: int = 64 << 20
@@ -239,11 +248,17 @@ def _interpreter(configured: str | None, uid: int | None) -> str | None:
                 _USABLE[path] = os.path.exists(path) and _probe(path, uid)
                 if not _USABLE[path]:
                     logger.warning(
-                        "sandbox: %s cannot be run by an unprivileged uid; trying the next interpreter", path
+                        "sandbox: %s cannot be run by an unprivileged uid (a virtualenv under /root?); "
+                        "trying the next interpreter, without this one's packages",
+                        path,
                     )
             if _USABLE[path]:
                 return path
-    logger.warning("sandbox: no interpreter runs under an unprivileged uid; sandboxed code keeps root's uid")
+    logger.warning(
+        "sandbox: no interpreter runs under an unprivileged uid; sandboxed code keeps root's uid. Give the "
+        "sandbox one outside /root, e.g. SandboxLimits(interpreter='/opt/sandbox-venv/bin/python') "
+        "(docs/tools.md, 'An interpreter for the sandbox')"
+    )
     return None
 
 
@@ -272,8 +287,7 @@ def run_python(code: str, limits: SandboxLimits | None = None, stdin: str | None
         uid = None
         interpreter = limits.interpreter or sys.executable
     workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
-    # The supervisor counts as one process of the group.
-    group, no_group = create_call_group(limits.memory_bytes, limits.max_processes + 1)
+    group, no_group = create_call_group(limits.memory_bytes, limits.max_processes)
     processes = _processes_without_cgroup(limits)
     result = None
     try:

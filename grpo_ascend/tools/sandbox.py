@@ -133,6 +133,11 @@ class SandboxResult:
             ),
             "supervisor_killed": "Error: the program killed its supervising process and was stopped.",
         }[self.status]
+        if self.status == "killed" and self.signal == signal.SIGKILL and self.isolation.get("oom_kills"):
+            note = (
+                f"Error: the program ran out of memory ({self.limits.memory_bytes} bytes for the whole run) "
+                "and was killed."
+            )
         if self.truncated and self.status != "output_limit":
             note = f"{note} (output truncated to {self.limits.max_output_bytes} bytes per stream)".strip()
         if not out.strip() and not note:

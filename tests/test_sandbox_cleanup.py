@@ -15,8 +15,9 @@ import uuid
 
 import pytest
 
-from grpo_ascend.tools import SandboxLimits, run_python
+from grpo_ascend.tools import SandboxLimits, run_python, sandbox_cgroup
 from grpo_ascend.tools import sandbox as sandbox_module
+from grpo_ascend.tools.sandbox_cgroup import create_call_group
 
 AS_ROOT = os.geteuid() == 0
 SCRATCH = 4 << 20
@@ -310,3 +311,21 @@ def test_without_a_private_tmpfs_the_sandbox_uid_files_are_swept(tmp_path, name)
     assert not os.path.exists(f"/tmp/{name}-dir") and not os.path.exists(f"{shared}/mine.txt")
     assert not os.path.exists(f"/dev/shm/{name}") and not os.path.exists(f"/var/tmp/{name}")
     assert open(os.path.join(shared, "root.txt")).read() == "root's"
+
+
+def test_cgroups_of_trainers_that_died_mid_call_are_removed(monkeypatch):
+    """A trainer killed during a call cannot remove its call's (by then empty) cgroup: the next
+    trainer process removes it when it makes its first group there."""
+    group, why = create_call_group(16 << 20, 4)
+    if group is None:
+        pytest.skip(f"needs a cgroup for the call (root on cgroup v1 or v2): {why}")
+    dead = next(pid for pid in range(999_999, 0, -1) if not os.path.exists(f"/proc/{pid}"))
+    stale = [d.parent / f"grpo-sandbox-{dead}-0" for d in group.dirs]
+    for path in stale:
+        path.mkdir()
+    assert group.remove()
+    monkeypatch.setattr(sandbox_cgroup, "_CLEANED", set())  # as in a fresh trainer process
+    fresh, _ = create_call_group(16 << 20, 4)
+    assert fresh is not None and fresh.remove()
+    assert [p for p in stale if p.exists()] == []
+    assert [d for d in (*group.dirs, *fresh.dirs) if d.exists()] == []

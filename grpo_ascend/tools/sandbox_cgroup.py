@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _COUNTER = itertools.count()
+_PREFIX = "grpo-sandbox-"
+_CLEANED: set[Path] = set()
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class CallGroup:
 
 def create_call_group(memory_bytes: int, max_processes: int) -> tuple[CallGroup | None, str]:
     """A new group capped at ``memory_bytes`` and ``max_processes``, or None and why not."""
-    name = f"grpo-sandbox-{os.getpid()}-{next(_COUNTER)}"
+    name = f"{_PREFIX}{os.getpid()}-{next(_COUNTER)}"
     reasons = []
     for make in (_make_v2, _make_v1):
         try:
@@ -123,6 +125,7 @@ def _make_v2(name: str, memory_bytes: int, max_processes: int) -> CallGroup:
         # Fails (EBUSY) when the trainer's group holds processes, as it does unless it is the root.
         _write(own / "cgroup.subtree_control", "+memory +pids")
         parent = own
+    _remove_stale_groups(parent)
     group = parent / name
     group.mkdir()
     try:
@@ -143,6 +146,7 @@ def _make_v1(name: str, memory_bytes: int, max_processes: int) -> CallGroup:
     made: list[Path] = []
     try:
         for group in (memory, pids):
+            _remove_stale_groups(group.parent)
             group.mkdir()
             made.append(group)
         _write(memory / "memory.limit_in_bytes", str(memory_bytes))
@@ -181,6 +185,21 @@ def _own_group(fstype: str, controller: str | None) -> Path:
         if directory.is_dir():
             return directory
     raise OSError(f"no mounted {fstype} {controller or ''} hierarchy holding {path}")
+
+
+def _remove_stale_groups(parent: Path) -> None:
+    """Once per process and place: remove the (empty) groups of trainer processes that died
+    during a call and so could not remove their own."""
+    if parent in _CLEANED:
+        return
+    _CLEANED.add(parent)
+    for group in parent.glob(f"{_PREFIX}*-*"):
+        pid = group.name[len(_PREFIX) :].split("-")[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                group.rmdir()
+            except OSError:
+                pass  # still holds processes
 
 
 def _enabled_for_children(group: Path) -> set[str]:

@@ -276,7 +276,7 @@ def test_trainer_survives_a_call_that_exhausts_its_memory():
 @pytest.mark.skipif(
     not AS_ROOT, reason="the sweep removes files by the sandbox uid, which exists only as root"
 )
-def test_without_a_private_tmpfs_the_sandbox_uid_files_are_swept(tmp_path, name):
+def test_without_a_private_tmpfs_the_sandbox_uid_files_are_swept(name):
     """An interpreter under /tmp rules out the private tmpfs (it would hide it): the call then
     shares /tmp, and everything its uid made in world-writable places is removed afterwards,
     while other users' files there stay."""

@@ -105,6 +105,10 @@ def check_prompt_dataset(ds: Any, prompt_column: str = "prompt") -> None:
     """
     if not is_stream(ds) and len(ds) == 0:
         raise DataError("the prompt dataset is empty; check the file, split or max_train_samples")
+    if is_stream(ds) and iter(ds) is ds:
+        raise DataError(f"the dataset is a one-shot iterator ({type(ds).__name__}): it cannot be read again for a new "
+                        "epoch, a resume or an evaluation; pass a datasets.Dataset or datasets.IterableDataset "
+                        "(e.g. IterableDataset.from_generator)")
     columns = _columns(ds)
     if prompt_column not in columns:
         raise DataError(

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from datasets import Dataset, DatasetDict
+from datasets import Dataset, DatasetDict, IterableDataset
 from helpers import SMALL_RUN
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
@@ -57,6 +57,11 @@ def test_stream_sampler_resumes_exactly_and_refuses_the_other_kind():
         make_prompt_sampler(_prompts(5)).load_state_dict(state)
     with pytest.raises(DataError, match="no prompt column"):
         make_prompt_sampler(Dataset.from_dict({"text": ["a"]}).to_iterable_dataset())
+    with pytest.raises(DataError, match="one-shot iterator"):
+        make_prompt_sampler(iter([{"prompt": "a"}]))
+    from_generator = IterableDataset.from_generator(lambda: ({"prompt": f"g{i}"} for i in range(3)))
+    assert [r["prompt"] for r in make_prompt_sampler(from_generator, shuffle=False).next_rows(4)] == ["g0", "g1", "g2",
+                                                                                                     "g0"]
 
 
 def test_a_streamed_train_set_needs_max_steps(tmp_path):

@@ -146,7 +146,19 @@ def make_prompt_sampler(dataset: Any, seed: int = 0, shuffle: bool = True) -> Pr
     return StreamSampler(dataset, seed, shuffle) if is_stream(dataset) else PromptSampler(dataset, seed, shuffle)
 
 
-class PromptSampler:
+class _Sampler:
+    """What both samplers hold: the checked dataset, the seed and whether to shuffle, and the position."""
+
+    def __init__(self, dataset: Any, seed: int, shuffle: bool):
+        check_prompt_dataset(dataset)
+        self.dataset = dataset
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+
+
+class PromptSampler(_Sampler):
     """Endless, seeded sampling of dataset rows, epoch by epoch, with an exact-resume state.
 
     Each epoch uses a permutation drawn from ``seed + epoch`` (or the identity when not shuffling),
@@ -154,12 +166,7 @@ class PromptSampler:
     """
 
     def __init__(self, dataset: Any, seed: int = 0, shuffle: bool = True):
-        check_prompt_dataset(dataset)
-        self.dataset = dataset
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
-        self.position = 0
+        super().__init__(dataset, seed, shuffle)
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
@@ -211,7 +218,7 @@ class PromptSampler:
         self._order = self._permutation(self.epoch)
 
 
-class StreamSampler:
+class StreamSampler(_Sampler):
     """Endless sampling of a stream (``datasets.IterableDataset``), pass by pass, with an exact-resume state.
 
     As in transformers, a stream that runs out starts over as the next epoch. With ``shuffle`` each
@@ -226,12 +233,7 @@ class StreamSampler:
     kind = "stream"
 
     def __init__(self, dataset: Any, seed: int = 0, shuffle: bool = True):
-        check_prompt_dataset(dataset)
-        self.dataset = dataset
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
-        self.position = 0
+        super().__init__(dataset, seed, shuffle)
         self.draws = 0  #: rows drawn so far over all epochs (numbers each draw's prompts)
         self.size: int | None = None  #: rows in one pass, known once a pass has ended
         self._ordered = dataset.shuffle(seed=seed) if shuffle and hasattr(dataset, "shuffle") else dataset

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset
-from helpers import SMALL_RUN
+from helpers import SMALL_RUN, train_until_preempted
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.data import StreamSampler, make_prompt_sampler
@@ -92,16 +92,7 @@ def test_streamed_training_resumes_with_the_prompts_of_an_uninterrupted_run(tmp_
 
     seen: list[str] = []
     killed = make("resumed", seen)
-    original_save = killed._save
-
-    def save_then_die():
-        original_save()
-        if killed.step == 2:
-            raise KeyboardInterrupt("simulated preemption")
-
-    killed._save = save_then_die
-    with pytest.raises(KeyboardInterrupt):
-        killed.train()
+    train_until_preempted(killed, 2)
     assert len(seen) == 4
     resumed = make("resumed", seen)
     resumed.train(resume_from_checkpoint="latest")

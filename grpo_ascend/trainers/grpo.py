@@ -36,7 +36,6 @@ from grpo_ascend.phases import PhaseTimer
 from grpo_ascend.rollout.row_rollouts import RolloutFuncRollout, build_tool_rollout, prepare_tools
 from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
 from grpo_ascend.trl_compat import from_trl_config, is_trl_grpo_config
-from reward_models import processing_classes_per_function
 
 
 class GRPOTrainer(RLTrainerBase):
@@ -84,6 +83,8 @@ class GRPOTrainer(RLTrainerBase):
         if rollout_func is not None and (tools or environment_factory is not None):
             raise ConfigError("pass either rollout_func or tools/environment_factory, not both: a rollout_func "
                               "runs its own generation (return env_mask to keep tool tokens out of the loss)")
+        from reward_models import processing_classes_per_function  # loaded with the rewards, as in components
+
         reward_tokenizers = processing_classes_per_function(reward_processing_classes, len(_as_list(reward_funcs)))
         toolset, pool = prepare_tools(tools, environment_factory)
         if pool is not None:  # environments' get_reward: extra reward sources with weight 1 (as TRL)

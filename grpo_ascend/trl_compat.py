@@ -130,11 +130,13 @@ TRAINER_SURFACE: list[tuple[str, str, str]] = [
     ("GRPOTrainer(reward_funcs=...)", "supported", "callables (sync or async), module:function strings, reward-model "
      "paths (docs/rewards.md)"),
     ("GRPOTrainer(args=...)", "differs", "ours, or TRL's GRPOConfig converted per the tables above"),
-    ("GRPOTrainer(train_dataset=...)", "supported", "a datasets.Dataset with a prompt column"),
-    ("GRPOTrainer(eval_dataset=...)", "supported", "docs/evaluation.md"),
+    ("GRPOTrainer(train_dataset=...)", "supported", "a datasets.Dataset or IterableDataset (needs max_steps; "
+     "resumes exactly, docs/checkpoints.md) with a prompt column"),
+    ("GRPOTrainer(eval_dataset=...)", "supported", "a Dataset, an IterableDataset, or a dict / DatasetDict of them "
+     "(metrics eval_<name>/..., docs/evaluation.md)"),
     ("GRPOTrainer(processing_class=...)", "supported", "a tokenizer (text models only)"),
-    ("GRPOTrainer(reward_processing_classes=...)", "differs", "reward models use their own tokenizer; a given one "
-     "is refused"),
+    ("GRPOTrainer(reward_processing_classes=...)", "supported", "one tokenizer per reward model (a list as long as "
+     "reward_funcs; None and plain functions' entries unused), docs/rewards.md"),
     ("GRPOTrainer(callbacks=...)", "supported", "TrainerCallback instances or classes"),
     ("GRPOTrainer(optimizers=...)", "differs", "(None, None) only: the optimizer is AdamW built from the config"),
     ("GRPOTrainer(quantization_config=...)", "differs", "None only: quantized (QLoRA) base models are refused"),

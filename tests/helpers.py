@@ -10,6 +10,22 @@ SMALL_RUN = dict(
 )
 
 
+def train_until_preempted(trainer, step: int) -> None:
+    """Run ``trainer.train()`` until its checkpoint at ``step`` is saved, then stop it as a preemption would."""
+    import pytest
+
+    original_save = trainer._save
+
+    def save_then_die():
+        original_save()
+        if trainer.step == step:
+            raise KeyboardInterrupt("simulated preemption")
+
+    trainer._save = save_then_die
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+
+
 def late_rewards_vs_control(train, steps: int):
     """Mean reward of the last ``steps`` logged steps of a learning run and of its control.
 

@@ -12,6 +12,7 @@ from helpers import (
     late_rewards_vs_control,
     make_experience,
     one_round_gradients,
+    train_until_preempted,
 )
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
@@ -143,16 +144,7 @@ def test_resume_is_exact(tmp_path, tiny_model_dir):
     expected = _weights(full)
 
     killed = make(tmp_path / "resumed")
-    original_save = killed._save
-
-    def save_then_die():
-        original_save()
-        if killed.step == 2:
-            raise KeyboardInterrupt("simulated preemption")
-
-    killed._save = save_then_die
-    with pytest.raises(KeyboardInterrupt):
-        killed.train()
+    train_until_preempted(killed, 2)
 
     resumed = make(tmp_path / "resumed")
     resumed.train(resume_from_checkpoint="latest")

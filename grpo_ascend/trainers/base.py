@@ -22,7 +22,7 @@ from grpo_ascend import device as dev
 from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSettings
 from grpo_ascend.algorithms.losses import LossNormaliser
 from grpo_ascend.config import BaseRLConfig, BatchPlan
-from grpo_ascend.data import PromptSampler
+from grpo_ascend.data import is_stream, make_prompt_sampler
 from grpo_ascend.dist import make_accelerator, select_strategy
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, ExperienceMaker
@@ -44,6 +44,7 @@ from grpo_ascend.trainers.components import (
     build_optimizer,
     build_policy,
     build_rewards,
+    check_streamed_steps,
     lr_factor,
     merge_lora_for_rollout,
     total_steps,
@@ -94,6 +95,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             raise ConfigError("train_dataset is required: a datasets.Dataset with a 'prompt' column")
         args = self.args
         self._init_evaluation(eval_dataset)  # before loading anything: refuse eval settings without a dataset
+        check_streamed_steps(args, train_dataset)
         dev.seed_everything(args.seed)
         self.accelerator, self.precision = make_accelerator(args)
         # Chosen once; refuses a launch its engine can't run. The trainer never asks which engine runs.
@@ -109,12 +111,14 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self.train_dataset = train_dataset
         self._callbacks = callbacks
 
-    def _build_training(self, reward_funcs: Any, extra_parameters: Sequence[nn.Parameter] = ()) -> None:
-        """Optimizer and schedule, the prepared log-prob model, rollout engine, rewards and sampling stream."""
+    def _build_training(self, reward_funcs: Any, extra_parameters: Sequence[nn.Parameter] = (),
+                        reward_processing_classes: Any = None) -> None:
+        """Optimizer and schedule, the prepared log-prob model, rollout engine, rewards and sampling stream;
+        ``reward_processing_classes``: TRL's tokenizers for reward models (see reward_models.RewardSet)."""
         args = self.args
         self.optimizer = build_optimizer(trainable_parameters(self.policy) + list(extra_parameters), args)
-        self.sampler = PromptSampler(self.train_dataset, seed=args.seed, shuffle=args.shuffle_dataset)
-        self.max_steps = total_steps(args, len(self.train_dataset), self.plan)
+        self.sampler = make_prompt_sampler(self.train_dataset, seed=args.seed, shuffle=args.shuffle_dataset)
+        self.max_steps = total_steps(args, None if is_stream(self.train_dataset) else len(self.train_dataset), self.plan)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(args, self.max_steps))
         self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
         self.strategy.configure(self.policy, self.plan)
@@ -129,7 +133,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self.merge_lora_for_rollout = merge_lora_for_rollout(
             self.policy, args.rollout_merge_lora, self.strategy.may_merge_lora(args.rollout_merge_lora, self.is_peft),
             self.is_peft, self.device)
-        self.rewards = build_rewards(reward_funcs, args, self.device, self.tokenizer)
+        self.rewards = build_rewards(reward_funcs, args, self.device, self.tokenizer, reward_processing_classes)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed + 1000 * self.accelerator.process_index)
         self.step = 0

@@ -61,7 +61,7 @@ class GRPOTrainer(RLTrainerBase):
         reward_processing_classes: Any = None,
         optimizers: tuple[Any, Any] = (None, None),
     ):
-        _refuse_trl_only(quantization_config, reward_processing_classes, optimizers)
+        _refuse_trl_only(quantization_config, optimizers)
         if is_trl_grpo_config(args):  # TRL's own GRPOConfig: mapped, ignored with a warning, or refused
             args = from_trl_config(args)
         cfg = args if args is not None else GRPOConfig()
@@ -83,14 +83,18 @@ class GRPOTrainer(RLTrainerBase):
         if rollout_func is not None and (tools or environment_factory is not None):
             raise ConfigError("pass either rollout_func or tools/environment_factory, not both: a rollout_func "
                               "runs its own generation (return env_mask to keep tool tokens out of the loss)")
+        from reward_models import processing_classes_per_function  # loaded with the rewards, as in components
+
+        reward_tokenizers = processing_classes_per_function(reward_processing_classes, len(_as_list(reward_funcs)))
         toolset, pool = prepare_tools(tools, environment_factory)
         if pool is not None:  # environments' get_reward: extra reward sources with weight 1 (as TRL)
             env_rewards = pool.reward_functions()
             reward_funcs = _as_list(reward_funcs) + env_rewards
+            reward_tokenizers += [None] * len(env_rewards)
             if cfg.reward_weights is not None and env_rewards:
                 cfg = dataclasses.replace(cfg, reward_weights=list(cfg.reward_weights) + [1.0] * len(env_rewards))
         super().__init__(model, cfg, train_dataset, processing_class, peft_config, callbacks, eval_dataset)
-        self._build_training(reward_funcs)
+        self._build_training(reward_funcs, reward_processing_classes=reward_tokenizers)
         if toolset is not None:
             self.engine = build_tool_rollout(self.engine, self.tokenizer, self.args, toolset, pool)
         elif rollout_func is not None:
@@ -194,14 +198,12 @@ class GRPOTrainer(RLTrainerBase):
         return out
 
 
-def _refuse_trl_only(quantization_config: Any, reward_processing_classes: Any, optimizers: Any) -> None:
+def _refuse_trl_only(quantization_config: Any, optimizers: Any) -> None:
     """TRL's GRPOTrainer arguments that exist for scripts' sake: their empty values are accepted."""
     if quantization_config is not None:
         raise ConfigError("quantization_config: quantized base models (QLoRA) are not supported; the rollout engine "
                           "folds LoRA into full-precision weights. Pass quantization_config=None (TRL's script does "
                           "unless --load_in_4bit / --load_in_8bit)")
-    if reward_processing_classes is not None:
-        raise ConfigError("reward_processing_classes: reward models load their own tokenizer here; pass None")
     if tuple(optimizers or (None, None)) != (None, None):
         raise ConfigError("optimizers: a custom optimizer / scheduler is not supported; the trainer builds AdamW with "
                           "the config's learning_rate, betas, weight_decay and lr_scheduler_type. Pass (None, None)")

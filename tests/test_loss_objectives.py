@@ -187,9 +187,11 @@ def test_cispo_clipped_stats_and_cap():
     expected = ((r > CISPO_CAP) & (d["adv"].unsqueeze(1) > 0) & d["mask"].bool()).sum().item()
     assert expected > 0
     assert stats["clipped_high"].item() == expected and stats["clipped_low"].item() == 0
-    with pytest.raises(ConfigError, match="cispo.* needs epsilon_high"):
-        policy_loss("cispo", PolicyLossBatch(logps=d["logps"], advantages=d["adv"], mask=d["mask"]),
-                    PolicyLossSettings())
+    # No epsilon_high: the cap is epsilon (TRL's fallback), so every positive-advantage ratio above 0.2 is capped.
+    _, fallback = policy_loss("cispo", PolicyLossBatch(logps=d["logps"], advantages=d["adv"], mask=d["mask"],
+                                                       old_logps=d["old"]), PolicyLossSettings(epsilon=0.2))
+    capped = ((r > 0.2) & (d["adv"].unsqueeze(1) > 0) & d["mask"].bool()).sum().item()
+    assert fallback["clipped_high"].item() == capped > expected
 
 
 def test_kl_estimators_on_numbers():

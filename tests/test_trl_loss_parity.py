@@ -11,7 +11,12 @@ from collections import defaultdict
 import pytest
 import torch
 
-from grpo_ascend.algorithms.losses import PolicyLossBatch, PolicyLossSettings, policy_loss, vespo_gamma_weights
+from grpo_ascend.algorithms.losses import (
+    PolicyLossBatch,
+    PolicyLossSettings,
+    policy_loss,
+    vespo_gamma_weights,
+)
 from grpo_ascend.algorithms.token_selection import high_entropy_mask, off_policy_sequence_mask
 from grpo_ascend.errors import ConfigError
 

@@ -16,6 +16,7 @@ from grpo_ascend.config import BaseRLConfig, BatchPlan
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models import (
     apply_peft,
+    cast_head_to_fp32,
     count_parameters,
     load_causal_lm,
     load_tokenizer,
@@ -37,6 +38,8 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
         logger.warning("model_init_kwargs are ignored: the model was passed already loaded")
     policy = load_causal_lm(model, init_kwargs=args.model_init_kwargs)
     tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class, args.model_init_kwargs)
+    if getattr(args, "cast_lm_head_to_fp32", False):
+        cast_head_to_fp32(policy)  # before the adapter: TRL refuses an adapter on the head
     policy = apply_peft(policy, peft_config)
     if args.disable_dropout:
         for module in policy.modules():

@@ -254,11 +254,6 @@ class BaseRLConfig(_Validated):
                 f"{self.per_device_train_batch_size} × steps_per_generation {spg}) must be divisible by "
                 f"num_generations ({self.num_generations}) so every group stays on one device; change one of them"
             )
-        if spg % self.gradient_accumulation_steps:
-            raise ConfigError(
-                f"steps_per_generation ({spg}) must be a multiple of gradient_accumulation_steps "
-                f"({self.gradient_accumulation_steps}) so each generation round feeds whole optimizer steps"
-            )
         return BatchPlan(
             world_size=world_size,
             num_generations=self.num_generations,
@@ -302,7 +297,30 @@ class BatchPlan:
 
     @property
     def optimizer_steps_per_generation(self) -> int:
+        """Whole optimizer steps one generation batch feeds (when steps do not straddle batches)."""
         return self.steps_per_generation // self.grad_accum * self.num_iterations
+
+    @property
+    def generations_per_round(self) -> int:
+        """Generation batches in one training round: 1, unless steps_per_generation × num_iterations
+        micro-batches are not a multiple of grad_accum. Then, as in TRL, an optimizer step may take its
+        micro-batches from two generation batches, and a round runs until the steps line up again."""
+        per_generation = self.steps_per_generation * self.num_iterations
+        return self.grad_accum // math.gcd(per_generation, self.grad_accum)
+
+    @property
+    def optimizer_steps_per_round(self) -> int:
+        return self.steps_per_generation * self.num_iterations * self.generations_per_round // self.grad_accum
+
+    @property
+    def prompts_per_round(self) -> int:
+        return self.prompts_per_generation * self.generations_per_round
+
+    def old_logps_needed(self, generation: int) -> bool:
+        """Whether generation batch ``generation`` of a round is still trained on after an optimizer step
+        (then the ratio needs the sampling policy's log-probs; TRL's rule for the aligned case too)."""
+        per_generation = self.steps_per_generation * self.num_iterations
+        return generation * per_generation % self.grad_accum + per_generation > self.grad_accum
 
     def describe(self) -> str:
         return (
@@ -313,7 +331,10 @@ class BatchPlan:
                if self.max_tokens_per_micro_batch is None else
                f"({self.micro_batch * self.grad_accum} × {self.world_size} process(es), in micro-batches of at most "
                f"{self.max_tokens_per_micro_batch} tokens); ")
-            + f"{self.optimizer_steps_per_generation} optimizer step(s) per generation round"
+            + (f"{self.optimizer_steps_per_generation} optimizer step(s) per generation round"
+               if self.generations_per_round == 1 else
+               f"optimizer steps straddle generation rounds: {self.generations_per_round} rounds feed "
+               f"{self.optimizer_steps_per_round} optimizer step(s)")
             + (f" ({self.num_iterations} iterations)" if self.num_iterations > 1 else "")
         )
 

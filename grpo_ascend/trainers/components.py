@@ -70,8 +70,8 @@ def total_steps(args: BaseRLConfig, dataset_size: int, plan: BatchPlan) -> int:
     """``max_steps``, or the optimizer steps of ``num_train_epochs`` passes over the prompts."""
     if args.max_steps > 0:
         return args.max_steps
-    rounds = math.ceil(args.num_train_epochs * dataset_size / plan.prompts_per_generation)
-    return max(1, rounds * plan.optimizer_steps_per_generation)
+    rounds = math.ceil(args.num_train_epochs * dataset_size / plan.prompts_per_round)
+    return max(1, rounds * plan.optimizer_steps_per_round)
 
 
 def lr_factor(args: BaseRLConfig, total: int) -> Callable[[int], float]:

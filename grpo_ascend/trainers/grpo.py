@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from grpo_ascend import device as dev
 from grpo_ascend.algorithms.advantages import ADVANTAGE_ESTIMATORS, select_informative_groups
 from grpo_ascend.algorithms.entropy_control import EntropyControl
 from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSettings
@@ -36,6 +37,7 @@ from grpo_ascend.models import mix_into_reference
 from grpo_ascend.phases import PhaseTimer
 from grpo_ascend.rollout.row_rollouts import RolloutFuncRollout, build_tool_rollout, prepare_tools
 from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
+from grpo_ascend.trainers.step_segments import Segment, step_log, step_parts, straddling_normalisers
 from grpo_ascend.trl_compat import from_trl_config, is_trl_grpo_config
 
 logger = logging.getLogger(__name__)
@@ -130,11 +132,33 @@ class GRPOTrainer(RLTrainerBase):
         self._policy_params = [p for p in self.policy.parameters() if p.requires_grad]
 
     def _train_round(self) -> None:
-        """Experience → group-relative advantages → μ passes of optimizer steps over micro-batches → log."""
+        """Experience → group-relative advantages → μ passes of optimizer steps over micro-batches → log.
+
+        A round is one generation batch unless steps straddle them (``BatchPlan.generations_per_round``):
+        then the rows left when a batch runs out wait for the next batch to fill their step (TRL's order).
+        """
+        carried: list[Segment] = []
+        for generation in range(self.plan.generations_per_round):
+            exp, tokens_global, log = self._generate(generation)
+            stream = torch.cat([self._shuffled_rows(exp.size, generation * self.plan.num_iterations + it)
+                                for it in range(self.plan.num_iterations)])
+            held = sum(int(s.rows.numel()) for s in carried)
+            for rows, complete in step_parts(stream, self.plan.micro_batch * self.plan.grad_accum, held):
+                segments, carried = carried + [Segment(exp, rows, tokens_global, log)], []
+                if not complete:
+                    carried = segments
+                elif self.step >= self.max_steps or self.control.should_training_stop:
+                    return
+                else:
+                    self._optimizer_step(segments)
+
+    def _generate(self, generation: int) -> tuple[Experience, torch.Tensor, RoundLog]:
+        """A generation batch with its advantages, its valid tokens over all ranks (the loss normaliser's,
+        see LossNormaliser) and the log its steps carry."""
         args, ranks = self.args, self.ranks
         timer, started = PhaseTimer(self.device), time.perf_counter()
         exp = self.experience.make(
-            self.plan.prompts_per_rank, timer, old_logps=self.plan.optimizer_steps_per_generation > 1,
+            self.plan.prompts_per_rank, timer, old_logps=self.plan.old_logps_needed(generation),
             trainer_state=self._trainer_state_for_rewards, refill=self._refill if args.dynamic_sampling else None,
         )
         metrics = experience_metrics(exp, ranks)
@@ -144,17 +168,26 @@ class GRPOTrainer(RLTrainerBase):
                                    args.scale_rewards)
         exp.advantages = adv.advantages[ranks.rank * exp.size : (ranks.rank + 1) * exp.size].float()
         metrics.update(adv.metrics())
-        tokens_global = ranks.reduce(exp.loss_mask.sum())  # the round's loss normaliser (see LossNormaliser)
-        log = RoundLog(metrics, timer, prep_seconds=time.perf_counter() - started)
+        tokens_global = ranks.reduce(exp.loss_mask.sum())
+        return exp, tokens_global, RoundLog(metrics, timer, prep_seconds=time.perf_counter() - started)
 
+    def _optimizer_step(self, segments: list[Segment]) -> None:
+        """One optimizer step over its segments' micro-batches (gradients synchronise on the very last)."""
+        args, ranks = self.args, self.ranks
+        dev.reset_peak_memory(self.device)
+        step_start, sums, count = time.perf_counter(), {}, 0
+        if len(segments) == 1 and self.plan.generations_per_round == 1:
+            normalisers = [self._step_normaliser(segments[0].exp.loss_mask[segments[0].rows], segments[0].tokens_global)]
+        else:
+            normalisers = straddling_normalisers(segments, ranks, self.plan.grad_accum, self.plan.steps_per_generation)
+        settings = dataclasses.replace(self.loss_settings, entropy_coef=self.entropy_control.applied())
         bonus = self.entropy_control.enabled
-        for rows in self._step_rows(exp.size):
-            step_start, sums = time.perf_counter(), {}
-            normaliser = self._step_normaliser(exp.loss_mask[rows], tokens_global)
-            settings = dataclasses.replace(self.loss_settings, entropy_coef=self.entropy_control.applied())
-            self.policy.train()
-            for micro, last in self._micro_batches(rows, exp):
-                with self._no_sync(self.logprob_model, last):
+        self.policy.train()
+        for k, (segment, normaliser) in enumerate(zip(segments, normalisers)):
+            exp = segment.exp
+            for micro, last in self._micro_batches(segment.rows, exp):
+                count += 1
+                with self._no_sync(self.logprob_model, last and k == len(segments) - 1):
                     logps, entropies = self.logprob_model(*exp.model_inputs(micro), temperature=args.temperature,
                                                           with_entropy=True, entropy_grad=bonus)
                     batch = PolicyLossBatch(
@@ -169,18 +202,18 @@ class GRPOTrainer(RLTrainerBase):
                     loss, stats = policy_loss(args.loss_type, batch, settings, normaliser)
                     self._backward(loss)
                 self._accumulate(sums, {"loss": loss, **stats, **self._trained_entropy(batch)})
-            grad_norm, _ = self._clip_and_step(self._policy_params, torch.isfinite(sums["loss"]))
-            totals = ranks.sum_scalars(sums)
-            step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm,
-                            **self._policy_metrics(totals)}
-            if args.beta > 0:
-                step_metrics["kl"] = totals.get("kl_sum", 0.0) / max(totals.get("token_count", 0.0), 1.0)
-            if args.use_adaptive_entropy:
-                self.entropy_control.update(totals["trained_entropy_sum"] / max(totals["trained_tokens"], 1.0))
-            if bonus:  # as TRL: the coefficient after this step's update
-                step_metrics["entropy_coef"] = self.entropy_control.coef
-            self._end_step(step_metrics, log, exp, step_start)
-            self._sync_reference()
+        self._step_micro_batches = count
+        grad_norm, _ = self._clip_and_step(self._policy_params, torch.isfinite(sums["loss"]))
+        totals = ranks.sum_scalars(sums)
+        step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm, **self._policy_metrics(totals)}
+        if args.beta > 0:
+            step_metrics["kl"] = totals.get("kl_sum", 0.0) / max(totals.get("token_count", 0.0), 1.0)
+        if args.use_adaptive_entropy:
+            self.entropy_control.update(totals["trained_entropy_sum"] / max(totals["trained_tokens"], 1.0))
+        if bonus:  # as TRL: the coefficient after this step's update
+            step_metrics["entropy_coef"] = self.entropy_control.coef
+        self._end_step(step_metrics, step_log(segments), segments[-1].exp, step_start)
+        self._sync_reference()
 
     def _sync_reference(self) -> None:
         """TR-DPO: every ``ref_model_sync_steps`` optimizer steps, reference ← α·policy + (1 − α)·reference."""

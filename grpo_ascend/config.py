@@ -410,7 +410,7 @@ class GRPOConfig(BaseRLConfig):
     entropy_target: float = _f(0.2, "use_adaptive_entropy: target mean per-token entropy (nats).")
     cast_lm_head_to_fp32: bool = _f(
         False, "Compute the output head (logits) in float32 in training, the reference and the rollout, whatever the "
-        "model's dtype or autocast (ScaleRL); the head's weights must not be tied to the input embeddings."
+        "model's dtype or autocast (ScaleRL); a head tied to the input embeddings keeps them in its float32 weight."
     )
     sync_ref_model: bool = _f(
         False, "TR-DPO reference updates: every ref_model_sync_steps optimizer steps the reference becomes "

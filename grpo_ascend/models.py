@@ -432,22 +432,25 @@ def lora_merged(model: nn.Module) -> Iterator[bool]:
 def cast_head_to_fp32(model: nn.Module) -> None:
     """Keep ``model``'s output head in float32 and run it in float32, outside autocast (ScaleRL; TRL's
     ``cast_lm_head_to_fp32``): every caller of the head (training log-probs, reference, rollout) gets
-    float32 logits of float32 hidden states, whatever the model's dtype. Refused for a head tied to the
-    input embeddings (their weight would become float32 too) or carrying an adapter (never trained here)."""
+    float32 logits of float32 hidden states, whatever the model's dtype. A head tied to the input
+    embeddings shares its now float32 weight with them; their output is cast back to the model's dtype
+    (as TRL does). A head carrying an adapter is refused (the adapter would never be trained here)."""
     hf = hf_model(model)
     head = hf.get_output_embeddings()
-    embeddings = hf.get_input_embeddings()
-    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
-        raise ConfigError(f"cast_lm_head_to_fp32: {type(hf).__name__} has no plain output head to cast")
-    if embeddings is not None and head.weight is getattr(embeddings, "weight", None):
-        raise ConfigError("cast_lm_head_to_fp32=True needs an output head that is not tied to the input embeddings "
-                          "(tie_word_embeddings=False), as TRL documents; set cast_lm_head_to_fp32=False")
     if not isinstance(head, nn.Linear):
         raise ConfigError(f"cast_lm_head_to_fp32: the output head is a {type(head).__name__}, not a plain Linear "
                           "(an adapter on the head?); remove it from the adapter's target modules or set "
                           "cast_lm_head_to_fp32=False")
+    embeddings = hf.get_input_embeddings()
+    dtype = head.weight.dtype
     head.float()
     head.forward = _fp32_linear_forward.__get__(head)  # an instance attribute: deepcopy rebinds it to the copy
+    if embeddings is not None and getattr(embeddings, "weight", None) is head.weight and dtype != torch.float32:
+        embeddings.register_forward_hook(functools.partial(_output_as, dtype))
+
+
+def _output_as(dtype: torch.dtype, module: nn.Module, inputs: Any, output: Tensor) -> Tensor:
+    return output.to(dtype)
 
 
 def _fp32_linear_forward(self: nn.Linear, hidden: Tensor) -> Tensor:

@@ -327,8 +327,8 @@ TRL_FIELDS: dict[str, TRLField] = {
     "trust_remote_code": to("model_init_kwargs", "becomes model_init_kwargs['trust_remote_code']", _nothing),
     "router_aux_loss_coef": refused("the MoE load-balancing loss is not added to the GRPO loss"),
     "disable_dropout": same("every nn.Dropout (LoRA's included) gets p=0, as TRL"),
-    "cast_lm_head_to_fp32": same("the head's matmul runs in float32 in training, reference and rollout; refused "
-                                 "with tied embeddings, as TRL"),
+    "cast_lm_head_to_fp32": same("the head's matmul runs in float32 in training, reference and rollout (a tied "
+                                 "head's embeddings still output the model's dtype, as TRL)"),
     "num_generations": same(),
     "num_generations_eval": same(),
     "max_completion_length": same("TRL's default is 512 (ours 256)"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -163,13 +164,39 @@ def test_fp32_head_gives_float32_logits_of_the_hidden_states(tiny_model_dir):
     torch.testing.assert_close(copied.logits, out.logits, rtol=0, atol=0)
 
 
-def test_fp32_head_in_the_trainer_and_its_refusals(tmp_path, tiny_model_dir):
+def test_fp32_head_in_the_trainer(tmp_path, tiny_model_dir):
     trainer = _trainer(tmp_path, _untied_bf16(tiny_model_dir), _config(tmp_path, cast_lm_head_to_fp32=True))
     assert trainer.policy.get_output_embeddings().weight.dtype == torch.float32
     logps, _ = trainer.logprob_model(*fixed_experience().model_inputs(slice(0, 2)))
     assert logps.dtype == torch.float32
-    with pytest.raises(ConfigError, match="tie_word_embeddings=False"):  # the tiny model ties its head
-        _trainer(tmp_path, str(tiny_model_dir), _config(tmp_path, cast_lm_head_to_fp32=True))
+    def alternating(prompts, completions, **kwargs):  # differs within every group by construction
+        return [float(i % 2) for i in range(len(completions))]
+
+    tied = _trainer(tmp_path, str(tiny_model_dir), _config(tmp_path, cast_lm_head_to_fp32=True, max_steps=1),
+                    reward_funcs=alternating)
+    tied.train()  # rollout, reference-free loss and a step through the float32 head of a tied model
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 1 and math.isfinite(record["loss"]) and record["grad_norm"] > 0
+    from peft import LoraConfig, get_peft_model
+
+    adapted_head = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                  LoraConfig(r=2, target_modules=["lm_head"]))
+    with pytest.raises(ConfigError, match="not a plain Linear"):  # TRL refuses an adapter on the head too
+        cast_head_to_fp32(adapted_head)
+
+
+def test_fp32_head_tied_to_the_embeddings(tiny_model_dir):
+    """The tiny model ties its head (as TRL's Gemma2 test model): the shared weight becomes float32, the
+    embeddings still hand the decoder the model's dtype, and the logits are the float32 product."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(torch.bfloat16)
+    cast_head_to_fp32(model)
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    assert head.weight is embeddings.weight and head.weight.dtype == torch.float32
+    ids = torch.tensor([[5, 17, 300, 42]])
+    assert embeddings(ids).dtype == torch.bfloat16
+    out = model(ids, output_hidden_states=True)
+    assert out.logits.dtype == torch.float32
+    torch.testing.assert_close(out.logits, out.hidden_states[-1].float() @ head.weight.T, rtol=0, atol=1e-5)
 
 
 class ScoredEnv:

@@ -212,13 +212,26 @@ class ScoredEnv:
         return 1.0
 
 
+class UnscoredEnv:
+    def reset(self, **row):
+        pass
+
+    def look(self) -> str:
+        """Look around."""
+        return "nothing"
+
+
 def test_reward_funcs_may_be_left_to_an_environment(tmp_path, tiny_model_dir):
     trainer = GRPOTrainer(str(tiny_model_dir), args=_config(tmp_path), train_dataset=arithmetic_dataset(8),
                           peft_config=default_lora_config(r=4), environment_factory=ScoredEnv)
     assert trainer.rewards.names == ["ScoredEnv"] and trainer.rewards.weights == [1.0]
-    with pytest.raises(ConfigError, match=r"No reward source provided\. Pass `reward_funcs`, or an "
-                                          r"`environment_factory` whose environment defines a `get_reward` method\."):
+    no_source = (r"No reward source provided\. Pass `reward_funcs`, or an `environment_factory` whose environment "
+                 r"defines a `get_reward` method\.")
+    with pytest.raises(ConfigError, match=no_source):
         GRPOTrainer(str(tiny_model_dir), args=_config(tmp_path), train_dataset=arithmetic_dataset(8))
+    with pytest.raises(ConfigError, match=no_source):  # an environment without get_reward scores nothing
+        GRPOTrainer(str(tiny_model_dir), args=_config(tmp_path), train_dataset=arithmetic_dataset(8),
+                    environment_factory=UnscoredEnv)
 
 
 @pytest.mark.parametrize("loss_type, level, warned", [

@@ -83,3 +83,50 @@ def test_a_straddling_step_normalises_each_micro_batch_by_its_own_batch(tmp_path
     step_tokens = exp_a.loss_mask[[4, 5]].sum() + exp_b.loss_mask[[0, 1]].sum()
     assert all(n.num_tokens == step_tokens for n in norms)
     assert [float(n.num_tokens_per_step_global) for n in norms] == [float(tokens_a * 2 / 3), float(tokens_b * 2 / 3)]
+
+
+def test_resume_is_exact_with_straddling_steps_a_synced_reference_and_adaptive_entropy(tmp_path, tiny_model_dir):
+    """Saves fall where steps line up with generation batches; the synced reference and the entropy
+    controller are checkpointed: a run killed after its first save and resumed ends where an
+    uninterrupted one does, bit for bit."""
+
+    def alternating(prompts, completions, **kwargs):  # differs within every group by construction
+        return [float(i % 2) for i in range(len(completions))]
+
+    def make(out):
+        cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(out), "num_generations": 2, "per_device_train_batch_size": 2,
+                            "gradient_accumulation_steps": 2, "steps_per_generation": 3, "max_steps": 6,
+                            "save_steps": 3, "beta": 0.04, "sync_ref_model": True, "ref_model_sync_steps": 2,
+                            "ref_model_mixup_alpha": 0.5, "learning_rate": 1e-3, "entropy_coef": 0.01,
+                            "use_adaptive_entropy": True, "entropy_target": 100.0, "entropy_coef_delta": 0.01})
+        return GRPOTrainer(str(tiny_model_dir), alternating, cfg, arithmetic_dataset(12, seed=3))
+
+    def state(trainer):
+        return ({n: p.detach().clone() for n, p in trainer.policy.named_parameters()},
+                {n: p.detach().clone() for n, p in trainer.ref_logprob_model.model.named_parameters()},
+                trainer.entropy_control.state_dict())
+
+    full = make(tmp_path / "full")
+    full.train()
+    expected = state(full)
+
+    killed = make(tmp_path / "resumed")
+    original_save = killed._save
+
+    def save_then_die():
+        original_save()
+        raise KeyboardInterrupt("simulated preemption")
+
+    killed._save = save_then_die
+    try:
+        killed.train()
+    except KeyboardInterrupt:
+        pass
+    assert killed.step == 3
+    resumed = make(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint="latest")
+    got = state(resumed)
+    for want, have in zip(expected[:2], got[:2]):
+        assert want.keys() == have.keys()
+        assert all(torch.equal(want[k], have[k]) for k in want)
+    assert got[2] == expected[2] and expected[2]["coef"] == 0.07  # 0.01 + 6 steps × 0.01

@@ -7,7 +7,7 @@ import torch
 
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.synthetic import arithmetic_dataset, arithmetic_problems
-from grpo_ascend.tiny_model import build_model, build_tokenizer, resolve_builtin
+from grpo_ascend.tiny_model import COMPACT_TOOLS_CHAT_TEMPLATE, build_model, build_tokenizer, resolve_builtin
 
 
 def test_tokenizer_is_deterministic_and_has_chat_template():
@@ -68,3 +68,67 @@ def test_a_second_builder_waits_for_the_first(tmp_path):
     with _build_lock(target):
         assert subprocess.run([sys.executable, "-c", probe, lock_file]).returncode == 3
     assert subprocess.run([sys.executable, "-c", probe, lock_file]).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# shipped warm starts (grpo_ascend/builtin_weights): installed in seconds, the same everywhere
+# ---------------------------------------------------------------------------------------------
+
+WARM_BUILDS = [(False, "tiny-warm-s0-v3"), (True, "tiny-tool-warm-s0-v3.2")]
+
+
+@pytest.mark.parametrize("tools,name", WARM_BUILDS)
+def test_shipped_warm_start_is_installed_exactly(tmp_path, tools, name):
+    """builtin:tiny-warm / -tool-warm (seed 0) are the shipped tensors bit for bit, under the current
+    architecture and tokenizer, and load with plain transformers."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_ascend import builtin_weights
+    from grpo_ascend.tiny_model import build_name, build_tiny_model
+
+    assert build_name("tiny", warm=True, tools=tools) == name
+    shipped = builtin_weights.shipped(name)
+    assert shipped is not None, f"{name} is not shipped"
+    out = build_tiny_model("tiny", warm=True, tools=tools, out_dir=tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    expected = load_file(str(shipped))
+    state = model.state_dict()
+    assert set(expected) <= set(state) and set(state) - set(expected) <= {"lm_head.weight"}
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor), key
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    tok = AutoTokenizer.from_pretrained(out)
+    assert builtin_weights.tokenizer_fingerprint(tok) == builtin_weights.manifest()[name]["tokenizer"]
+    assert (tok.chat_template == COMPACT_TOOLS_CHAT_TEMPLATE) is tools
+
+
+def test_other_seeds_are_not_shipped():
+    from grpo_ascend import builtin_weights
+
+    assert builtin_weights.shipped("tiny-warm-s1-v3") is None
+    assert set(builtin_weights.manifest()) == {name for _, name in WARM_BUILDS}
+
+
+def test_a_corrupt_or_stale_shipped_file_is_refused(tmp_path, monkeypatch):
+    """A damaged weights file, or a tokenizer build that no longer matches the weights, is a clear
+    error naming the fix, never a silently wrong model."""
+    import json
+    import shutil
+
+    from grpo_ascend import builtin_weights
+
+    name = "tiny-warm-s0-v3"
+    shutil.copy(builtin_weights.shipped(name), tmp_path / f"{name}.safetensors")
+    entry = dict(builtin_weights.manifest()[name])
+    monkeypatch.setattr(builtin_weights, "HERE", tmp_path)
+    monkeypatch.setattr(builtin_weights, "MANIFEST", tmp_path / "manifest.json")
+    tok = build_tokenizer()
+    (tmp_path / "manifest.json").write_text(json.dumps({name: {**entry, "sha256": "0" * 64}}))
+    with pytest.raises(RuntimeError, match="corrupt.*python -m grpo_ascend.builtin_weights"):
+        builtin_weights.verify(name, tok)
+    (tmp_path / "manifest.json").write_text(json.dumps({name: {**entry, "tokenizer": "f" * 64}}))
+    with pytest.raises(RuntimeError, match="tokenizer built here.*BUILD_VERSION"):
+        builtin_weights.verify(name, tok)
+    (tmp_path / "manifest.json").write_text(json.dumps({name: entry}))
+    assert builtin_weights.verify(name, tok) == tmp_path / f"{name}.safetensors"

@@ -148,7 +148,7 @@ def test_unit_weights_change_nothing(loss_type):
         assert all(torch.equal(stats[k], plain_stats[k]) for k in stats)
 
 
-@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "luspo", "vespo"])
 def test_gradient_accumulation_is_exact(loss_type):
     d = make_data()
     kw = {"beta": 0.05, "bias": True, "weights": token_weights()}

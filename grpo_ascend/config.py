@@ -46,7 +46,8 @@ class BaseRLConfig(_Validated):
     )
     num_generations: int = _f(8, "G: completions sampled per prompt (the group).")
     steps_per_generation: int | None = _f(
-        None, "Micro-batches fed by one generation batch (default: gradient_accumulation_steps)."
+        None, "Micro-batches fed by one generation batch (default: gradient_accumulation_steps). Not a multiple of "
+        "gradient_accumulation_steps: optimizer steps straddle generation batches, in order (as TRL)."
     )
     generation_batch_size: int | None = _f(
         None, "Completions sampled per generation round, all devices; alternative to steps_per_generation."

@@ -96,3 +96,25 @@ def perturb_weights(model, scale: float = 0.1, seed: int = 0):
             if p.dim() == 2:
                 p.add_(torch.randn(p.shape, generator=gen) * scale)
     return model
+
+
+def uninterrupted_and_resumed(make, state):
+    """(``state`` of an uninterrupted run, ``state`` of a run preempted right after its first checkpoint and
+    resumed from it, the step it was preempted at). ``make(output_dir)`` builds a trainer."""
+    import pytest
+
+    full = make("full")
+    full.train()
+    killed = make("resumed")
+    original_save = killed._save
+
+    def save_then_die():
+        original_save()
+        raise KeyboardInterrupt("simulated preemption")
+
+    killed._save = save_then_die
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()
+    resumed = make("resumed")
+    resumed.train(resume_from_checkpoint="latest")
+    return state(full), state(resumed), killed.step

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import torch
-from helpers import SMALL_RUN, first_digit_is_one
+from helpers import SMALL_RUN, first_digit_is_one, uninterrupted_and_resumed
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.models import default_lora_config
@@ -106,26 +106,8 @@ def test_resume_is_exact_with_straddling_steps_a_synced_reference_and_adaptive_e
                 {n: p.detach().clone() for n, p in trainer.ref_logprob_model.model.named_parameters()},
                 trainer.entropy_control.state_dict())
 
-    full = make(tmp_path / "full")
-    full.train()
-    expected = state(full)
-
-    killed = make(tmp_path / "resumed")
-    original_save = killed._save
-
-    def save_then_die():
-        original_save()
-        raise KeyboardInterrupt("simulated preemption")
-
-    killed._save = save_then_die
-    try:
-        killed.train()
-    except KeyboardInterrupt:
-        pass
-    assert killed.step == 3
-    resumed = make(tmp_path / "resumed")
-    resumed.train(resume_from_checkpoint="latest")
-    got = state(resumed)
+    expected, got, preempted_at = uninterrupted_and_resumed(lambda name: make(tmp_path / name), state)
+    assert preempted_at == 3
     for want, have in zip(expected[:2], got[:2]):
         assert want.keys() == have.keys()
         assert all(torch.equal(want[k], have[k]) for k in want)

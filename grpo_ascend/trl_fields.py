@@ -382,7 +382,8 @@ TRL_FIELDS: dict[str, TRLField] = {
                     _loss_type),
     "mask_truncated_completions": same(),
     "sync_ref_model": same("full fine-tuning; refused under LoRA (the reference is the base with adapters off, "
-                           "and a mixture of the policy and the base is not the base; TRL refuses PEFT too)"),
+                           "and a mixture of the policy and the base is not the base; TRL refuses PEFT too)",
+                           differs=True),
     "ref_model_mixup_alpha": same(),
     "ref_model_sync_steps": same(),
     "top_entropy_quantile": same("the quantile is taken over each micro-batch's tokens (all ranks), as TRL; our "
@@ -392,7 +393,7 @@ TRL_FIELDS: dict[str, TRLField] = {
                          "micro-batch's mean per-token entropy: equal for bnpo / dapo when micro-batches hold "
                          "equal token counts, weighted differently for grpo / dr_grpo", differs=True),
     "use_adaptive_entropy": same("the controller's entropy is the step's token mean over all ranks, as TRL; the "
-                                 "bonus is aggregated like entropy_coef's (below)"),
+                                 "bonus is aggregated like entropy_coef's (above)", differs=True),
     "entropy_coef_min": same(),
     "entropy_coef_max": same(),
     "entropy_coef_delta": same(),
@@ -404,7 +405,7 @@ TRL_FIELDS: dict[str, TRLField] = {
     "vllm_importance_sampling_clip_max": ignored(_VLLM),
     "vllm_importance_sampling_clip_min": ignored(_VLLM),
     "off_policy_mask_threshold": same("the KL is taken against the rollout engine's sampling log-probs (TRL: vLLM's, "
-                                      "else the old policy's)"),
+                                      "else the old policy's)", differs=True),
     "use_bias_correction_kl": same(),
     "log_completions": to("log_completions_steps", "true writes samples every logging_steps; false keeps "
                           "samples.jsonl at its own default (every 10 steps)", _log_completions, differs=True),

@@ -12,7 +12,7 @@ from helpers import (
     late_rewards_vs_control,
     make_experience,
     one_round_gradients,
-    train_until_preempted,
+    uninterrupted_and_resumed,
 )
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
@@ -139,16 +139,8 @@ def test_resume_is_exact(tmp_path, tiny_model_dir):
         return GRPOTrainer(str(tiny_model_dir), first_digit_is_one, cfg, arithmetic_dataset(12, seed=3),
                            peft_config=default_lora_config(r=4))
 
-    full = make(tmp_path / "full")
-    full.train()
-    expected = _weights(full)
-
-    killed = make(tmp_path / "resumed")
-    train_until_preempted(killed, 2)
-
-    resumed = make(tmp_path / "resumed")
-    resumed.train(resume_from_checkpoint="latest")
-    got = _weights(resumed)
+    expected, got, preempted_at = uninterrupted_and_resumed(lambda name: make(tmp_path / name), _weights)
+    assert preempted_at == 2
     assert expected.keys() == got.keys()
     for k in expected:
         assert torch.equal(expected[k], got[k]), k

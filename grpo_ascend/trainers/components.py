@@ -17,6 +17,7 @@ from grpo_ascend.data import is_stream
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models import (
     apply_peft,
+    cast_head_to_fp32,
     count_parameters,
     load_causal_lm,
     load_tokenizer,
@@ -38,6 +39,8 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
         logger.warning("model_init_kwargs are ignored: the model was passed already loaded")
     policy = load_causal_lm(model, init_kwargs=args.model_init_kwargs)
     tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class, args.model_init_kwargs)
+    if getattr(args, "cast_lm_head_to_fp32", False):
+        cast_head_to_fp32(policy)  # before the adapter: TRL refuses an adapter on the head
     policy = apply_peft(policy, peft_config)
     if args.disable_dropout:
         for module in policy.modules():
@@ -80,8 +83,8 @@ def total_steps(args: BaseRLConfig, dataset_size: int | None, plan: BatchPlan) -
         return args.max_steps
     if dataset_size is None:
         raise ConfigError(f"a streamed train set needs max_steps > 0 (got max_steps={args.max_steps})")
-    rounds = math.ceil(args.num_train_epochs * dataset_size / plan.prompts_per_generation)
-    return max(1, rounds * plan.optimizer_steps_per_generation)
+    rounds = math.ceil(args.num_train_epochs * dataset_size / plan.prompts_per_round)
+    return max(1, rounds * plan.optimizer_steps_per_round)
 
 
 def lr_factor(args: BaseRLConfig, total: int) -> Callable[[int], float]:

@@ -137,15 +137,26 @@ class GRPOTrainer(RLTrainerBase):
                         weights=None if exp.token_weights is None else exp.token_weights[micro],
                     )
                     loss, stats = policy_loss(args.loss_type, batch, self.loss_settings, normaliser)
+                    if args.entropy_coef:  # TRL's policy_loss: the loss without the entropy bonus
+                        stats["policy_loss"] = self._loss_without_entropy(batch, normaliser)
                     self._backward(loss)
                 self._accumulate(sums, {"loss": loss, **stats})
             grad_norm, _ = self._clip_and_step(self._policy_params, torch.isfinite(sums["loss"]))
             totals = ranks.sum_scalars(sums)
             step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm,
                             **self._policy_metrics(totals)}
+            if args.entropy_coef:
+                step_metrics["policy_loss"] = totals["policy_loss"] / ranks.world
             if args.beta > 0:
                 step_metrics["kl"] = totals.get("kl_sum", 0.0) / max(totals.get("token_count", 0.0), 1.0)
             self._end_step(step_metrics, log, exp, step_start)
+
+    def _loss_without_entropy(self, batch: PolicyLossBatch, normaliser: Any) -> torch.Tensor:
+        """The micro-batch's policy loss with the entropy bonus left out (a metric: no gradient)."""
+        with torch.no_grad():
+            detached = dataclasses.replace(batch, logps=batch.logps.detach(), entropies=None)
+            settings = dataclasses.replace(self.loss_settings, entropy_coef=0.0)
+            return policy_loss(self.args.loss_type, detached, settings, normaliser)[0]
 
     def _refill(self, exp: Experience, timer: PhaseTimer) -> Experience:
         """DAPO dynamic sampling: keep groups whose rewards differ; draw more prompts to refill, up to a cap.

@@ -93,7 +93,8 @@ TRAINER_SURFACE: list[tuple[str, str, str]] = [
     ("GRPOTrainer(environment_factory=...)", "supported", "docs/tools.md"),
     ("model", "supported", "the PEFT-wrapped policy with LoRA, else the policy"),
     ("args", "differs", "always our GRPOConfig (a TRL config is converted)"),
-    ("state", "supported", "a transformers.TrainerState: global_step, epoch, log_history"),
+    ("state", "supported", "a transformers.TrainerState: global_step, epoch, num_input_tokens_seen, total_flos, "
+     "log_history (TRL's metric names beside ours, every logging_steps; transformers' closing summary entry)"),
     ("control", "supported", "a transformers.TrainerControl; should_training_stop ends the run"),
     ("accelerator", "supported", "the run's accelerate.Accelerator (print, is_main_process, ...)"),
     ("processing_class", "supported", "the tokenizer"),
@@ -102,8 +103,8 @@ TRAINER_SURFACE: list[tuple[str, str, str]] = [
     ("optimizer", "supported", "torch AdamW (prepared by the distributed strategy)"),
     ("lr_scheduler", "supported", "a LambdaLR"),
     ("hub_model_id", "supported", "the repo's full id once the repo exists, else None"),
-    ("train(resume_from_checkpoint=...)", "differs", "a path, True or 'latest'; returns the run summary, not a "
-     "TrainOutput"),
+    ("train(resume_from_checkpoint=...)", "supported", "a path, True or 'latest'; returns transformers' TrainOutput "
+     "(the run summary of summary.json is trainer.run_summary)"),
     ("evaluate()", "supported", "docs/evaluation.md"),
     ("save_model(output_dir)", "supported", "the LoRA adapter in PEFT's format (or the full model) plus tokenizer"),
     ("push_to_hub(commit_message, blocking, token, revision, private, dataset_name, tags)", "supported",

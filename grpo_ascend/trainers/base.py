@@ -92,7 +92,8 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         if not isinstance(self.args, self.config_class):
             raise ConfigError(f"args must be a {self.config_class.__name__}, got {type(self.args).__name__}")
         if train_dataset is None:
-            raise ConfigError("train_dataset is required: a datasets.Dataset with a 'prompt' column")
+            raise ConfigError("`train_dataset` is required: pass a datasets.Dataset with a 'prompt' column (TRL 1.16 "
+                              "lets an environment_factory replace it; here the prompts come from a dataset always)")
         args = self.args
         self._init_evaluation(eval_dataset)  # before loading anything: refuse eval settings without a dataset
         dev.seed_everything(args.seed)

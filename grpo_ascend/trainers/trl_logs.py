@@ -55,7 +55,7 @@ def round_statistics(exp: Experience, ranks: Ranks) -> tuple[dict[str, float], f
     """TRL's statistics of a generation round that ours lack (lengths of the completions that ended before
     max_completion_length; zeros when none did, as TRL), its tokens (prompts + completions) and rows, all ranks."""
     lengths = ranks.gather(exp.completion_mask.sum(1).float())
-    truncated = ranks.gather(exp.truncated.bool())
+    truncated = ranks.gather(exp.truncated.float()).bool()  # float: collectives of every backend take it
     ended = lengths[~truncated]
     if ended.numel() == 0:
         ended = lengths.new_zeros(1)

@@ -91,3 +91,25 @@ def test_entries_average_the_steps_since_the_last_log_as_trl(tmp_path, tiny_mode
     assert [r["step"] for r in records] == [2, 3]
     assert records[0]["reward"] == pytest.approx(calls[1], rel=1e-6)
     assert output.metrics["reward"] == summary["reward"]
+
+
+def test_window_averages_skip_nan_and_use_trls_names_per_loss_type():
+    """TRL's log(): each name's values since the last entry averaged without NaN (None when all are NaN);
+    grad_norm / learning_rate are the last step's; the clipped fractions get the loss type's TRL name."""
+    from transformers import TrainerState
+
+    from grpo_ascend.trainers.trl_logs import TRLLogHistory
+
+    nan = float("nan")
+    log = TRLLogHistory(TrainerState(), "dapo", 0.0, 0, 4)
+    log.add_step({"loss": nan, "entropy": nan, "grad_norm": 2.0, "clip_ratio/high": 0.5, "ratio/mean": 1.0})
+    log.add_step({"loss": 1.0, "entropy": nan, "grad_norm": 3.0, "clip_ratio/high": 0.25, "time/step": 2.0})
+    assert log.flush() == {"loss": 1.0, "entropy": None, "grad_norm": 3.0, "clip_ratio/high_mean": 0.375,
+                           "step_time": 2.0}
+    assert log.flush() == {}  # cleared, as TRL clears its metrics after each log
+    cispo = TRLLogHistory(TrainerState(), "cispo", 0.0, 0, 4)
+    cispo.add_step({"clip_ratio/low": 0.0, "clip_ratio/high": 0.25})
+    assert cispo.flush() == {"cispo_clip_ratio": 0.25}
+    sapo = TRLLogHistory(TrainerState(), "sapo", 0.0, 0, 4)  # TRL logs no clipped fraction for sapo
+    sapo.add_step({"clip_ratio/high": 0.25})
+    assert sapo.flush() == {}

@@ -39,6 +39,8 @@ SAME_NAMES = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "fra
 CLIP_NAMES = {"clip_ratio/low": "clip_ratio/low_mean", "clip_ratio/high": "clip_ratio/high_mean",
               "clip_ratio/region": "clip_ratio/region_mean"}
 CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
+#: CISPO's capped-weight fraction (ratio > epsilon_high where the advantage is positive) under TRL's name.
+CISPO_NAMES = {"clip_ratio/high": "cispo_clip_ratio"}
 #: transformers logs these from its own loop at logging steps only: the last value, never in the summary.
 LOOP_ONLY = ("grad_norm", "learning_rate")
 
@@ -72,7 +74,8 @@ class TRLLogHistory:
     def __init__(self, state: Any, loss_type: str, entropy_coef: float, flops_per_token: int,
                  completions_per_step: int) -> None:
         self.state = state
-        self.names = {**TRL_NAMES, **(CLIP_NAMES if loss_type in CLIPPED_LOSSES else {})}
+        clip_names = CLIP_NAMES if loss_type in CLIPPED_LOSSES else CISPO_NAMES if loss_type == "cispo" else {}
+        self.names = {**TRL_NAMES, **clip_names}
         self.constant = {"entropy_coef": entropy_coef} if entropy_coef else {}
         self.flops_per_token = flops_per_token
         self.completions_per_step = completions_per_step

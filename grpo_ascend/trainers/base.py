@@ -51,7 +51,7 @@ from grpo_ascend.trainers.components import (
 from grpo_ascend.trainers.evaluating import EvaluationMixin
 from grpo_ascend.trainers.micro_batches import TokenCost, plan_for_rank
 from grpo_ascend.trainers.surface import TrainerSurfaceMixin
-from grpo_ascend.trainers.trl_logs import TRLLogHistory, trainable_flops_per_token
+from grpo_ascend.trainers.trl_logs import TRLLogHistory, training_flops_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -376,7 +376,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self._peak_gb = 0.0
         self.state.global_step = self.step
         self._trl_log = TRLLogHistory(self.state, getattr(args, "loss_type", ""), getattr(args, "entropy_coef", 0.0),
-                                      trainable_flops_per_token(self.policy), self.plan.completions_per_step)
+                                      training_flops_per_token(self.policy), self.plan.completions_per_step)
         self._event("on_train_begin")
 
     def _shuffled_rows(self, n: int, iteration: int) -> Tensor:

@@ -45,7 +45,7 @@ CISPO_NAMES = {"clip_ratio/high": "cispo_clip_ratio"}
 LOOP_ONLY = ("grad_norm", "learning_rate")
 
 
-def trainable_flops_per_token(model: nn.Module) -> int:
+def training_flops_per_token(model: nn.Module) -> int:
     """transformers' estimate of a training forward + backward: 6 × the non-embedding parameters per token."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     counter = getattr(base, "num_parameters", None)

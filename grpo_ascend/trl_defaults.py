@@ -1,6 +1,7 @@
 """The declared default of every field of TRL 1.16's ``GRPOConfig`` (before its ``__post_init__``), in TRL's
 order: what "left at TRL's default" means for a TRL field given to our own ``GRPOConfig`` as a keyword,
-without importing trl. tests/test_trl_keywords.py checks the table against the installed trl.
+without importing trl. tests/test_trl_keywords.py checks the table against the installed trl. The fields that
+choose a distributed engine are grpo_ascend/dist's (as in grpo_ascend/trl_fields.py).
 """
 
 from __future__ import annotations
@@ -112,9 +113,6 @@ TRL_DEFAULTS: dict[str, Any] = {
     "ddp_static_graph": None,
     "ddp_backend": None,
     "ddp_timeout": 1800,
-    "fsdp": None,
-    "fsdp_config": None,
-    "deepspeed": None,
     "debug": "",
     "skip_memory_metrics": True,
     "do_train": False,
@@ -200,3 +198,18 @@ TRL_DEFAULTS: dict[str, Any] = {
     "use_transformers_paged": False,
     "vllm_importance_sampling_cap": None,
 }
+
+
+def _with_engine_fields(table: dict[str, Any]) -> dict[str, Any]:
+    """Insert the engine-choosing fields' defaults at their place in TRL's order."""
+    from grpo_ascend.dist.trl_config import AFTER, ENGINE_DEFAULTS
+
+    out: dict[str, Any] = {}
+    for name, value in table.items():
+        out[name] = value
+        if name == AFTER:
+            out.update(ENGINE_DEFAULTS)
+    return out
+
+
+TRL_DEFAULTS = _with_engine_fields(TRL_DEFAULTS)

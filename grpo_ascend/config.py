@@ -9,6 +9,7 @@ generated from these dataclasses and cannot drift. Values come from Python, a YA
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import typing
@@ -169,6 +170,11 @@ class BaseRLConfig(_Validated):
     )
 
     def __post_init__(self) -> None:
+        # TRL's unset values (None) of fields typed more narrowly here: transformers' output folder, a visible
+        # progress bar, and our number of printed completions (as a trl.GRPOConfig converts them).
+        for name, unset in (("output_dir", "trainer_output"), ("disable_tqdm", False), ("num_completions_to_print", 4)):
+            if getattr(self, name) is None:
+                setattr(self, name, unset)
         budget = self.max_tokens_per_micro_batch
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
             raise ConfigError(f"max_tokens_per_micro_batch must be a whole number of tokens or null, got {budget!r}")
@@ -344,9 +350,29 @@ KLEstimatorName = Literal["k1", "k2", "k3"]
 ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
+def _accepts_trl_keywords(cls: type) -> type:
+    """Let ``cls(...)`` also take every TRL 1.16 ``GRPOConfig`` field as a keyword, classified as for a
+    ``trl.GRPOConfig`` object (:func:`grpo_ascend.trl_keywords.own_keywords`); its own fields are untouched."""
+    init = cls.__init__
+    own = {f.name for f in dataclasses.fields(cls) if f.init}
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.keys() - own:  # imported here: trl_keywords' table imports grpo_ascend.dist, which imports us
+            from grpo_ascend.trl_keywords import own_keywords
+
+            kwargs = own_keywords(type(self), kwargs)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
+
+
+@_accepts_trl_keywords
 @dataclass
 class GRPOConfig(BaseRLConfig):
-    """GRPO settings. Field names and meanings follow TRL's GRPOConfig where TRL has the concept."""
+    """GRPO settings. Field names and meanings follow TRL's GRPOConfig where TRL has the concept; TRL's other
+    fields are accepted as keywords too (docs/trl_compatibility.md)."""
 
     learning_rate: float = _f(1e-6, "AdamW peak learning rate.")
     beta: float = _f(0.0, "KL coefficient to the reference policy (k3 estimator); 0 = no reference model.")

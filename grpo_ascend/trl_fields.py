@@ -113,7 +113,7 @@ def _eval_strategy(value: Any, cfg: Any) -> dict[str, Any]:
 def _save_strategy(value: Any, cfg: Any) -> dict[str, Any]:
     if value not in ("steps", "no"):
         raise _bad("save_strategy", value, "'steps' (with save_steps) or 'no'")
-    return {}
+    return {"save_steps": 0} if value == "no" else {}
 
 
 def _save_steps(value: Any, cfg: Any) -> dict[str, Any]:
@@ -141,6 +141,10 @@ def _model_init_kwargs(value: Any, cfg: Any) -> dict[str, Any]:
     if cfg.trust_remote_code:
         kwargs.setdefault("trust_remote_code", True)
     return {"model_init_kwargs": kwargs or None}
+
+
+def _trust_remote_code(value: Any, cfg: Any) -> dict[str, Any]:
+    return _model_init_kwargs(cfg.model_init_kwargs, cfg) if value else {}
 
 
 def _pad_to(value: Any, cfg: Any) -> dict[str, Any]:
@@ -271,7 +275,7 @@ TRL_FIELDS: dict[str, TRLField] = {
     "include_for_metrics": ignored(_EVAL_LOOP),
     "batch_eval_metrics": ignored(_EVAL_LOOP),
     "save_only_model": ignored("checkpoints always hold the optimizer and RNG state, for exact resume"),
-    "save_strategy": to((), "'steps'; 'no' becomes save_steps=0 (the final checkpoint is still "
+    "save_strategy": to("save_steps", "'steps'; 'no' becomes save_steps=0 (the final checkpoint is still "
                         "written); 'epoch' and 'best' refused", _save_strategy, differs=True),
     "save_steps": to("save_steps", "whole steps only; saves land on generation-round boundaries",
                      _save_steps, differs=True),
@@ -324,7 +328,7 @@ TRL_FIELDS: dict[str, TRLField] = {
     "local_rank": ignored("set by the launcher; accelerate reads the rank itself"),
     # --- TRL GRPOConfig ---
     "model_init_kwargs": to("model_init_kwargs", "dtype defaults to float32, as TRL", _model_init_kwargs),
-    "trust_remote_code": to("model_init_kwargs", "becomes model_init_kwargs['trust_remote_code']", _nothing),
+    "trust_remote_code": to("model_init_kwargs", "becomes model_init_kwargs['trust_remote_code']", _trust_remote_code),
     "router_aux_loss_coef": refused("the MoE load-balancing loss is not added to the GRPO loss"),
     "disable_dropout": same("every nn.Dropout (LoRA's included) gets p=0, as TRL"),
     "cast_lm_head_to_fp32": same("the head's matmul runs in float32 in training, reference and rollout (a tied "

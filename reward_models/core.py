@@ -426,11 +426,18 @@ class RewardSet:
         all_none = int(torch.isnan(per).all(dim=1).sum()) if f else n
         if all_none and "__all_none__" not in self._warned:
             self._warned.add("__all_none__")
+            row = int(torch.isnan(per).all(dim=1).nonzero()[0]) if f else 0
+            example = {**{k: v[row] for k, v in batch.columns.items()}, "prompt": batch.prompts[row],
+                       "completion": batch.completions[row]}
+            # TRL 1.16's wording (users grep for it), with what happens here and how often it is said
             logger.warning(
-                "%d of %d completions got None from every reward function (%s); their total reward is 0",
+                "All reward functions returned None for %d of %d completions (%s); the first one's kwargs:\n%s\n"
+                "Please ensure that at least one reward function returns a valid reward. Such a completion's total "
+                "reward is 0 (warned once per run).",
                 all_none,
                 n,
                 ", ".join(self.names),
+                example,
             )
         flat = torch.cat([per.reshape(-1), total])
         if self.device is not None and flat.device != self.device:

@@ -225,9 +225,11 @@ def test_trl_trainer_surface_model_state_callbacks_and_save_model(tmp_path, tiny
                           peft_config=default_lora_config(r=4), callbacks=[Recorder])
     assert trainer.model is trainer.policy and trainer.state.max_steps == 5
     trainer.train()
+    # as transformers: the closing summary is logged (train_loss, not loss) before on_train_end
     assert events == [("begin", 0), ("log", 1, True), ("step", 1), ("log", 2, True), ("step", 2), ("save", 2),
-                      ("end", 2)]
-    assert trainer.state.global_step == 2 and [r["step"] for r in trainer.state.log_history] == [1, 2]
+                      ("log", 2, False), ("end", 2)]
+    assert trainer.state.global_step == 2 and [r["step"] for r in trainer.state.log_history] == [1, 2, 2]
+    assert "train_loss" in trainer.state.log_history[-1]
     trainer.save_model()  # into the run folder, next to its metrics and checkpoints
     out = tmp_path / "run"
     assert (out / "adapter_model.safetensors").is_file() and (out / "metrics.jsonl").is_file()

@@ -52,6 +52,7 @@ from grpo_ascend.trainers.components import (
 from grpo_ascend.trainers.evaluating import EvaluationMixin
 from grpo_ascend.trainers.micro_batches import TokenCost, plan_for_rank
 from grpo_ascend.trainers.surface import TrainerSurfaceMixin
+from grpo_ascend.trainers.trl_logs import TRLLogHistory, training_flops_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,8 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         if not isinstance(self.args, self.config_class):
             raise ConfigError(f"args must be a {self.config_class.__name__}, got {type(self.args).__name__}")
         if train_dataset is None:
-            raise ConfigError("train_dataset is required: a datasets.Dataset with a 'prompt' column")
+            raise ConfigError("`train_dataset` is required: pass a datasets.Dataset with a 'prompt' column (TRL 1.16 "
+                              "lets an environment_factory replace it; here the prompts come from a dataset always)")
         args = self.args
         self._init_evaluation(eval_dataset)  # before loading anything: refuse eval settings without a dataset
         check_streamed_steps(args, train_dataset)
@@ -110,6 +112,8 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self.strategy.validate_model(self.is_peft)
         self.train_dataset = train_dataset
         self._callbacks = callbacks
+        #: What summary.json holds after ``train()`` (steps, first/last reward, peak memory, ...); None before.
+        self.run_summary: dict[str, Any] | None = None
 
     def _build_training(self, reward_funcs: Any, extra_parameters: Sequence[nn.Parameter] = (),
                         reward_processing_classes: Any = None) -> None:
@@ -316,8 +320,13 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             logger.warning("step %d: loss or gradient is NaN/inf; step skipped, weights untouched", self.step + 1)
         return grad_norm, stepped
 
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, Any]:
-        """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True."""
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> Any:
+        """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True.
+
+        Returns transformers' ``TrainOutput(global_step, training_loss, metrics)``, whose metrics are also the
+        last entry of ``state.log_history`` (trainers/trl_logs.py); the run summary written to summary.json is
+        :attr:`run_summary`.
+        """
         self._begin(resume_from_checkpoint)
         try:
             if self._evaluating() and self.args.eval_on_start and self.step == 0:
@@ -369,6 +378,9 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self._first_reward: float | None = None
         self._last_record: dict[str, float] = {}
         self._peak_gb = 0.0
+        self.state.global_step = self.step
+        self._trl_log = TRLLogHistory(self.state, getattr(args, "loss_type", ""), getattr(args, "entropy_coef", 0.0),
+                                      training_flops_per_token(self.policy), self.plan.completions_per_step)
         self._event("on_train_begin")
 
     def _shuffled_rows(self, n: int, iteration: int) -> Tensor:
@@ -405,6 +417,10 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self._peak_gb = max(self._peak_gb, step_peak, *log.timer.peak_gb.values())
         if args.max_tokens_per_micro_batch is not None:
             step_metrics = {**step_metrics, "micro_batches": float(self._step_micro_batches)}
+        if log.steps == 1:
+            self._trl_log.add_round(log.metrics, exp, self.ranks)
+        self._trl_log.add_step({**step_metrics, "learning_rate": self.scheduler.get_last_lr()[0],
+                                "time/step": train_time + (log.prep_seconds if log.steps == 1 else 0.0)})
         if self.step % args.logging_steps == 0 or self.step == self.max_steps:
             self._log_step(step_metrics, log, train_time, step_peak)
         assert self.tracker is not None
@@ -434,13 +450,20 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         }
         assert self.tracker is not None
         self.tracker.log(self.step, record)
-        self.state.log_history.append({**record, "step": self.step})
-        self._event("on_log", logs=record)
+        if self.step % self.args.logging_steps == 0:  # TRL's entries; a last step off them waits for the summary
+            self._log({**record, **self._trl_log.flush()})
         if self._first_reward is None:
             self._first_reward = record.get("reward")
         self._last_record = record
 
-    def _finish(self) -> dict[str, Any]:
+    def _log(self, logs: dict[str, Any]) -> None:
+        """One ``state.log_history`` entry and its ``on_log`` event (transformers' ``Trainer.log``)."""
+        self.state.log_history.append({**logs, "step": self.step})
+        self._event("on_log", logs=logs)
+
+    def _finish(self) -> Any:
+        from transformers.trainer_utils import TrainOutput
+
         args = self.args
         export_dir = None
         if args.export_adapter_at_end:
@@ -463,6 +486,9 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         }
         if export_dir:
             summary["adapter"] = export_dir
-        out = self.tracker.close(summary)
+        self.run_summary = self.tracker.close(summary)
+        train_loss, metrics = self._trl_log.summary()
+        metrics["epoch"] = self.sampler.epochs_done
+        self._log(metrics)
         self._event("on_train_end")
-        return out
+        return TrainOutput(self.step, train_loss, metrics)

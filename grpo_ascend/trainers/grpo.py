@@ -204,12 +204,16 @@ class GRPOTrainer(RLTrainerBase):
                         selection=self._high_entropy_tokens(entropies, exp.loss_mask[micro]),
                     )
                     loss, stats = policy_loss(args.loss_type, batch, settings, normaliser)
+                    if bonus:  # TRL's policy_loss: the loss without the entropy bonus
+                        stats["policy_loss"] = self._loss_without_entropy(batch, settings, normaliser)
                     self._backward(loss)
                 self._accumulate(sums, {"loss": loss, **stats, **self._trained_entropy(batch)})
         self._step_micro_batches = count
         grad_norm, _ = self._clip_and_step(self._policy_params, torch.isfinite(sums["loss"]))
         totals = ranks.sum_scalars(sums)
         step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm, **self._policy_metrics(totals)}
+        if bonus:
+            step_metrics["policy_loss"] = totals["policy_loss"] / ranks.world
         if args.beta > 0:
             step_metrics["kl"] = totals.get("kl_sum", 0.0) / max(totals.get("token_count", 0.0), 1.0)
         if args.use_adaptive_entropy:
@@ -266,6 +270,14 @@ class GRPOTrainer(RLTrainerBase):
         with torch.no_grad():
             for name, p in self.ref_logprob_model.model.named_parameters():
                 p.copy_(extra[f"reference/{name}"].to(p.device, p.dtype))
+
+    def _loss_without_entropy(self, batch: PolicyLossBatch, settings: PolicyLossSettings,
+                              normaliser: Any) -> torch.Tensor:
+        """The micro-batch's policy loss with the entropy bonus left out (a metric: no gradient)."""
+        with torch.no_grad():
+            detached = dataclasses.replace(batch, logps=batch.logps.detach(), entropies=None)
+            settings = dataclasses.replace(settings, entropy_coef=0.0)
+            return policy_loss(self.args.loss_type, detached, settings, normaliser)[0]
 
     def _refill(self, exp: Experience, timer: PhaseTimer) -> Experience:
         """DAPO dynamic sampling: keep groups whose rewards differ; draw more prompts to refill, up to a cap.

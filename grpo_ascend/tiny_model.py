@@ -219,8 +219,12 @@ def add_tool_token_embeddings(model, tokenizer, seed: int = 0):
     return model
 
 
-def warm_start(model, tokenizer, steps: int = 300, batch_size: int = 32, lr: float = 1e-3, seed: int = 0):
+def warm_start(model, tokenizer, steps: int = 300, batch_size: int = 32, lr: float = 1e-3, seed: int = 0,
+               losses: list[float] | None = None):
     """Short supervised run on the synthetic task (loss on the completion only) so RL starts with signal.
+
+    Each step's loss is appended to ``losses`` when given; the first ``n`` steps of a run with
+    ``steps=n`` are those of the full run (the shipped weights' manifest records them).
 
     Deliberately brief: stopped before the model masters the task (it learns the answer format
     and gets roughly a fifth to a third of the sums right), which leaves accuracy for RL to improve.
@@ -242,6 +246,8 @@ def warm_start(model, tokenizer, steps: int = 300, batch_size: int = 32, lr: flo
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+            if losses is not None:
+                losses.append(out.loss.item())
             if step % 100 == 0 or step == steps - 1:
                 logger.info("warm start step %d/%d loss %.4f", step + 1, steps, out.loss.item())
     model.eval()
@@ -397,6 +403,29 @@ def _built_model(build: _Build):
         logger.info("building %s: supervised warm start (a minute or two of CPU)", build.name)
         warm_start(model, tokenizer, seed=build.seed)
     return add_tool_token_embeddings(model, tokenizer, seed=build.seed), tokenizer, None
+
+
+def first_warm_start_losses(size: str = "tiny", tools: bool = False, seed: int = 0, steps: int = 8) -> list[float]:
+    """The losses of the first ``steps`` optimizer steps of a warm start, run here from its real start
+    (the random init for ``-warm``; the shipped or cached ``-warm`` model for ``-tool-warm``): seconds
+    of CPU that tell whether the code still builds what was shipped (see :mod:`grpo_ascend.builtin_weights`)."""
+    import dataclasses
+
+    losses: list[float] = []
+    if tools:
+        from transformers import AutoModelForCausalLM
+
+        from grpo_ascend.tiny_tool_warm import TOOL_WARM_PHASES, tool_warm_phase
+
+        tokenizer = build_tokenizer(seed=seed)
+        tokenizer.chat_template = COMPACT_TOOLS_CHAT_TEMPLATE
+        model = AutoModelForCausalLM.from_pretrained(build_tiny_model(size, warm=True, seed=seed))
+        first = TOOL_WARM_PHASES[0]
+        tool_warm_phase(model, tokenizer, dataclasses.replace(first, steps=steps), seed + first.seed_offset, losses)
+    else:
+        tokenizer = build_tokenizer(seed=seed)
+        warm_start(_build_base_model(size, tokenizer, seed=seed), tokenizer, steps=steps, seed=seed, losses=losses)
+    return losses
 
 
 def _load_shipped(build: _Build, tokenizer, path: Path):

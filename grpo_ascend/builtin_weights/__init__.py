@@ -4,7 +4,8 @@ Warm-starting ``builtin:tiny-warm`` (300 supervised steps) and ``builtin:tiny-to
 more on calculator transcripts) takes minutes of CPU, and its result depends on the CPU that ran it
 (float reductions are ordered differently per instruction set). The seed-0 results are therefore
 shipped here, one ``<build name>.safetensors`` per model, with ``manifest.json`` recording each
-file's SHA-256, the fingerprint of the tokenizer it was trained with, and where it was built.
+file's SHA-256, the fingerprint of the tokenizer it was trained with, the losses of the warm start's first steps, and where
+it was built.
 :func:`grpo_ascend.tiny_model.build_tiny_model` installs a shipped file in seconds and rebuilds only
 what is not shipped (another seed, ``from_scratch=True``). ``python -m grpo_ascend.builtin_weights``
 rebuilds the shipped files from scratch (maintainers, after a change to the warm start).
@@ -80,8 +81,9 @@ def verify(name: str, tokenizer: Any) -> Path | None:
     return path
 
 
-def record(name: str, weights: Path, tokenizer: Any) -> Path:
-    """Copy a freshly built ``weights`` file in as build ``name`` and record it in the manifest."""
+def record(name: str, weights: Path, tokenizer: Any, first_losses: list[float]) -> Path:
+    """Copy a freshly built ``weights`` file in as build ``name`` and record it in the manifest, with the
+    losses of its warm start's first steps (a rebuild's first steps must reproduce them)."""
     import shutil
 
     import torch
@@ -92,7 +94,9 @@ def record(name: str, weights: Path, tokenizer: Any) -> Path:
     entries[name] = {
         "sha256": file_sha256(target),
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "built_on": f"{platform.processor() or platform.machine()}, {_cpu_model()}, torch {torch.__version__}",
+        "first_losses": first_losses,
+        "built_on": f"{platform.machine()}, {_cpu_model()}, torch {torch.__version__}, "
+                    f"{torch.get_num_threads()} thread(s)",
     }
     MANIFEST.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
     return target
@@ -116,7 +120,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from grpo_ascend.tiny_model import build_name, build_tiny_model
+    from grpo_ascend.tiny_model import build_name, build_tiny_model, first_warm_start_losses
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     names = [build_name("tiny", warm=True, tools=tools, seed=0) for tools in (False, True)]
@@ -125,5 +129,6 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for tools, name in zip((False, True), names):
             out = build_tiny_model("tiny", warm=True, tools=tools, out_dir=Path(tmp) / name)
-            print(record(name, out / "model.safetensors", AutoTokenizer.from_pretrained(out)))
+            losses = first_warm_start_losses("tiny", tools=tools)
+            print(record(name, out / "model.safetensors", AutoTokenizer.from_pretrained(out), losses))
     return 0

@@ -50,6 +50,21 @@ def first_digit_is_one(prompts, completions, **kwargs):
     return [1.0 if t.strip().removeprefix("<answer>").startswith("1") else 0.0 for t in texts]
 
 
+def index_in_group(num_generations: int):
+    """A reward function scoring each completion by its index within its group of ``num_generations``.
+
+    A group's completions are contiguous rows, so the rewards differ within every group whatever was
+    sampled: every group gets non-zero advantages by construction, on any CPU. (Should a group's
+    completions all be the same text, their gradients still cancel; a test that needs a weight change
+    even then needs a term that does not depend on the samples, e.g. weight decay.)
+    """
+
+    def index_in_group(completions, **kwargs):
+        return [float(i % num_generations) for i in range(len(completions))]
+
+    return index_in_group
+
+
 def make_experience(prompt_ids, prompt_mask, completion_ids, completion_mask, rewards=None, **fields):
     """An Experience from fixed tensors (no generation), as a round's optimizer steps read it."""
     import torch

@@ -25,12 +25,15 @@ def main() -> int:
 
     model, tok, call, suffix, seq = _scripted(spec["model_dir"])
     model.script = dict(list(model.script.items())[: len(call)])  # the answer after the tool is sampled
+    # One tool step: a <tool_call> the answer may sample (p ≈ 0.002 a token) is never run, so one call per
+    # completion, no failed call and the right sum hold whatever was sampled.
 
     def reward(prompts, completions, **kwargs):
         return [float(len(c[-1]["content"]) % 3 == 0) for c in completions]
 
     cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(out / "run"), "max_steps": 2, "max_prompt_length": 1024,
-                        "max_completion_length": len(call) + len(suffix) + 8, "per_device_train_batch_size": 4})
+                        "max_completion_length": len(call) + len(suffix) + 8, "per_device_train_batch_size": 4,
+                        "max_tool_calling_iterations": 1})
     trainer = GRPOTrainer(model, reward, cfg, Dataset.from_list([{"prompt": PROMPT}] * 8), processing_class=tok,
                           peft_config=default_lora_config(r=4), environment_factory=AddEnv)
     trainer.train()

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import SMALL_RUN
+from helpers import SMALL_RUN, index_in_group
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
@@ -142,7 +142,11 @@ def test_a_run_with_evaluation_trains_exactly_like_one_without(tmp_path):
 def test_best_checkpoint_pointer_export_and_load_best_model_at_end(tmp_path):
     """A step-dependent eval metric peaks at step 2: checkpoint-2 is the best, survives
     save_total_limit=1, is what `export OUTPUT_DIR/best` and `export OUTPUT_DIR --best` write, and
-    its weights are the trainer's at the end."""
+    its weights are the trainer's at the end.
+
+    Step 3 must move the weights, or "the weights are step 2's" proves nothing: the weight decay moves
+    every non-zero LoRA weight at every step by construction, whatever was sampled (the index reward
+    gives every group non-zero advantages, but the gradients of identical completions would cancel)."""
 
     def step_bonus(completions, trainer_state=None, **kwargs):
         return [{0: 0.1, 1: 0.2, 2: 0.9, 3: 0.3}[trainer_state["step"]]] * len(completions)
@@ -154,8 +158,9 @@ def test_best_checkpoint_pointer_export_and_load_best_model_at_end(tmp_path):
             saved[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
     cfg = _config(tmp_path, max_steps=3, save_steps=1, save_total_limit=1, eval_strategy="steps",
-                  metric_for_best_model="eval/rewards/step_bonus/mean", load_best_model_at_end=True)
-    trainer = GRPOTrainer("builtin:tiny-warm", [_length_reward, step_bonus], args=cfg,
+                  metric_for_best_model="eval/rewards/step_bonus/mean", load_best_model_at_end=True,
+                  weight_decay=0.1)
+    trainer = GRPOTrainer("builtin:tiny-warm", [index_in_group(cfg.num_generations), step_bonus], args=cfg,
                           train_dataset=arithmetic_dataset(12, seed=0), eval_dataset=arithmetic_dataset(2, seed=1),
                           peft_config=default_lora_config(r=4), callbacks=[Snapshots()])
     trainer.train()

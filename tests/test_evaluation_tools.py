@@ -70,9 +70,11 @@ def test_tool_run_evaluates_through_its_environments_and_trains_as_without(tmp_p
     for name, extra in (("plain", {}), ("evaluated", {**EVALUATED, "eval_steps": 2})):
         model, tok, call, suffix, _ = _scripted(tiny_model_dir)
         model.script = dict(list(model.script.items())[: len(call)])  # the answer after the tool is sampled
+        # One tool step: a <tool_call> the answer may sample (p ≈ 0.002 a token) is never run, so one call
+        # per completion, no failed call and the right sum hold whatever was sampled.
         cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / name), "max_prompt_length": 1024,
                             "max_completion_length": len(call) + len(suffix) + 12, "per_device_train_batch_size": 4,
-                            **extra})
+                            "max_tool_calling_iterations": 1, **extra})
         trainer = GRPOTrainer(model, _length_mod_3, cfg, Dataset.from_list([{"prompt": PROMPT}] * 8),
                               eval_dataset=Dataset.from_list([{"prompt": PROMPT}] * 2) if extra else None,
                               processing_class=tok, peft_config=default_lora_config(r=4), environment_factory=LuckyEnv)

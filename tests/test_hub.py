@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import SMALL_RUN
+from helpers import SMALL_RUN, index_in_group
 
 from grpo_ascend import GRPOConfig, GRPOTrainer, hub
 from grpo_ascend.models import default_lora_config
@@ -39,17 +39,14 @@ class FakeHub:
         return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0")
 
 
-def length(completions, **kwargs):
-    """A reward that differs within a group, so one step moves the adapter."""
-    return [float(len(c if isinstance(c, str) else c[0]["content"])) for c in completions]
-
-
 def _config(tmp_path, **kw):
     return GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), **kw})
 
 
 def _trainer(tmp_path, tiny_model_dir, **kw):
-    return GRPOTrainer(str(tiny_model_dir), length, _config(tmp_path, **kw), arithmetic_dataset(8),
+    # The index reward differs within every group whatever was sampled, so a step moves the adapter.
+    cfg = _config(tmp_path, **kw)
+    return GRPOTrainer(str(tiny_model_dir), index_in_group(cfg.num_generations), cfg, arithmetic_dataset(8),
                        peft_config=default_lora_config(r=4))
 
 

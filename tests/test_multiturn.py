@@ -4,7 +4,9 @@ conversation, greedy parity with ``generate``, and tool-free rows equal to the s
 The scripted model is the tiny Qwen2 (weights perturbed so free decoding varies) whose logits are
 overridden at chosen absolute positions: what it emits there depends only on the position, so it
 behaves identically in the cached loop, in one forward over the whole conversation and in
-``generate``. Prompts of very different lengths get disjoint scripts.
+``generate``. Prompts of very different lengths get disjoint scripts. Tokens it must never emit
+where it decodes freely (a tool-call tag, the end of a turn) are banned there, so a sampled
+rollout's calls and lengths do not depend on what was sampled.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ def add(a: int, b: int) -> int:
 
 
 class ScriptedQwen2(Qwen2ForCausalLM):
-    """Forces token ``script[p]`` as the token at absolute position ``p`` (where set)."""
+    """Forces token ``script[p]`` as the token at absolute position ``p`` (where set), and never emits
+    a token of ``banned`` elsewhere."""
 
     script: dict[int, int] = {}
+    banned: tuple[int, ...] = ()
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, logits_to_keep=0,
                 **kwargs):
@@ -54,6 +58,8 @@ class ScriptedQwen2(Qwen2ForCausalLM):
         hit = forced >= 0
         bias[hit] = -1e4
         bias[hit.nonzero(as_tuple=True) + (forced[hit],)] = 0.0
+        if self.banned:
+            bias[..., list(self.banned)] = torch.where(hit[..., None], bias[..., list(self.banned)], -1e4)
         out.logits = out.logits + bias
         return out
 
@@ -68,9 +74,10 @@ def _ids(tok, text):
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _setup(model, tok, answer_free: bool, b_free: bool = False):
-    """Two prompts: A calls add(2, 3) then answers; B (far longer) answers at once. Returns
-    (prompts, expected completion of A or None, per-prompt rendered lengths)."""
+def _setup(model, tok, answer_free: bool, b_free: bool = False, banned: tuple[int, ...] = ()):
+    """Two prompts: A calls add(2, 3) then answers; B (far longer) answers at once; ``banned`` tokens
+    are never emitted where the model decodes freely. Returns (prompts, A's call, the tool suffix,
+    A's scripted answer, the toolset)."""
     tools = Toolset([add])
     prompts = [
         [{"role": "user", "content": "add two and three"}],
@@ -90,7 +97,7 @@ def _setup(model, tok, answer_free: bool, b_free: bool = False):
         script[start2 + k] = t
     for k, t in enumerate([] if b_free else _ids(tok, "ok") + [eos]):
         script[lens[1] + k] = t
-    model.script = script
+    model.script, model.banned = script, banned
     assert lens[1] > start2 + 60  # disjoint scripts
     return prompts, call, suffix, answer, tools
 
@@ -152,9 +159,18 @@ def test_iteration_and_length_limits(scripted):
     assert batch.truncated[0] and batch.completion_mask[0].sum() == len(call) + len(suffix) + 2
 
 
+def _tool_call_tag(tok) -> int:
+    return tok.convert_tokens_to_ids("<tool_call>")
+
+
 def test_cache_continuation_equals_whole_conversation_from_scratch(scripted):
+    """Free decoding never opens a call or ends a turn (banned): A's rows call once and decode to the
+    length limit after it, B's rows never call and are still decoding when A's take their tool step
+    -- whatever was sampled (free, these failed for 9 of 40 seeds)."""
     model, tok = scripted
-    prompts, call, suffix, answer, tools = _setup(model, tok, answer_free=True, b_free=True)
+    stops = tuple(RolloutEngine(model, tok).eos_token_ids)
+    prompts, call, suffix, answer, tools = _setup(model, tok, answer_free=True, b_free=True,
+                                                  banned=(_tool_call_tag(tok), *stops))
     params = SamplingParams(max_prompt_length=1024, num_generations=3, max_completion_length=110, temperature=1.0, seed=3)
     batch = _multi(model, tok, tools).generate(prompts, params)
     assert batch.tool_metrics["tools/calls_per_completion"] == 0.5
@@ -194,8 +210,9 @@ def test_greedy_final_turn_equals_generate_on_whole_conversation(scripted):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_rows_without_calls_equal_single_turn_engine(scripted, temperature):
+    """No row opens a call (the tag is banned; sampled freely, 4 of 40 seeds made one at temperature 1)."""
     model, tok = scripted
-    model.script = {}
+    model.script, model.banned = {}, (_tool_call_tag(tok),)
     prompts = ["the model answer", "a question about reward and policy values"]
     # shared_prefix=False: the multi-turn rollout decodes with the plain KV cache, so the single-turn
     # engine's log-probs match it to the last bit only on that cache (the shared prefix agrees to ~3e-6).
@@ -243,7 +260,7 @@ def test_failed_several_and_truncated_calls_are_answered_and_decoding_goes_on(sc
     start = len(_ids(tok, tok.apply_chat_template(prompt, tools=tools.schemas, add_generation_prompt=True,
                                                   tokenize=False)))
     call = _ids(tok, text) + [tok.eos_token_id]
-    model.script = {start + k: t for k, t in enumerate(call)}
+    model.script, model.banned = {start + k: t for k, t in enumerate(call)}, ()
     engine = _multi(model, tok, tools, max_output_chars=20)
     batch = engine.generate([prompt], SamplingParams(max_prompt_length=1024, num_generations=1,
                                                      max_completion_length=len(call) + 120, temperature=0.0))

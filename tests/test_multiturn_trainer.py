@@ -202,11 +202,14 @@ def test_resume_with_tools_and_environments_is_exact(tmp_path, tiny_model_dir):
 
     def make(out):
         model, tok, call, suffix, seq = _scripted(tiny_model_dir)
-        # Only the call is forced; the answer after the tool response is sampled.
+        # Only the call is forced; the answer after the tool response is sampled. One tool step: a
+        # <tool_call> the answer may sample (p ≈ 0.002 a token) is never run, so one call per completion
+        # holds whatever was sampled.
         model.script = dict(list(model.script.items())[: len(call)])
         cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(out), "max_steps": 4, "save_steps": 2, "beta": 0.02,
                             "max_prompt_length": 1024, "max_completion_length": len(call) + len(suffix) + 8,
-                            "per_device_train_batch_size": 8, "steps_per_generation": 1})
+                            "per_device_train_batch_size": 8, "steps_per_generation": 1,
+                            "max_tool_calling_iterations": 1})
         return GRPOTrainer(model, reward, cfg, Dataset.from_list([{"prompt": PROMPT}] * 4), processing_class=tok,
                            peft_config=default_lora_config(r=4), environment_factory=AddEnv)
 

@@ -11,6 +11,7 @@ import torch
 from helpers import (
     SMALL_RUN,
     first_digit_is_one,
+    index_in_group,
     late_rewards_vs_control,
     make_experience,
     one_round_gradients,
@@ -257,8 +258,11 @@ def test_resume_is_exact_with_the_critic_and_adaptive_kl(tmp_path, tiny_model_di
 
 
 def test_full_finetuning_critic_is_a_separate_copy(tmp_path, tiny_model_dir):
+    """The copy trains: the index reward is 1 for every other completion whatever was sampled, so the
+    returns are non-zero and the zero-initialised value head gets a gradient (with a reward of 0 on
+    every completion only float noise in the KL would move it)."""
     cfg = _config(tmp_path, max_steps=1, learning_rate=1e-4)
-    trainer = PPOTrainer(str(tiny_model_dir), first_digit_is_one, cfg, arithmetic_dataset(8))
+    trainer = PPOTrainer(str(tiny_model_dir), index_in_group(cfg.num_generations), cfg, arithmetic_dataset(8))
     policy_ids = {id(p) for p in trainer.policy.parameters()}
     assert trainer.critic.owned is not None
     assert not policy_ids & {id(p) for p in trainer.critic.trainable}

@@ -398,6 +398,14 @@ def test_works_with_lora_and_inference_mode(chaotic):
 
 
 def test_bf16_autocast_on_cpu(chaotic):
+    """Under bf16 autocast the cached decode's log-probs are a bf16 forward's, up to bf16 rounding.
+
+    The tolerances are the size of bf16 rounding itself, measured on the same sampled tokens (a full
+    bf16 forward against fp32), not fixed numbers: which tokens were sampled and the CPU's bf16
+    kernels set that size (mean 0.024-0.029 over seeds 0-11 on one CPU, where the cached decode's
+    mean distance to the bf16 forward was 0.60-0.81 of it and the former fixed bound of 0.02 failed
+    for 3 seeds of 12). Logits scaled by 1.02 in the sampler put that distance at 1.17-1.43 of it.
+    """
     model, tok = chaotic
     params = SamplingParams(num_generations=2, max_completion_length=12, temperature=0.9, seed=0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -406,10 +414,12 @@ def test_bf16_autocast_on_cpu(chaotic):
     assert batch.sampling_logprobs.dtype == torch.float32
     m = batch.completion_mask.bool()
     assert torch.isfinite(batch.sampling_logprobs).all()
-    diff = (batch.sampling_logprobs[m] - ref_bf16[m]).abs()
-    assert diff.mean() < 0.02 and diff.max() < 0.1  # bf16 rounding (2^-8 relative) on a chaotic model
     ref_fp32 = teacher_forced_logprobs(model, batch, 0.9)
-    assert (batch.sampling_logprobs[m] - ref_fp32[m]).abs().mean() < 0.05
+    rounding = (ref_bf16[m] - ref_fp32[m]).abs()  # what bf16 does to a full forward, on these tokens
+    assert rounding.mean() < 0.1  # a bf16 forward, not a broken one
+    diff = (batch.sampling_logprobs[m] - ref_bf16[m]).abs()
+    assert diff.mean() < rounding.mean() and diff.max() < 2 * rounding.max(), (diff, rounding)
+    assert (batch.sampling_logprobs[m] - ref_fp32[m]).abs().mean() < 1.5 * rounding.mean()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,13 +42,14 @@ def test_trl_example_script_runs_with_our_trainer_and_saves_a_peft_adapter(tmp_p
         rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i % 5}?"}], "solution": str(i + i % 5)}
                 for i in range(n)]
         (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    # the script imports a dotted reward path from its working directory; this one varies within a group
+    # the script imports a dotted reward path from its working directory; this one differs within every
+    # group of 4 whatever was sampled (the completion's index in its group), so a step moves the adapter
     (tmp_path / "my_rewards.py").write_text(
-        "def length(completions, **kwargs):\n    return [float(len(c[0]['content'])) for c in completions]\n")
+        "def index(completions, **kwargs):\n    return [float(i % 4) for i in range(len(completions))]\n")
     out = tmp_path / "out"
     args = [
         "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data),
-        "--reward_funcs", "think_format_reward", "my_rewards.length",  # one of TRL's rewards by name, one by path
+        "--reward_funcs", "think_format_reward", "my_rewards.index",  # one of TRL's rewards by name, one by path
         "--output_dir", str(out), "--use_peft", "--lora_r", "4", "--lora_alpha", "8",
         "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
         "--max_completion_length", "8", "--learning_rate", "0.01", "--seed", "0",

@@ -268,6 +268,11 @@ def _layer_transient_elements(m: ModelShape) -> int:
     return 2 * m.hidden_size + (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + 3 * m.intermediate_size
 
 
+def _upcast(activation_bytes: int) -> int:
+    """Bytes per element of the float32 copy of 16-bit logits (none when they already are float32)."""
+    return 0 if activation_bytes == 4 else 4
+
+
 def _forward_terms(m: ModelShape, s: RunSettings, rows: int, grad: bool, phase: str) -> list[Term]:
     """Activations and log-prob buffers of one log-prob forward (and backward when ``grad``) of ``rows`` rows."""
     a, c = s.activation_bytes, s.completion_length
@@ -279,10 +284,11 @@ def _forward_terms(m: ModelShape, s: RunSettings, rows: int, grad: bool, phase: 
     chunk = min(s.logprob_chunk, r * c)
     terms: list[Term] = []
     if not grad:
-        terms.append(Term("activations (no grad)", tokens * _layer_transient_elements(m) * a + prompt_kv, (phase,),
-                          f"{r} rows, {tokens} tokens, one layer at a time"))
-        terms.append(Term("log-prob chunk", chunk * v * (a + 3 * 4) + r * c * m.hidden_size * a, (phase,),
-                          f"{chunk} tokens x {v} vocabulary"))
+        cache = m.kv_bytes_per_token(a) * r * (s.prompt_length + c) if shared else 0  # every layer's keys, per row
+        terms.append(Term("activations (no grad)", tokens * _layer_transient_elements(m) * a + cache, (phase,),
+                          f"{r} rows, {tokens} tokens, one layer at a time" + (" + every layer's KV" if shared else "")))
+        terms.append(Term("log-prob chunk", chunk * v * (a + _upcast(a) + 4) + r * c * m.hidden_size * a, (phase,),
+                          f"{chunk} tokens x {v} vocabulary: logits, float32, exp"))
         return terms
     saved = _layer_saved_elements(m)
     scores = r * m.num_heads * c * (s.prompt_length + c) * 4
@@ -294,10 +300,10 @@ def _forward_terms(m: ModelShape, s: RunSettings, rows: int, grad: bool, phase: 
         stored = m.num_layers * (tokens * saved * a + grouped) + prompt_kv
         note = "every layer's saved tensors"
     terms.append(Term("activations", stored, (phase,), f"{r} rows, {tokens} tokens; {note}"))
-    terms.append(Term("backward working set", tokens * saved * a + 2 * tokens * m.hidden_size * a, (phase,),
-                      "one layer's gradients"))
-    terms.append(Term("log-prob chunk", chunk * v * (a + 5 * 4) + r * c * m.hidden_size * a, (phase,),
-                      f"{chunk} tokens x {v} vocabulary, recomputed in backward"))
+    working = 2 * m.hidden_size + 3 * m.num_heads * m.head_dim + 2 * m.intermediate_size
+    terms.append(Term("backward working set", tokens * working * a, (phase,), "one layer's gradients"))
+    terms.append(Term("log-prob chunk", chunk * v * (a + _upcast(a) + 4 * 4) + r * c * m.hidden_size * a, (phase,),
+                      f"{chunk} tokens x {v} vocabulary, recomputed in backward: logits, float32 + 4 more"))
     return terms
 
 
@@ -346,7 +352,7 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
                           "bf16 copies of trainable fp32 weights"))
     if s.reference:
         ref = 0 if s.use_peft else m.num_params * w
-        terms.append(Term("reference model", ref, after_gen,
+        terms.append(Term("reference model", ref, everywhere,
                           "adapters disabled: none" if s.use_peft else "frozen whole copy"))
     if s.algorithm == "ppo":
         if s.use_peft and s.critic_shares_base:

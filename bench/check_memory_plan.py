@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import tempfile
@@ -45,7 +46,7 @@ BASE = dict(num_generations=8, per_device_train_batch_size=8, gradient_accumulat
             max_completion_length=32, max_prompt_length=64, logprob_chunk_size=128, learning_rate=1e-4,
             save_steps=0, log_completions_steps=0, disable_tqdm=True, report_to=[], bf16=False)
 
-LONG = {"max_completion_length": 512}
+LONG = {"max_completion_length": 256}
 CASES = [
     Case("lora-short", 32768, True),
     Case("lora-long-beta", 8192, True, {**LONG, "beta": 0.04}, kv_heads=4, head_dim=128),
@@ -137,8 +138,17 @@ def warm_up() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="configuration names (default: all)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object {case: {phase: [measured, planned]}}")
     ns = parser.parse_args()
     warm_up()
+    if ns.json:
+        results = {}
+        for case in CASES:
+            if not ns.only or case.name in ns.only:
+                with tempfile.TemporaryDirectory() as out:
+                    results[case.name] = measure(case, out)
+        print("MEMORY_PLAN_CHECK " + json.dumps(results))
+        return
     print("| configuration | phase | measured GiB | planned GiB | planned / measured |")
     print("|---|---|---|---|---|")
     for case in CASES:

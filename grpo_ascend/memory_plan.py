@@ -162,7 +162,8 @@ class RunSettings:
     gradient_checkpointing: bool = False
     share_prompt_prefill: bool = True
     shared_prefix_decode: bool = False
-    merge_lora: bool = True
+    #: rollout_merge_lora: None = merged when the copy fits a quarter of what the device has left (as at run time).
+    merge_lora: bool | None = None
     filtered_sampling: bool = False
     old_logprobs: bool = False
     entropy_grad: bool = False
@@ -377,9 +378,15 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
                       f"logits + {sampling_units} float32 [rows, vocabulary]"))
     terms.append(Term("prefill activations", P * lp * _layer_transient_elements(m) * a, ("generation",),
                       "one layer at a time"))
-    if s.use_peft and s.merge_lora and layout.may_merge_lora:
-        terms.append(Term("merged LoRA copy", m.adapted_linear_params(s.lora_targets) * w, ("generation",),
-                          "rollout_merge_lora"))
+    merged = m.adapted_linear_params(s.lora_targets) * w
+    if s.merge_lora is None and device_memory is not None:
+        left = device_memory - sum(t.nbytes for t in terms if "generation" in t.phases)
+        merge = merged <= left // 4
+    else:
+        merge = s.merge_lora is not False
+    if s.use_peft and merge and layout.may_merge_lora:
+        terms.append(Term("merged LoRA copy", merged, ("generation",),
+                          "rollout_merge_lora" + (" (null: fits a quarter of what is left)" if s.merge_lora is None else "")))
     terms.append(Term("rollout / experience tensors", B * (16 * lp + 40 * lc), everywhere,
                       "ids, masks, log-probs per row"))
     # --- forwards over the experience ---
@@ -435,7 +442,7 @@ def suggest(shape: ModelShape, s: RunSettings, layout: MemoryLayout, capacity: i
         candidates.append(("logprob_chunk_size: 32", dataclasses.replace(s, logprob_chunk=32), layout))
     if not s.gradient_checkpointing:
         candidates.append(("gradient_checkpointing: true", dataclasses.replace(s, gradient_checkpointing=True), layout))
-    if s.merge_lora and s.use_peft:
+    if s.merge_lora is not False and s.use_peft and layout.may_merge_lora:
         candidates.append(("rollout_merge_lora: false", dataclasses.replace(s, merge_lora=False), layout))
     if not s.shared_prefix_decode:
         candidates.append(("shared_prefix_decode: true", dataclasses.replace(s, shared_prefix_decode=True), layout))
@@ -460,14 +467,34 @@ def suggest(shape: ModelShape, s: RunSettings, layout: MemoryLayout, capacity: i
     if not s.use_peft:
         candidates.append(("use_peft: true (LoRA)", dataclasses.replace(s, use_peft=True), layout))
     base = plan_memory(shape, s, layout, capacity).peak_bytes
+    helping = []
     for label, changed, lay in candidates:
         peak = plan_memory(shape, changed, lay, capacity).peak_bytes
         if peak < base:
-            verdict = "fits" if peak <= capacity else "still over"
-            out.append(f"{label}: peak {peak / GiB:.2f} GiB ({verdict})")
+            helping.append(label)
+            out.append(f"{label}: peak {peak / GiB:.2f} GiB ({'fits' if peak <= capacity else 'still over'})")
+    if not rows and len(helping) > 1:
+        out.append(_together(shape, s, layout, capacity, [c for c in candidates if c[0] in helping]))
     if not out:
         out.append("nothing in the plan's reach fits: use more devices with a sharding engine, or a smaller model")
     return out
+
+
+def _together(shape: ModelShape, s: RunSettings, layout: MemoryLayout, capacity: int,
+              candidates: list[tuple[str, RunSettings, MemoryLayout]]) -> str:
+    """The changes that each helped, applied one after another until the run fits (then the micro-batch that fits)."""
+    applied: list[str] = []
+    original = s
+    for label, changed, lay in candidates:
+        fields = {f.name: getattr(changed, f.name) for f in dataclasses.fields(changed)
+                  if getattr(changed, f.name) != getattr(original, f.name)}
+        s, layout = dataclasses.replace(s, **fields) if fields else s, lay
+        applied.append(label)
+        rows = largest_fitting_rows(shape, s, layout, capacity)
+        if rows:
+            return (f"together: {' + '.join(applied)} + max_tokens_per_micro_batch: {tokens_of(s, rows)} "
+                    f"({rows} rows): peak {plan_memory(shape, s, layout, capacity, rows=rows).peak_bytes / GiB:.2f} GiB (fits)")
+    return f"together: {' + '.join(applied)}: peak {plan_memory(shape, s, layout, capacity).peak_bytes / GiB:.2f} GiB (still over)"
 
 
 def settings_from_config(recipe: Any, args: Any, device: str, world_size: int = 1,
@@ -499,7 +526,7 @@ def settings_from_config(recipe: Any, args: Any, device: str, world_size: int = 
         micro_batch_rows=args.per_device_train_batch_size, rows_per_step=plan.micro_batch * plan.grad_accum,
         token_budget=budget if isinstance(budget, int) else None, logprob_chunk=args.logprob_chunk_size,
         gradient_checkpointing=args.gradient_checkpointing, share_prompt_prefill=args.share_prompt_prefill,
-        shared_prefix_decode=shared, merge_lora=args.rollout_merge_lora is not False,
+        shared_prefix_decode=shared, merge_lora=args.rollout_merge_lora,
         filtered_sampling=args.top_k > 0 or args.top_p < 1 or args.min_p is not None,
         old_logprobs=(plan.optimizer_steps_per_generation > 1 and activation != 4)
         or bool(getattr(args, "importance_sampling_correction", False)),

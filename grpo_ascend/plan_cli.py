@@ -74,8 +74,8 @@ def run_plan(ns: argparse.Namespace) -> int:
     settings = settings_from_config(recipe, args, ns.device, layout.world_size, ns.prompt_length)
     capacity = parse_memory(ns.device_memory) if ns.device_memory else None
     header = [
-        f"model: {recipe.model} ({shape.num_params / 1e9:.2f}B parameters, vocabulary {shape.vocab_size}, "
-        f"{shape.num_layers} layers)",
+        f"model: {recipe.model}" + (f" with the shape of {ns.model_config}" if ns.model_config else "")
+        + f" ({shape.num_params / 1e9:.2f}B parameters, vocabulary {shape.vocab_size}, {shape.num_layers} layers)",
         f"run: {recipe.algorithm}, {'LoRA r=' + str(recipe.lora_r) if recipe.use_peft else 'full fine-tuning'}, "
         f"{layout.describe()}, weights {settings.weight_bytes} B, activations {settings.activation_bytes} B; "
         f"{settings.prompts_per_rank} prompts x G={settings.num_generations} per rank, prompt {settings.prompt_length} "

@@ -130,6 +130,15 @@ def load_model_shape(model: str, model_config: str | Path | None = None) -> Mode
         raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
 
 
+def lora_targets(target_modules: Any) -> tuple[str, ...] | None:
+    """A LoRA config's target modules as the plan's targets: None when every decoder linear is adapted."""
+    if target_modules is None or target_modules == "all-linear":
+        return None
+    names = {target_modules} if isinstance(target_modules, str) else set(target_modules)
+    chosen = tuple(name for name in LINEARS if name in names)
+    return None if len(chosen) == len(LINEARS) else chosen
+
+
 def dtype_bytes(name: str) -> int:
     if name not in _DTYPE_BYTES:
         raise ConfigError(f"dtype {name!r} is not one of {sorted(_DTYPE_BYTES)}")
@@ -501,25 +510,38 @@ def settings_from_config(recipe: Any, args: Any, device: str, world_size: int = 
                          prompt_length: int | None = None) -> RunSettings:
     """The plan's view of a recipe (``RecipeConfig``) and trainer config (``GRPOConfig`` / ``PPOConfig``) on
     ``device`` (a device type such as 'npu', 'cuda' or 'cpu': its defaults for precision and layout)."""
+    dtype = (args.model_init_kwargs or {}).get("dtype") or recipe.model_dtype
+    return run_settings(args, device, world_size, algorithm=recipe.algorithm, use_peft=recipe.use_peft,
+                        lora_r=recipe.lora_r, lora_targets=lora_targets(recipe.lora_target_modules),
+                        weight_bytes=4 if dtype == "auto" else dtype_bytes(str(dtype).removeprefix("torch.")),
+                        prompt_length=prompt_length)
+
+
+def run_settings(args: Any, device: str, world_size: int, *, algorithm: str, use_peft: bool, lora_r: int,
+                 lora_targets: tuple[str, ...] | None, weight_bytes: int, prompt_length: int | None = None,
+                 precision: str | None = None) -> RunSettings:
+    """The plan's view of a trainer config (``GRPOConfig`` / ``PPOConfig``) and the model facts beside it.
+
+    ``precision`` ('bf16', 'fp16', 'fp32'): the run's, when known; else the config's on ``device``.
+    """
     from grpo_ascend import device as dev
 
     plan = args.batch_plan(world_size)
     bucket = args.length_bucket if args.length_bucket is not None else dev.default_length_bucket(device)
-    precision_bf16 = args.bf16 if args.bf16 is not None else dev.is_accelerator(device)
-    activation = 2 if (precision_bf16 or args.fp16) else 4
-    dtype = (args.model_init_kwargs or {}).get("dtype") or recipe.model_dtype
-    weight = 4 if dtype == "auto" else dtype_bytes(str(dtype).removeprefix("torch."))
+    if precision is None:
+        bf16 = args.bf16 if args.bf16 is not None else dev.is_accelerator(device)
+        precision = "bf16" if bf16 else "fp16" if args.fp16 else "fp32"
+    activation = 4 if precision == "fp32" else 2
     prompt = prompt_length if prompt_length is not None else args.max_prompt_length
     if prompt is None:
-        raise ConfigError("max_prompt_length is null: pass --prompt-length N (the longest prompt in tokens)")
-    targets = recipe.lora_target_modules
-    targets = None if targets == "all-linear" else tuple([targets] if isinstance(targets, str) else targets)
+        raise ConfigError("max_prompt_length is null: the memory plan needs the longest prompt in tokens "
+                          "(grpo-ascend plan --prompt-length N, or set max_prompt_length)")
     shared = args.shared_prefix_decode if args.shared_prefix_decode is not None else dev.default_shared_prefix_decode(device)
-    ppo = recipe.algorithm == "ppo"
+    ppo = algorithm == "ppo"
     budget = args.max_tokens_per_micro_batch
     return RunSettings(
-        algorithm=recipe.algorithm, use_peft=recipe.use_peft, lora_r=recipe.lora_r, lora_targets=targets,
-        weight_bytes=weight, activation_bytes=activation,
+        algorithm=algorithm, use_peft=use_peft, lora_r=lora_r, lora_targets=lora_targets,
+        weight_bytes=weight_bytes, activation_bytes=activation,
         reference=(getattr(args, "kl_coef", 0.0) > 0) if ppo else args.beta > 0,
         prompts_per_rank=plan.prompts_per_rank, num_generations=args.num_generations,
         prompt_length=_round_up(prompt, bucket), completion_length=_round_up(args.max_completion_length, bucket),

@@ -168,3 +168,38 @@ def test_plan_is_within_tolerance_of_measured_peaks_per_phase():
     # The large-vocabulary case is where the terms dominate the slack: its plan is within 20 % both ways.
     for measured, planned in results["full-vocab152k"].values():
         assert 0.8 * measured <= planned <= 1.2 * measured
+
+
+def _auto_trainer(tiny_model_dir, monkeypatch, free_bytes: int):
+    """A GRPO trainer on builtin:tiny with max_tokens_per_micro_batch: auto on a device reporting ``free_bytes``."""
+    from grpo_ascend import device as dev
+    from grpo_ascend.data import load_prompt_dataset
+    from grpo_ascend.models import default_lora_config
+    from grpo_ascend.trainers.grpo import GRPOTrainer
+
+    monkeypatch.setattr(dev, "free_memory", lambda device: (free_bytes, free_bytes))
+    monkeypatch.setattr(dev, "memory_stats", lambda device: {"allocated": 0, "reserved": 0, "peak": 0})
+    args = GRPOConfig(max_tokens_per_micro_batch="auto", num_generations=4, per_device_train_batch_size=4,
+                      gradient_accumulation_steps=4, max_completion_length=64, max_prompt_length=64,
+                      rollout_merge_lora=False, report_to=[], disable_tqdm=True, max_steps=1)
+    return GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                       args=args, train_dataset=load_prompt_dataset("synthetic:arithmetic", synthetic_kwargs={"n": 8}),
+                       peft_config=default_lora_config(8, 16))
+
+
+def test_trainer_resolves_auto_budget_through_the_plan(tiny_model_dir, monkeypatch):
+    """The budget the trainer picks is the plan's for 90 % of the reported memory; too little memory is refused."""
+    from grpo_ascend.memory_plan import AUTO_FRACTION, lora_targets, run_settings
+
+    shape = load_model_shape("x", Path(tiny_model_dir) / "config.json")
+    config = GRPOConfig(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=4,
+                        max_completion_length=64, max_prompt_length=64, rollout_merge_lora=False)
+    settings = run_settings(config, "cpu", 1, algorithm="grpo", use_peft=True, lora_r=8, lora_targets=lora_targets(None),
+                            weight_bytes=4, precision="fp32")
+    # Memory between the plans of 5 and 6 rows: the trainer must pick 5 rows' tokens.
+    five, six = (plan_memory(shape, settings, plain_layout(1), rows=r).peak_bytes for r in (5, 6))
+    free = int((five + six) / 2 / AUTO_FRACTION)
+    trainer = _auto_trainer(tiny_model_dir, monkeypatch, free)
+    assert trainer.token_budget == tokens_of(settings, 5) == 5 * 64 + 2 * 64
+    with pytest.raises(ConfigError, match="no micro-batch that fits"):
+        _auto_trainer(tiny_model_dir, monkeypatch, 1 << 20)

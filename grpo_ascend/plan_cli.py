@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from grpo_ascend.device import ACCELERATOR_TYPES
 from grpo_ascend.dist.memory_layout import layout_from_accelerate_config
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.memory_plan import (
@@ -32,8 +33,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", "--model_config", default=None, metavar="PATH",
                         help="the model's config.json (or its folder) when the recipe's model is a hub id, e.g. "
                         "recipes/model_configs/qwen2.5-7b.json")
-    parser.add_argument("--device", default="npu", help="device type the run will use: its precision and layout "
-                        "defaults (bf16, length buckets, shared-prefix decode) apply (default: npu)")
+    parser.add_argument("--device", default=ACCELERATOR_TYPES[0], help="device type the run will use: its precision "
+                        f"and layout defaults (bf16, length buckets, shared-prefix decode) apply (default: {ACCELERATOR_TYPES[0]})")
     parser.add_argument("--prompt-length", "--prompt_length", type=int, default=None, metavar="N",
                         help="longest prompt in tokens (default: the recipe's max_prompt_length)")
     parser.add_argument("config", help="YAML recipe (see recipes/)")

@@ -132,7 +132,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self.merge_lora_for_rollout = merge_lora_for_rollout(
             self.policy, args.rollout_merge_lora, self.strategy.may_merge_lora(args.rollout_merge_lora, self.is_peft),
             self.is_peft, self.device)
-        self.token_budget = self._resolve_token_budget()
+        self._auto_token_budget = self._plan_token_budget() if args.max_tokens_per_micro_batch == "auto" else None
         self.rewards = build_rewards(reward_funcs, args, self.device, self.tokenizer)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed + 1000 * self.accelerator.process_index)
@@ -147,12 +147,15 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self._init_surface(self._callbacks)
 
     # ------------------------------------------------------------------------------ setup
-    def _resolve_token_budget(self) -> int | None:
-        """``max_tokens_per_micro_batch``; 'auto': the largest budget whose memory plan (docs/memory.md) fits
-        AUTO_FRACTION of this device's memory (free + what this process holds), the smallest over ranks."""
+    @property
+    def token_budget(self) -> int | None:
+        """The training micro-batches' token budget: ``max_tokens_per_micro_batch``, 'auto' as resolved at start-up."""
         budget = self.args.max_tokens_per_micro_batch
-        if budget != "auto":
-            return budget
+        return self._auto_token_budget if budget == "auto" else budget
+
+    def _plan_token_budget(self) -> int:
+        """``max_tokens_per_micro_batch: auto``: the largest budget whose memory plan (docs/memory.md) fits
+        AUTO_FRACTION of this device's memory (free + what this process holds), the smallest over ranks."""
         from grpo_ascend.memory_plan import (
             AUTO_FRACTION,
             ModelShape,

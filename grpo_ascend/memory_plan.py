@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_ascend.dist.memory_layout import MemoryLayout
+from grpo_ascend.dist.memory_layout import MemoryLayout, sharding_alternatives
 from grpo_ascend.errors import ConfigError
 
 GiB = 2**30
@@ -323,7 +323,7 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
     m, world = shape, layout.world_size
     if not s.use_peft and layout.refuses_full_fine_tuning:
         raise ConfigError(f"full fine-tuning (use_peft: false) is refused under {layout.engine}; plan it under "
-                          "ZeRO-2 or FSDP2, or train LoRA")
+                          "an engine that keeps whole weights (docs/distributed.md), or train LoRA")
     w, a = s.weight_bytes, s.activation_bytes
     G, P = s.num_generations, s.prompts_per_rank
     B = P * G
@@ -343,7 +343,7 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
                           "gathered once per round"))
     if layout.whole_head_in_training:
         terms.append(Term("whole output head", m.embedding_params * w - m.embedding_params * w // shard, ("training",),
-                          "ZeRO-3 keeps it gathered from forward to step"))
+                          "kept gathered from forward to step"))
     opt_shard = world if layout.shards_optimizer else 1
     per_param = (12 if layout.fp32_master_weights else 2 * train_bytes)
     terms.append(Term("optimizer state", trainable * per_param // opt_shard, everywhere,
@@ -355,7 +355,7 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
     if layout.gradient_buckets:
         terms.append(Term("DDP gradient buckets", trainable * train_bytes, ("training",), "every gradient again"))
     if layout.reduce_bucket_elements:
-        terms.append(Term("ZeRO reduce bucket", min(trainable, layout.reduce_bucket_elements) * 4, ("training",),
+        terms.append(Term("gradient reduce bucket", min(trainable, layout.reduce_bucket_elements) * 4, ("training",),
                           "reduce_bucket_size, fp32"))
     if not s.use_peft and w == 4 and a == 2:
         terms.append(Term("autocast weight casts", m.num_params * 2 // shard, ("training",),
@@ -464,15 +464,8 @@ def suggest(shape: ModelShape, s: RunSettings, layout: MemoryLayout, capacity: i
         candidates.append((f"fewer prompts per generation round ({s.prompts_per_rank // 2} per rank: halve "
                            "steps_per_generation / generation_batch_size)",
                            dataclasses.replace(s, prompts_per_rank=s.prompts_per_rank // 2), layout))
-    if layout.world_size > 1 and not layout.shards_weights and s.use_peft:
-        from grpo_ascend.dist.memory_layout import deepspeed_layout
-
-        candidates.append(("DeepSpeed ZeRO-3 (recipes/accelerate/deepspeed_zero3.yaml)", s,
-                           deepspeed_layout(3, layout.world_size)))
-    if layout.world_size > 1 and not layout.shards_optimizer and not s.use_peft:
-        from grpo_ascend.dist.memory_layout import fsdp_layout
-
-        candidates.append(("FSDP2 (recipes/accelerate/fsdp2_1node_8cards.yaml)", s, fsdp_layout(layout.world_size)))
+    for label, other in sharding_alternatives(layout, s.use_peft):
+        candidates.append((label, s, other))
     if not s.use_peft:
         candidates.append(("use_peft: true (LoRA)", dataclasses.replace(s, use_peft=True), layout))
     base = plan_memory(shape, s, layout, capacity).peak_bytes

@@ -28,8 +28,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-processes", "--num_processes", type=int, default=None, metavar="N",
                         help="processes (devices) the run is launched on; default: the accelerate config's, else 1")
     parser.add_argument("--accelerate-config", "--accelerate_config", default=None, metavar="FILE",
-                        help="the accelerate config the run is launched with (DDP, DeepSpeed ZeRO-1/2/3, FSDP2), "
-                        "e.g. recipes/accelerate/deepspeed_zero3.yaml")
+                        help="the accelerate config the run is launched with (its engine decides what is sharded), "
+                        "e.g. recipes/accelerate/fsdp2_1node_8cards.yaml")
     parser.add_argument("--model-config", "--model_config", default=None, metavar="PATH",
                         help="the model's config.json (or its folder) when the recipe's model is a hub id, e.g. "
                         "recipes/model_configs/qwen2.5-7b.json")

@@ -116,3 +116,16 @@ def layout_from_accelerate_config(path: str | Path | None, num_processes: int | 
             raise ConfigError(f"{source}: fsdp_version {version} is not supported; grpo-ascend runs FSDP2 (fsdp_version: 2)")
         return fsdp_layout(world)
     return plain_layout(world)
+
+
+def sharding_alternatives(layout: MemoryLayout, use_peft: bool) -> list[tuple[str, MemoryLayout]]:
+    """Engines that shard more than ``layout`` on the same ranks, with the accelerate config that launches them
+    (ZeRO-3 for LoRA: full fine-tuning is refused there; FSDP2 for full fine-tuning)."""
+    if layout.world_size <= 1:
+        return []
+    out = []
+    if use_peft and not layout.shards_weights:
+        out.append(("DeepSpeed ZeRO-3 (recipes/accelerate/deepspeed_zero3.yaml)", deepspeed_layout(3, layout.world_size)))
+    if not use_peft and not layout.shards_optimizer:
+        out.append(("FSDP2 (recipes/accelerate/fsdp2_1node_8cards.yaml)", fsdp_layout(layout.world_size)))
+    return out

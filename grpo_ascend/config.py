@@ -9,6 +9,7 @@ generated from these dataclasses and cannot drift. Values come from Python, a YA
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import typing
@@ -47,7 +48,8 @@ class BaseRLConfig(_Validated):
     )
     num_generations: int = _f(8, "G: completions sampled per prompt (the group).")
     steps_per_generation: int | None = _f(
-        None, "Micro-batches fed by one generation batch (default: gradient_accumulation_steps)."
+        None, "Micro-batches fed by one generation batch (default: gradient_accumulation_steps). Not a multiple of "
+        "gradient_accumulation_steps: optimizer steps straddle generation batches, in order (as TRL)."
     )
     generation_batch_size: int | None = _f(
         None, "Completions sampled per generation round, all devices; alternative to steps_per_generation."
@@ -169,6 +171,11 @@ class BaseRLConfig(_Validated):
     )
 
     def __post_init__(self) -> None:
+        # TRL's unset values (None) of fields typed more narrowly here: transformers' output folder, a visible
+        # progress bar, and our number of printed completions (as a trl.GRPOConfig converts them).
+        for name, unset in (("output_dir", "trainer_output"), ("disable_tqdm", False), ("num_completions_to_print", 4)):
+            if getattr(self, name) is None:
+                setattr(self, name, unset)
         budget = self.max_tokens_per_micro_batch
         if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)):
             raise ConfigError(f"max_tokens_per_micro_batch must be a whole number of tokens, 'auto' or null, got {budget!r}")
@@ -256,11 +263,6 @@ class BaseRLConfig(_Validated):
                 f"{self.per_device_train_batch_size} × steps_per_generation {spg}) must be divisible by "
                 f"num_generations ({self.num_generations}) so every group stays on one device; change one of them"
             )
-        if spg % self.gradient_accumulation_steps:
-            raise ConfigError(
-                f"steps_per_generation ({spg}) must be a multiple of gradient_accumulation_steps "
-                f"({self.gradient_accumulation_steps}) so each generation round feeds whole optimizer steps"
-            )
         return BatchPlan(
             world_size=world_size,
             num_generations=self.num_generations,
@@ -305,7 +307,30 @@ class BatchPlan:
 
     @property
     def optimizer_steps_per_generation(self) -> int:
+        """Whole optimizer steps one generation batch feeds (when steps do not straddle batches)."""
         return self.steps_per_generation // self.grad_accum * self.num_iterations
+
+    @property
+    def generations_per_round(self) -> int:
+        """Generation batches in one training round: 1, unless steps_per_generation × num_iterations
+        micro-batches are not a multiple of grad_accum. Then, as in TRL, an optimizer step may take its
+        micro-batches from two generation batches, and a round runs until the steps line up again."""
+        per_generation = self.steps_per_generation * self.num_iterations
+        return self.grad_accum // math.gcd(per_generation, self.grad_accum)
+
+    @property
+    def optimizer_steps_per_round(self) -> int:
+        return self.steps_per_generation * self.num_iterations * self.generations_per_round // self.grad_accum
+
+    @property
+    def prompts_per_round(self) -> int:
+        return self.prompts_per_generation * self.generations_per_round
+
+    def old_logps_needed(self, generation: int) -> bool:
+        """Whether generation batch ``generation`` of a round is still trained on after an optimizer step
+        (then the ratio needs the sampling policy's log-probs; TRL's rule for the aligned case too)."""
+        per_generation = self.steps_per_generation * self.num_iterations
+        return generation * per_generation % self.grad_accum + per_generation > self.grad_accum
 
     def describe(self) -> str:
         return (
@@ -318,7 +343,10 @@ class BatchPlan:
                f"{self.max_tokens_per_micro_batch} tokens); " if self.max_tokens_per_micro_batch != "auto" else
                f"({self.micro_batch * self.grad_accum} × {self.world_size} process(es), in micro-batches under a token "
                "budget chosen from the device's memory at start-up); ")
-            + f"{self.optimizer_steps_per_generation} optimizer step(s) per generation round"
+            + (f"{self.optimizer_steps_per_generation} optimizer step(s) per generation round"
+               if self.generations_per_round == 1 else
+               f"optimizer steps straddle generation rounds: {self.generations_per_round} rounds feed "
+               f"{self.optimizer_steps_per_round} optimizer step(s)")
             + (f" ({self.num_iterations} iterations)" if self.num_iterations > 1 else "")
         )
 
@@ -327,9 +355,29 @@ KLEstimatorName = Literal["k1", "k2", "k3"]
 ImportanceSamplingMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
+def _accepts_trl_keywords(cls: type) -> type:
+    """Let ``cls(...)`` also take every TRL 1.16 ``GRPOConfig`` field as a keyword, classified as for a
+    ``trl.GRPOConfig`` object (:func:`grpo_ascend.trl_keywords.own_keywords`); its own fields are untouched."""
+    init = cls.__init__
+    own = {f.name for f in dataclasses.fields(cls) if f.init}
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.keys() - own:  # imported here: trl_keywords' table imports grpo_ascend.dist, which imports us
+            from grpo_ascend.trl_keywords import own_keywords
+
+            kwargs = own_keywords(type(self), kwargs)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
+
+
+@_accepts_trl_keywords
 @dataclass
 class GRPOConfig(BaseRLConfig):
-    """GRPO settings. Field names and meanings follow TRL's GRPOConfig where TRL has the concept."""
+    """GRPO settings. Field names and meanings follow TRL's GRPOConfig where TRL has the concept; TRL's other
+    fields are accepted as keywords too (docs/trl_compatibility.md)."""
 
     learning_rate: float = _f(1e-6, "AdamW peak learning rate.")
     beta: float = _f(0.0, "KL coefficient to the reference policy (k3 estimator); 0 = no reference model.")
@@ -340,9 +388,11 @@ class GRPOConfig(BaseRLConfig):
     )
     delta: float | None = _f(None, "Cap on the unclipped ratio (two-sided clipping); must exceed 1 + epsilon_high.")
     loss_type: str = _f(
-        "dapo", "Policy loss: grpo | bnpo | dr_grpo | dapo (aggregations of the clipped objective), cispo "
-        "(MiniMax-M1: clipped, detached IS weight × A × log π, aggregated like dapo; needs epsilon_high), "
-        "sapo (soft gate σ(τ(r−1))·4/τ instead of clipping, aggregated like grpo)."
+        "dapo", "Policy loss: grpo | bnpo | dr_grpo | dapo | luspo (aggregations of the clipped objective; luspo = "
+        "mean over sequences of each sequence's token sum), cispo (MiniMax-M1: clipped, detached IS weight × A × "
+        "log π, aggregated like dapo; the cap is epsilon_high, else epsilon), sapo (soft gate σ(τ(r−1))·4/τ instead "
+        "of clipping, aggregated like grpo), vespo (gamma-weighted sequence ratio × A × log π, aggregated like dapo); "
+        "gspo = grpo with importance_sampling_level sequence (TRL's spelling of GSPO)."
     )
     scale_rewards: str | bool = _f("group", "Advantage scaling: group | batch | none (Dr. GRPO); true = group, false = none.")
     importance_sampling_level: Literal["token", "sequence"] = _f("token", "Importance ratio per token, or per sequence (GSPO).")
@@ -363,6 +413,44 @@ class GRPOConfig(BaseRLConfig):
     )
     sapo_temperature_pos: float = _f(1.0, "loss_type='sapo': gate temperature τ for tokens with positive advantage.")
     sapo_temperature_neg: float = _f(1.05, "loss_type='sapo': gate temperature τ for tokens with advantage <= 0.")
+    # --- TRL 1.16's further algorithm options (their meanings; docs/trainer.md) ---
+    vespo_k_pos: float = _f(2.0, "loss_type='vespo': shape k of the gamma weight φ(w) = e^λ·w^k·e^(−λw) where A >= 0.")
+    vespo_lambda_pos: float = _f(3.0, "loss_type='vespo': rate λ of the gamma weight where A >= 0.")
+    vespo_k_neg: float = _f(3.0, "loss_type='vespo': shape k of the gamma weight where A < 0.")
+    vespo_lambda_neg: float = _f(2.0, "loss_type='vespo': rate λ of the gamma weight where A < 0.")
+    multi_objective_aggregation: str = _f(
+        "sum_then_normalize", "Several reward functions: sum_then_normalize (weighted sum, then the advantage "
+        "estimator with scale_rewards) | normalize_then_sum (GDPO: each function normalised within its group, "
+        "weighted sum, then normalised over the batch; scale_rewards has no effect, advantage_estimator must be grpo)."
+    )
+    off_policy_mask_threshold: float | None = _f(
+        None, "DeepSeek-V3.2 off-policy sequence masking: a completion with negative advantage whose mean per-token "
+        "log π_sampler − log π is above this is left out of the policy term (e.g. 0.5); null = off."
+    )
+    top_entropy_quantile: float = _f(
+        1.0, "Train the policy term (and the entropy bonus) only on the tokens whose entropy is in this top fraction "
+        "of each micro-batch's completion tokens over all processes (0.2 as in 'Beyond the 80/20 rule'); 1 = all."
+    )
+    use_adaptive_entropy: bool = _f(
+        False, "Skywork-OR1 adaptive entropy: after each optimizer step entropy_coef moves by entropy_coef_delta "
+        "(up when the step's mean entropy is at or below entropy_target, down otherwise, within entropy_coef_min/max); "
+        "the bonus applies only while the last step's entropy is at or below the target."
+    )
+    entropy_coef_min: float = _f(0.0, "use_adaptive_entropy: lower bound of entropy_coef.")
+    entropy_coef_max: float = _f(1.0, "use_adaptive_entropy: upper bound of entropy_coef.")
+    entropy_coef_delta: float = _f(0.005, "use_adaptive_entropy: change of entropy_coef per optimizer step.")
+    entropy_target: float = _f(0.2, "use_adaptive_entropy: target mean per-token entropy (nats).")
+    cast_lm_head_to_fp32: bool = _f(
+        False, "Compute the output head (logits) in float32 in training, the reference and the rollout, whatever the "
+        "model's dtype or autocast (ScaleRL); a head tied to the input embeddings keeps them in its float32 weight."
+    )
+    sync_ref_model: bool = _f(
+        False, "TR-DPO reference updates: every ref_model_sync_steps optimizer steps the reference becomes "
+        "ref_model_mixup_alpha × policy + (1 − alpha) × reference. Needs beta > 0 and full fine-tuning (under LoRA "
+        "the reference is the base with adapters off, see docs/trainer.md)."
+    )
+    ref_model_mixup_alpha: float = _f(0.6, "sync_ref_model: weight α of the policy in the reference update.")
+    ref_model_sync_steps: int = _f(512, "sync_ref_model: optimizer steps between reference updates.")
     # --- tool calling (GRPOTrainer(tools=..., environment_factory=...)) ---
     max_tool_calling_iterations: int | None = _f(
         None, "Tool steps per completion; a turn with calls past it ends the completion; null = only "
@@ -401,6 +489,8 @@ class GRPOConfig(BaseRLConfig):
 
     def __post_init__(self) -> None:
         _apply_aliases(self)
+        if self.loss_type == "gspo":  # our alias; TRL spells GSPO as sequence-level ratios under the grpo loss
+            self.loss_type, self.importance_sampling_level = "grpo", "sequence"
         if isinstance(self.scale_rewards, bool):
             self.scale_rewards = "group" if self.scale_rewards else "none"
         super().__post_init__()
@@ -437,13 +527,10 @@ class GRPOConfig(BaseRLConfig):
     def _check_loss_and_correction(self) -> None:
         """KL estimator, CISPO/SAPO parameters and the importance-sampling correction settings."""
         _check_choice("kl_estimator", self.kl_estimator, typing.get_args(KLEstimatorName))
-        if self.loss_type == "cispo" and self.epsilon_high is None:
-            raise ConfigError(
-                "loss_type='cispo' needs epsilon_high: the cap ε_max on the importance weight (e.g. 5.0, as ScaleRL)"
-            )
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        self._check_trl_algorithm_options()
         _check_choice("importance_sampling_mode", self.importance_sampling_mode, typing.get_args(ImportanceSamplingMode))
         for name in ("importance_sampling_clip_max", "importance_sampling_clip_min"):
             value = getattr(self, name)
@@ -456,6 +543,45 @@ class GRPOConfig(BaseRLConfig):
             raise ConfigError(
                 f"importance_sampling_mode={self.importance_sampling_mode!r} truncates the ratio, so it needs "
                 "importance_sampling_clip_max or importance_sampling_clip_min"
+            )
+
+
+    def _check_trl_algorithm_options(self) -> None:
+        """VESPO, reward aggregation, token selection, adaptive entropy and reference-sync settings."""
+        from grpo_ascend.algorithms.reward_aggregation import REWARD_AGGREGATIONS
+        from grpo_ascend.algorithms.token_selection import check_quantile
+
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        REWARD_AGGREGATIONS.get(self.multi_objective_aggregation)
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.advantage_estimator != "grpo":
+            raise ConfigError(
+                f"multi_objective_aggregation='normalize_then_sum' makes GDPO's advantages itself; it does not combine "
+                f"with advantage_estimator={self.advantage_estimator!r}. Use advantage_estimator='grpo' or "
+                "multi_objective_aggregation='sum_then_normalize'"
+            )
+        if self.off_policy_mask_threshold is not None and not math.isfinite(self.off_policy_mask_threshold):
+            raise ConfigError(f"off_policy_mask_threshold must be a finite number or null, got {self.off_policy_mask_threshold}")
+        check_quantile(self.top_entropy_quantile)
+        if not 0 <= self.entropy_coef_min <= self.entropy_coef_max:
+            raise ConfigError(f"need 0 <= entropy_coef_min ({self.entropy_coef_min}) <= entropy_coef_max "
+                              f"({self.entropy_coef_max})")
+        if self.entropy_coef_delta < 0:
+            raise ConfigError(f"entropy_coef_delta must be >= 0, got {self.entropy_coef_delta}")
+        if self.loss_type == "vespo" and self.importance_sampling_correction and \
+                self.importance_sampling_mode.startswith("sequence"):
+            raise ConfigError(
+                f"loss_type='vespo' folds per-token importance-sampling weights into its gamma weight: "
+                f"importance_sampling_mode must be token_truncate or token_mask, got {self.importance_sampling_mode!r}"
+            )
+        if not 0 <= self.ref_model_mixup_alpha <= 1:
+            raise ConfigError(f"ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha}")
+        _positive(self, "ref_model_sync_steps")
+        if self.sync_ref_model and self.beta == 0:
+            raise ConfigError(
+                "sync_ref_model=True with beta=0.0: the reference model is not used, so there is nothing to "
+                "synchronize; set beta > 0 or sync_ref_model=False"
             )
 
 

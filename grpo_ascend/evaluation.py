@@ -17,6 +17,7 @@ Definitions (n = completions sampled per prompt, c = how many of them pass, k â‰
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -149,6 +150,30 @@ def best_metric_name(cfg: Any) -> str:
     """``metric_for_best_model`` without the ``eval/`` prefix (default ``reward``)."""
     name = cfg.metric_for_best_model or "reward"
     return name.removeprefix("eval/").removeprefix("eval_")
+
+
+def best_metric_key(cfg: Any, metrics: Mapping[str, float]) -> str:
+    """The key of ``metrics`` that ``metric_for_best_model`` names (default ``reward``).
+
+    One eval set's keys are ``eval/<metric>``; named eval sets' (a dict or ``DatasetDict``) are
+    ``eval_<set>/<metric>``, transformers' prefix ``eval_<set>`` with our ``/`` before the metric.
+    A name is matched as written, with ``eval/`` or ``eval_`` put in front, and in transformers'
+    spelling ``[eval_]<set>_<metric>``. ConfigError listing the choices when nothing matches.
+    """
+    name = cfg.metric_for_best_model or "reward"
+    aliases: dict[str, str] = {}
+    for key in metrics:
+        aliases[key] = key
+        head, sep, metric = key.partition("/")
+        if sep and head.startswith("eval_"):  # a named set's metric: eval_<set>/<metric>
+            aliases.setdefault(f"{head}_{metric}", key)
+            aliases.setdefault(f"{head.removeprefix('eval_')}/{metric}", key)
+            aliases.setdefault(f"{head.removeprefix('eval_')}_{metric}", key)
+    bare = name.removeprefix("eval/").removeprefix("eval_") if name.startswith(("eval/", "eval_")) else name
+    for candidate in (name, f"eval/{bare}", f"eval_{bare}", bare):
+        if candidate in aliases:
+            return aliases[candidate]
+    raise ConfigError(f"metric_for_best_model {name!r} is not an eval metric; choose one of {sorted(metrics)}")
 
 
 def greater_is_better(cfg: Any) -> bool:

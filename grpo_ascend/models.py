@@ -429,12 +429,57 @@ def lora_merged(model: nn.Module) -> Iterator[bool]:
             set_adapter_path(module, True)
 
 
+def cast_head_to_fp32(model: nn.Module) -> None:
+    """Keep ``model``'s output head in float32 and run it in float32, outside autocast (ScaleRL; TRL's
+    ``cast_lm_head_to_fp32``): every caller of the head (training log-probs, reference, rollout) gets
+    float32 logits of float32 hidden states, whatever the model's dtype. A head tied to the input
+    embeddings shares its now float32 weight with them; their output is cast back to the model's dtype
+    (as TRL does). A head carrying an adapter is refused (the adapter would never be trained here)."""
+    hf = hf_model(model)
+    head = hf.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ConfigError(f"cast_lm_head_to_fp32: the output head is a {type(head).__name__}, not a plain Linear "
+                          "(an adapter on the head?); remove it from the adapter's target modules or set "
+                          "cast_lm_head_to_fp32=False")
+    embeddings = hf.get_input_embeddings()
+    dtype = head.weight.dtype
+    head.float()
+    head.forward = _fp32_linear_forward.__get__(head)  # an instance attribute: deepcopy rebinds it to the copy
+    if embeddings is not None and getattr(embeddings, "weight", None) is head.weight and dtype != torch.float32:
+        embeddings.register_forward_hook(functools.partial(_output_as, dtype))
+
+
+def _output_as(dtype: torch.dtype, module: nn.Module, inputs: Any, output: Tensor) -> Tensor:
+    return output.to(dtype)
+
+
+def _fp32_linear_forward(self: nn.Linear, hidden: Tensor) -> Tensor:
+    with torch.autocast(hidden.device.type, enabled=False):
+        return nn.functional.linear(hidden.float(), self.weight.float(),
+                                    None if self.bias is None else self.bias.float())
+
+
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A frozen deep copy (the reference for full fine-tuning)."""
     ref = copy.deepcopy(model)
     ref.requires_grad_(False)
     ref.eval()
     return ref
+
+
+@torch.no_grad()
+def mix_into_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
+    """TR-DPO's reference update, in place: each reference weight becomes α·policy + (1 − α)·reference.
+
+    Parameters are matched by name; both models must have the same ones (the reference is a copy)."""
+    ref_params = dict(reference.named_parameters())
+    policy_params = dict(policy.named_parameters())
+    if ref_params.keys() != policy_params.keys():
+        missing = sorted(ref_params.keys() ^ policy_params.keys())[:3]
+        raise ConfigError(f"the reference and the policy have different parameters (e.g. {missing}); "
+                          "sync_ref_model needs the reference to be a copy of the policy")
+    for name, ref in ref_params.items():
+        ref.mul_(1 - alpha).add_(policy_params[name].detach().to(ref.dtype), alpha=alpha)
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

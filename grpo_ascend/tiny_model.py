@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_ascend import builtin_weights
 from grpo_ascend.errors import ConfigError, closest
 from grpo_ascend.synthetic import arithmetic_problems, conversation
 
@@ -220,8 +221,12 @@ def add_tool_token_embeddings(model, tokenizer, seed: int = 0):
     return model
 
 
-def warm_start(model, tokenizer, steps: int = 300, batch_size: int = 32, lr: float = 1e-3, seed: int = 0):
+def warm_start(model, tokenizer, steps: int = 300, batch_size: int = 32, lr: float = 1e-3, seed: int = 0,
+               losses: list[float] | None = None):
     """Short supervised run on the synthetic task (loss on the completion only) so RL starts with signal.
+
+    Each step's loss is appended to ``losses`` when given; the first ``n`` steps of a run with
+    ``steps=n`` are those of the full run (the shipped weights' manifest records them).
 
     Deliberately brief: stopped before the model masters the task (it learns the answer format
     and gets roughly a fifth to a third of the sums right), which leaves accuracy for RL to improve.
@@ -243,6 +248,8 @@ def warm_start(model, tokenizer, steps: int = 300, batch_size: int = 32, lr: flo
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+            if losses is not None:
+                losses.append(out.loss.item())
             if step % 100 == 0 or step == steps - 1:
                 logger.info("warm start step %d/%d loss %.4f", step + 1, steps, out.loss.item())
     model.eval()
@@ -275,6 +282,13 @@ def cache_dir() -> Path:
     return Path(root) / "tiny-models"
 
 
+def build_name(size: str, warm: bool = False, tools: bool = False, seed: int = 0) -> str:
+    """The cache folder name of a built-in model (also the name of its shipped weights)."""
+    if tools:
+        return f"{size}-tool-warm-s{seed}-v{BUILD_VERSION}.{TOOL_WARM_VERSION}"
+    return f"{size}{'-warm' if warm else ''}-s{seed}-v{BUILD_VERSION}"
+
+
 def build_tiny_model(
     size: str = "tiny",
     warm: bool = False,
@@ -282,6 +296,7 @@ def build_tiny_model(
     force: bool = False,
     seed: int = 0,
     tools: bool = False,
+    from_scratch: bool = False,
 ) -> Path:
     """Build (or reuse from the cache) a built-in model + tokenizer and return its directory.
 
@@ -289,21 +304,50 @@ def build_tiny_model(
     ``AutoTokenizer.from_pretrained``. ``warm=True`` adds the supervised warm start; ``tools=True``
     (``builtin:<size>-tool-warm``) continues the warm model with calculator transcripts
     (:mod:`grpo_ascend.tiny_tool_warm`) and gives its tokenizer the compact-tools chat template.
+    Warm starts shipped in :mod:`grpo_ascend.builtin_weights` (seed 0) are installed instead of
+    trained, so they are the same on every machine; ``from_scratch=True`` trains them anyway.
     """
     _size(size)
-    if tools:
-        name = f"{size}-tool-warm-s{seed}-v{BUILD_VERSION}.{TOOL_WARM_VERSION}"
-    else:
-        name = f"{size}{'-warm' if warm else ''}-s{seed}-v{BUILD_VERSION}"
-    target = Path(out_dir) if out_dir is not None else cache_dir() / name
-    if (target / "config.json").exists() and (target / "tokenizer.json").exists() and not force:
+    build = _Build(size, warm or tools, tools, seed, from_scratch)
+    target = Path(out_dir) if out_dir is not None else cache_dir() / build.folder
+    if not force and _is_built(target, build):
         return target
-    warm_dir = build_tiny_model(size, warm=True, seed=seed) if tools else None
     target.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(target):
-        if (target / "config.json").exists() and (target / "tokenizer.json").exists() and not force:
+        if not force and _is_built(target, build):
             return target  # another process built it while this one waited
-        return _build_into(target, size, warm, seed, warm_dir, force)
+        return _build_into(target, build)
+
+
+def _is_built(target: Path, build: _Build) -> bool:
+    """Whether ``target`` holds ``build``; a folder trained here is replaced once its weights are shipped,
+    so every machine runs the same warm start."""
+    if not ((target / "config.json").exists() and (target / "tokenizer.json").exists()):
+        return False
+    entry = None if build.from_scratch else builtin_weights.manifest().get(build.name)
+    weights = target / "model.safetensors"
+    return entry is None or (weights.exists() and builtin_weights.file_sha256(weights) == entry["sha256"])
+
+
+@dataclass(frozen=True)
+class _Build:
+    """What one build makes (see :func:`build_tiny_model`)."""
+
+    size: str
+    warm: bool
+    tools: bool
+    seed: int
+    from_scratch: bool
+
+    @property
+    def name(self) -> str:
+        """The build's name, also the key of its shipped weights."""
+        return build_name(self.size, self.warm, self.tools, self.seed)
+
+    @property
+    def folder(self) -> str:
+        """The cache folder: a from-scratch build of a shipped warm start is kept apart from it."""
+        return f"{self.name}-scratch" if self.from_scratch and builtin_weights.manifest().get(self.name) else self.name
 
 
 @contextlib.contextmanager
@@ -323,23 +367,16 @@ def _build_lock(target: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build_into(target: Path, size: str, warm: bool, seed: int, warm_dir: Path | None, force: bool) -> Path:
+def _build_into(target: Path, build: _Build) -> Path:
     """Build the model in a temporary folder next to ``target`` and rename it into place."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        if warm_dir is not None:
-            model, tokenizer = _tool_warm_model(warm_dir, seed)
-        else:
-            tokenizer = build_tokenizer(seed=seed)
-            model = _build_base_model(size, tokenizer, seed=seed)
-            if warm:
-                warm_start(model, tokenizer, seed=seed)
-            add_tool_token_embeddings(model, tokenizer, seed=seed)
+        model, tokenizer, shipped = _built_model(build)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if shipped is not None:  # the shipped bytes themselves: their checksum marks the folder as current
+            shutil.copyfile(shipped, tmp / "model.safetensors")
         if target.exists():
-            if not force and (target / "config.json").exists():
-                return target  # another process finished the same build first
             shutil.rmtree(target)
         os.replace(tmp, target)
     finally:
@@ -348,18 +385,64 @@ def _build_into(target: Path, size: str, warm: bool, seed: int, warm_dir: Path |
     return target
 
 
-def _tool_warm_model(warm_dir: Path, seed: int):
-    """The warm model from ``warm_dir`` after the calculator warm start, with the compact-tools template."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _built_model(build: _Build):
+    """(model, tokenizer, shipped weights file or None) of ``build``: the shipped warm start when there
+    is one, else trained here."""
+    tokenizer = build_tokenizer(seed=build.seed)
+    if build.tools:
+        tokenizer.chat_template = COMPACT_TOOLS_CHAT_TEMPLATE
+    shipped = None if build.from_scratch else builtin_weights.verify(build.name, tokenizer)
+    if shipped is not None:
+        return _load_shipped(build, tokenizer, shipped), tokenizer, shipped
+    if build.tools:
+        from grpo_ascend.tiny_tool_warm import tool_warm_start
 
-    from grpo_ascend.tiny_tool_warm import tool_warm_start
+        model, _, _ = _built_model(_Build(build.size, True, False, build.seed, build.from_scratch))
+        logger.info("building %s: calculator warm start (minutes of CPU)", build.name)
+        return tool_warm_start(model, tokenizer, seed=build.seed), tokenizer, None
+    model = _build_base_model(build.size, tokenizer, seed=build.seed)
+    if build.warm:
+        logger.info("building %s: supervised warm start (a minute or two of CPU)", build.name)
+        warm_start(model, tokenizer, seed=build.seed)
+    return add_tool_token_embeddings(model, tokenizer, seed=build.seed), tokenizer, None
 
-    tokenizer = AutoTokenizer.from_pretrained(warm_dir)
-    tokenizer.chat_template = COMPACT_TOOLS_CHAT_TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(warm_dir, dtype=torch.float32)
-    tool_warm_start(model, tokenizer, seed=seed)
-    return model, tokenizer
+
+def first_warm_start_losses(size: str = "tiny", tools: bool = False, seed: int = 0, steps: int = 8) -> list[float]:
+    """The losses of the first ``steps`` optimizer steps of a warm start, run here from its real start
+    (the random init for ``-warm``; the shipped or cached ``-warm`` model for ``-tool-warm``): seconds
+    of CPU that tell whether the code still builds what was shipped (see :mod:`grpo_ascend.builtin_weights`)."""
+    import dataclasses
+
+    losses: list[float] = []
+    if tools:
+        from transformers import AutoModelForCausalLM
+
+        from grpo_ascend.tiny_tool_warm import TOOL_WARM_PHASES, tool_warm_phase
+
+        tokenizer = build_tokenizer(seed=seed)
+        tokenizer.chat_template = COMPACT_TOOLS_CHAT_TEMPLATE
+        model = AutoModelForCausalLM.from_pretrained(build_tiny_model(size, warm=True, seed=seed))
+        first = TOOL_WARM_PHASES[0]
+        tool_warm_phase(model, tokenizer, dataclasses.replace(first, steps=steps), seed + first.seed_offset, losses)
+    else:
+        tokenizer = build_tokenizer(seed=seed)
+        warm_start(_build_base_model(size, tokenizer, seed=seed), tokenizer, steps=steps, seed=seed, losses=losses)
+    return losses
+
+
+def _load_shipped(build: _Build, tokenizer, path: Path):
+    """The model architecture of ``build`` with the shipped tensors loaded (tied head re-tied)."""
+    from safetensors.torch import load_file
+
+    model = build_model(build.size, tokenizer, seed=build.seed)
+    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"shipped weights {path.name} do not fit builtin:{build.size}: "
+                           f"missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
+    model.tie_weights()
+    model.eval()
+    return model
 
 
 def resolve_builtin(name: str) -> Path | None:
@@ -428,12 +511,14 @@ def add_build_arguments(parser) -> None:
     parser.add_argument("--out", default=None, help="folder to write (default: the cache, reused if present)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the folder exists")
     parser.add_argument("--seed", type=int, default=0, help="seed of the tokenizer, weights and warm start")
+    parser.add_argument("--from-scratch", action="store_true",
+                        help="train the warm start here even where its weights are shipped (minutes of CPU)")
 
 
 def run_build(ns) -> int:
     """``grpo-ascend build-tiny-model``: build (or find) a built-in model and print its folder."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     path = build_tiny_model(ns.size, warm=ns.warm or ns.tools, out_dir=ns.out, force=ns.force, seed=ns.seed,
-                            tools=ns.tools)
+                            tools=ns.tools, from_scratch=ns.from_scratch)
     print(path)
     return 0

@@ -90,8 +90,10 @@ def tool_warm_start(model: Any, tokenizer: Any, seed: int = 0, phases: tuple[Too
     return model
 
 
-def tool_warm_phase(model: Any, tokenizer: Any, settings: ToolWarmStart, seed: int) -> Any:
-    """One supervised phase on the calculator transcripts (loss on the model's tokens only)."""
+def tool_warm_phase(model: Any, tokenizer: Any, settings: ToolWarmStart, seed: int,
+                    losses: list[float] | None = None) -> Any:
+    """One supervised phase on the calculator transcripts (loss on the model's tokens only); each step's
+    loss is appended to ``losses`` when given."""
     import torch
 
     from grpo_ascend.tiny_model import _seeded
@@ -116,6 +118,8 @@ def tool_warm_phase(model: Any, tokenizer: Any, settings: ToolWarmStart, seed: i
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+            if losses is not None:
+                losses.append(out.loss.item())
             if step % 50 == 0 or step == settings.steps - 1:
                 logger.info("tool warm start step %d/%d loss %.4f", step + 1, settings.steps, out.loss.item())
     model.eval()

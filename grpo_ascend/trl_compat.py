@@ -4,7 +4,8 @@
 :mod:`grpo_ascend.trl_fields`: mapped fields are moved over (TRL's defaults included: a TRL config
 means TRL's defaults), and only fields changed from TRL's defaults count for the rest: ignored ones
 draw one :class:`TRLConfigWarning` listing them, refused ones one :class:`~grpo_ascend.errors.ConfigError`
-listing each with why. trl is never imported here: a TRL config is recognised by its class.
+listing each with why (the pass is :func:`grpo_ascend.trl_keywords.classify`, which our own ``GRPOConfig``
+uses for TRL field names given as keywords). trl is never imported here: a TRL config is recognised by its class.
 
 ``python -m grpo_ascend.trl_compat [--check]`` regenerates the tables of docs/trl_compatibility.md.
 """
@@ -13,42 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
-from grpo_ascend.errors import ConfigError
 from grpo_ascend.generated_docs import update_block
-from grpo_ascend.trl_fields import IMPLIED_SETTINGS, TRL_FIELDS, plain
+from grpo_ascend.trl_fields import IMPLIED_SETTINGS, TRL_FIELDS
+from grpo_ascend.trl_keywords import DOC, TRLConfigWarning, classify, differs
 
-DOC = "docs/trl_compatibility.md"
+__all__ = ["TRLConfigWarning", "from_trl_config", "is_trl_grpo_config", "render_tables", "update_doc"]
+
 #: The first field TRL's GRPOConfig adds to transformers' TrainingArguments (the table's order).
 FIRST_GRPO_FIELD = "model_init_kwargs"
 #: Applied after the other mapped fields: TRL lets generation_kwargs override the sampling fields.
 _APPLIED_LAST = ("generation_kwargs",)
 
 
-class TRLConfigWarning(UserWarning):
-    """Settings of a TRL config that have no effect here."""
-
-
 def is_trl_grpo_config(obj: Any) -> bool:
     """Whether ``obj`` is TRL's ``GRPOConfig`` (or a subclass), without importing trl."""
     return any(c.__name__ == "GRPOConfig" and c.__module__.split(".")[0] == "trl" for c in type(obj).__mro__)
-
-
-def _empty(value: Any) -> bool:
-    return value is None or (isinstance(value, (str, list, tuple, dict)) and not value)
-
-
-def _differs(value: Any, default: Any) -> bool:
-    value, default = plain(value), plain(default)
-    if _empty(value) and _empty(default):
-        return False
-    try:
-        return bool(value != default)
-    except Exception:  # objects without a usable ==: compare their text
-        return repr(value) != repr(default)
 
 
 def _defaults(cfg: Any) -> dict[str, Any]:
@@ -74,52 +57,18 @@ def _defaults(cfg: Any) -> dict[str, Any]:
     return out
 
 
-def _show(value: Any) -> str:
-    text = repr(plain(value))
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def from_trl_config(cfg: Any) -> Any:
     """Our :class:`~grpo_ascend.config.GRPOConfig` for TRL's ``cfg`` (see the module docstring)."""
     from grpo_ascend.config import GRPOConfig
 
     defaults = _defaults(cfg)
-    settings: dict[str, Any] = {name: value for name, (value, _) in IMPLIED_SETTINGS.items()}
-    ignored: list[str] = []
-    refused: list[str] = []
-    unknown: list[str] = []
     names = [f.name for f in dataclasses.fields(cfg)]
     names.sort(key=lambda n: n in _APPLIED_LAST)
-    for name in names:
-        value = getattr(cfg, name)
-        entry = TRL_FIELDS.get(name)
-        changed = name not in defaults or _differs(value, defaults[name])
-        if entry is None:
-            if changed:
-                unknown.append(f"{name}={_show(value)}")
-        elif entry.kind == "mapped":
-            try:
-                settings.update(entry.settings(name, value, cfg))
-            except ConfigError as exc:
-                refused.append(str(exc).removeprefix("trl.GRPOConfig "))
-        elif changed and entry.kind == "ignored":
-            ignored.append(f"{name}={_show(value)}")
-        elif changed:
-            refused.append(f"{name}={_show(value)}: {entry.note}")
-    if refused:
-        raise ConfigError(
-            f"trl.GRPOConfig: {len(refused)} setting(s) are not supported by grpo-ascend (see {DOC}); leave them at "
-            "TRL's defaults:\n  " + "\n  ".join(refused)
-        )
-    if ignored or unknown:
-        parts = []
-        if ignored:
-            parts.append(f"{len(ignored)} setting(s) have no effect here and are ignored: {', '.join(ignored)}")
-        if unknown:
-            parts.append(f"{len(unknown)} setting(s) are unknown to grpo-ascend (not in TRL 1.16) and are ignored: "
-                         f"{', '.join(unknown)}")
-        warnings.warn(f"trl.GRPOConfig: {'; '.join(parts)} (see {DOC})", TRLConfigWarning, stacklevel=3)
-    return GRPOConfig.from_dict(settings, source="trl.GRPOConfig")
+    result = classify(((n, getattr(cfg, n)) for n in names),
+                      lambda n, v: n not in defaults or differs(v, defaults[n]), cfg, convert_unchanged=True)
+    result.report("trl.GRPOConfig", stacklevel=3)
+    settings = {name: value for name, (value, _) in IMPLIED_SETTINGS.items()}
+    return GRPOConfig.from_dict({**settings, **result.settings}, source="trl.GRPOConfig")
 
 
 # ---------------------------------------------------------------------------------------- trainer surface
@@ -130,11 +79,13 @@ TRAINER_SURFACE: list[tuple[str, str, str]] = [
     ("GRPOTrainer(reward_funcs=...)", "supported", "callables (sync or async), module:function strings, reward-model "
      "paths (docs/rewards.md)"),
     ("GRPOTrainer(args=...)", "differs", "ours, or TRL's GRPOConfig converted per the tables above"),
-    ("GRPOTrainer(train_dataset=...)", "supported", "a datasets.Dataset with a prompt column"),
-    ("GRPOTrainer(eval_dataset=...)", "supported", "docs/evaluation.md"),
+    ("GRPOTrainer(train_dataset=...)", "supported", "a datasets.Dataset or IterableDataset (needs max_steps; "
+     "resumes exactly, docs/checkpoints.md) with a prompt column"),
+    ("GRPOTrainer(eval_dataset=...)", "supported", "a Dataset, an IterableDataset, or a dict / DatasetDict of them "
+     "(metrics eval_<name>/..., docs/evaluation.md)"),
     ("GRPOTrainer(processing_class=...)", "supported", "a tokenizer (text models only)"),
-    ("GRPOTrainer(reward_processing_classes=...)", "differs", "reward models use their own tokenizer; a given one "
-     "is refused"),
+    ("GRPOTrainer(reward_processing_classes=...)", "supported", "one tokenizer per reward model (a list as long as "
+     "reward_funcs; None and plain functions' entries unused), docs/rewards.md"),
     ("GRPOTrainer(callbacks=...)", "supported", "TrainerCallback instances or classes"),
     ("GRPOTrainer(optimizers=...)", "differs", "(None, None) only: the optimizer is AdamW built from the config"),
     ("GRPOTrainer(quantization_config=...)", "differs", "None only: quantized (QLoRA) base models are refused"),
@@ -144,7 +95,8 @@ TRAINER_SURFACE: list[tuple[str, str, str]] = [
     ("GRPOTrainer(environment_factory=...)", "supported", "docs/tools.md"),
     ("model", "supported", "the PEFT-wrapped policy with LoRA, else the policy"),
     ("args", "differs", "always our GRPOConfig (a TRL config is converted)"),
-    ("state", "supported", "a transformers.TrainerState: global_step, epoch, log_history"),
+    ("state", "supported", "a transformers.TrainerState: global_step, epoch, num_input_tokens_seen, total_flos, "
+     "log_history (TRL's metric names beside ours, every logging_steps; transformers' closing summary entry)"),
     ("control", "supported", "a transformers.TrainerControl; should_training_stop ends the run"),
     ("accelerator", "supported", "the run's accelerate.Accelerator (print, is_main_process, ...)"),
     ("processing_class", "supported", "the tokenizer"),
@@ -153,8 +105,8 @@ TRAINER_SURFACE: list[tuple[str, str, str]] = [
     ("optimizer", "supported", "torch AdamW (prepared by the distributed strategy)"),
     ("lr_scheduler", "supported", "a LambdaLR"),
     ("hub_model_id", "supported", "the repo's full id once the repo exists, else None"),
-    ("train(resume_from_checkpoint=...)", "differs", "a path, True or 'latest'; returns the run summary, not a "
-     "TrainOutput"),
+    ("train(resume_from_checkpoint=...)", "supported", "a path, True or 'latest'; returns transformers' TrainOutput "
+     "(the run summary of summary.json is trainer.run_summary)"),
     ("evaluate()", "supported", "docs/evaluation.md"),
     ("save_model(output_dir)", "supported", "the LoRA adapter in PEFT's format (or the full model) plus tokenizer"),
     ("push_to_hub(commit_message, blocking, token, revision, private, dataset_name, tags)", "supported",

@@ -113,7 +113,7 @@ def _eval_strategy(value: Any, cfg: Any) -> dict[str, Any]:
 def _save_strategy(value: Any, cfg: Any) -> dict[str, Any]:
     if value not in ("steps", "no"):
         raise _bad("save_strategy", value, "'steps' (with save_steps) or 'no'")
-    return {}
+    return {"save_steps": 0} if value == "no" else {}
 
 
 def _save_steps(value: Any, cfg: Any) -> dict[str, Any]:
@@ -143,6 +143,10 @@ def _model_init_kwargs(value: Any, cfg: Any) -> dict[str, Any]:
     return {"model_init_kwargs": kwargs or None}
 
 
+def _trust_remote_code(value: Any, cfg: Any) -> dict[str, Any]:
+    return _model_init_kwargs(cfg.model_init_kwargs, cfg) if value else {}
+
+
 def _pad_to(value: Any, cfg: Any) -> dict[str, Any]:
     return {"length_bucket": None if value in (None, "auto") else int(value)}
 
@@ -165,7 +169,7 @@ def _generation_kwargs(value: Any, cfg: Any) -> dict[str, Any]:
     return value
 
 
-_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
 
 def _loss_type(value: Any, cfg: Any) -> dict[str, Any]:
@@ -271,7 +275,7 @@ TRL_FIELDS: dict[str, TRLField] = {
     "include_for_metrics": ignored(_EVAL_LOOP),
     "batch_eval_metrics": ignored(_EVAL_LOOP),
     "save_only_model": ignored("checkpoints always hold the optimizer and RNG state, for exact resume"),
-    "save_strategy": to((), "'steps'; 'no' becomes save_steps=0 (the final checkpoint is still "
+    "save_strategy": to("save_steps", "'steps'; 'no' becomes save_steps=0 (the final checkpoint is still "
                         "written); 'epoch' and 'best' refused", _save_strategy, differs=True),
     "save_steps": to("save_steps", "whole steps only; saves land on generation-round boundaries",
                      _save_steps, differs=True),
@@ -324,10 +328,11 @@ TRL_FIELDS: dict[str, TRLField] = {
     "local_rank": ignored("set by the launcher; accelerate reads the rank itself"),
     # --- TRL GRPOConfig ---
     "model_init_kwargs": to("model_init_kwargs", "dtype defaults to float32, as TRL", _model_init_kwargs),
-    "trust_remote_code": to("model_init_kwargs", "becomes model_init_kwargs['trust_remote_code']", _nothing),
+    "trust_remote_code": to("model_init_kwargs", "becomes model_init_kwargs['trust_remote_code']", _trust_remote_code),
     "router_aux_loss_coef": refused("the MoE load-balancing loss is not added to the GRPO loss"),
     "disable_dropout": same("every nn.Dropout (LoRA's included) gets p=0, as TRL"),
-    "cast_lm_head_to_fp32": refused("an fp32 output head is not implemented; it changes the log-probs"),
+    "cast_lm_head_to_fp32": same("the head's matmul runs in float32 in training, reference and rollout (a tied "
+                                 "head's embeddings still output the model's dtype, as TRL)"),
     "num_generations": same(),
     "num_generations_eval": same(),
     "max_completion_length": same("TRL's default is 512 (ours 256)"),
@@ -368,36 +373,43 @@ TRL_FIELDS: dict[str, TRLField] = {
     "epsilon_high": same(),
     "sapo_temperature_neg": same(),
     "sapo_temperature_pos": same(),
-    "vespo_k_pos": ignored("applies only to loss_type='vespo' (refused)"),
-    "vespo_lambda_pos": ignored("applies only to loss_type='vespo' (refused)"),
-    "vespo_k_neg": ignored("applies only to loss_type='vespo' (refused)"),
-    "vespo_lambda_neg": ignored("applies only to loss_type='vespo' (refused)"),
+    "vespo_k_pos": same(),
+    "vespo_lambda_pos": same(),
+    "vespo_k_neg": same(),
+    "vespo_lambda_neg": same(),
     "importance_sampling_level": same(),
     "reward_weights": same(),
-    "multi_objective_aggregation": refused("only 'sum_then_normalize' (weighted sum, then group scaling) is "
-                                           "implemented; 'normalize_then_sum' changes the advantages"),
+    "multi_objective_aggregation": same("sum_then_normalize and normalize_then_sum (GDPO), a registry; "
+                                        "normalize_then_sum needs advantage_estimator='grpo'"),
     "scale_rewards": same(),
-    "loss_type": to("loss_type", "grpo, bnpo, dr_grpo, dapo, cispo, sapo; luspo and vespo refused", _loss_type, differs=True),
+    "loss_type": to("loss_type", "every TRL loss type (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo)",
+                    _loss_type),
     "mask_truncated_completions": same(),
-    "sync_ref_model": refused("updating the reference model during training (TR-DPO) is not implemented"),
-    "ref_model_mixup_alpha": ignored("applies only to sync_ref_model=True (refused)"),
-    "ref_model_sync_steps": ignored("applies only to sync_ref_model=True (refused)"),
-    "top_entropy_quantile": refused("masking all but the highest-entropy tokens is not implemented"),
+    "sync_ref_model": same("full fine-tuning; refused under LoRA (the reference is the base with adapters off, "
+                           "and a mixture of the policy and the base is not the base; TRL refuses PEFT too)",
+                           differs=True),
+    "ref_model_mixup_alpha": same(),
+    "ref_model_sync_steps": same(),
+    "top_entropy_quantile": same("the quantile is taken over each micro-batch's tokens (all ranks), as TRL; our "
+                                 "micro-batches are packed per max_tokens_per_micro_batch when that is set",
+                                 differs=True),
     "entropy_coef": same("the bonus is aggregated like the policy term (per loss_type); TRL always takes each "
                          "micro-batch's mean per-token entropy: equal for bnpo / dapo when micro-batches hold "
                          "equal token counts, weighted differently for grpo / dr_grpo", differs=True),
-    "use_adaptive_entropy": refused("the adaptive entropy coefficient is not implemented"),
-    "entropy_coef_min": ignored("applies only to use_adaptive_entropy=True (refused)"),
-    "entropy_coef_max": ignored("applies only to use_adaptive_entropy=True (refused)"),
-    "entropy_coef_delta": ignored("applies only to use_adaptive_entropy=True (refused)"),
-    "entropy_target": ignored("applies only to use_adaptive_entropy=True (refused)"),
+    "use_adaptive_entropy": same("the controller's entropy is the step's token mean over all ranks, as TRL; the "
+                                 "bonus is aggregated like entropy_coef's (above)", differs=True),
+    "entropy_coef_min": same(),
+    "entropy_coef_max": same(),
+    "entropy_coef_delta": same(),
+    "entropy_target": same(),
     "max_tool_calling_iterations": same(),
     "vllm_importance_sampling_correction": ignored(_VLLM + "; to correct our own engine's sampling set "
                                                    "importance_sampling_correction"),
     "vllm_importance_sampling_mode": ignored(_VLLM),
     "vllm_importance_sampling_clip_max": ignored(_VLLM),
     "vllm_importance_sampling_clip_min": ignored(_VLLM),
-    "off_policy_mask_threshold": refused("off-policy sequence masking (DeepSeek-V3.2) is not implemented"),
+    "off_policy_mask_threshold": same("the KL is taken against the rollout engine's sampling log-probs (TRL: vLLM's, "
+                                      "else the old policy's)", differs=True),
     "use_bias_correction_kl": same(),
     "log_completions": to("log_completions_steps", "true writes samples every logging_steps; false keeps "
                           "samples.jsonl at its own default (every 10 steps)", _log_completions, differs=True),

@@ -7,7 +7,7 @@ concurrently. :class:`RewardSet` loads, calls, checks and combines several of th
 """
 
 from reward_models.calling import TrainerStateView
-from reward_models.core import RewardOutput, RewardSet
+from reward_models.core import RewardOutput, RewardSet, processing_classes_per_function
 from reward_models.loading import BUILTIN_REWARDS, load_reward_function, register_reward, reward_name
 from reward_models.math_answer import AccuracyReward, answers_match, extract_answer, parse_number
 from reward_models.reward_model import RewardModelScorer
@@ -30,6 +30,7 @@ __all__ = [
     "extract_answer",
     "load_reward_function",
     "parse_number",
+    "processing_classes_per_function",
     "register_reward",
     "reward_name",
 ]

@@ -96,6 +96,20 @@ def _describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
+def processing_classes_per_function(classes: Any, count: int) -> list[Any]:
+    """TRL's ``reward_processing_classes`` as one entry per reward function: None (all None), one
+    tokenizer (for one function) or a list as long as ``reward_funcs``."""
+    if classes is None:
+        return [None] * count
+    entries = list(classes) if isinstance(classes, (list, tuple)) else [classes]
+    if len(entries) != count:
+        raise ConfigError(
+            f"The number of reward processing classes ({len(entries)}) must match the number of reward functions "
+            f"({count}): give one entry per reward function, in the same order (None where unused)"
+        )
+    return entries
+
+
 class RewardSet:
     """Several reward functions, their weights, and how to treat failures.
 
@@ -108,7 +122,9 @@ class RewardSet:
     (Python threads cannot be killed) and keeps running in its daemon worker thread, its result
     discarded. Output tensors go to ``device`` (None: CPU) in one host-to-device copy; reward models
     given as strings load on ``device`` (None: the automatic device choice). ``processing_class``
-    is the tokenizer a loaded reward model falls back on when it came without its own.
+    is the tokenizer a loaded reward model falls back on when it came without its own;
+    ``reward_processing_classes`` (TRL's argument: one tokenizer, or one entry per function) gives a
+    reward model the tokenizer it scores with; None entries and entries of other functions are unused.
     """
 
     def __init__(
@@ -119,10 +135,12 @@ class RewardSet:
         reward_timeout: float | None = None,
         device: str | torch.device | None = None,
         processing_class: Any = None,
+        reward_processing_classes: Any = None,
     ) -> None:
         specs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not specs:
             raise ConfigError("reward_funcs is empty; give at least one reward function")
+        per_function = processing_classes_per_function(reward_processing_classes, len(specs))
         if reward_errors not in REWARD_ERROR_MODES:
             raise ConfigError(
                 f"reward_errors must be one of {list(REWARD_ERROR_MODES)}, got {reward_errors!r}"
@@ -139,8 +157,9 @@ class RewardSet:
             )
         self.device = torch.device(device) if device is not None else None
         self.funcs: list[Callable[..., Any]] = [
-            load_reward_function(spec, device=self.device, processing_class=processing_class)
-            for spec in specs
+            load_reward_function(spec, device=self.device, processing_class=processing_class,
+                                 reward_processing_class=own)
+            for spec, own in zip(specs, per_function)
         ]
         self.names: list[str] = _unique_names([reward_name(f) for f in self.funcs])
         self.weights: list[float] = self._weights(reward_weights)
@@ -407,11 +426,18 @@ class RewardSet:
         all_none = int(torch.isnan(per).all(dim=1).sum()) if f else n
         if all_none and "__all_none__" not in self._warned:
             self._warned.add("__all_none__")
+            row = int(torch.isnan(per).all(dim=1).nonzero()[0]) if f else 0
+            example = {**{k: v[row] for k, v in batch.columns.items()}, "prompt": batch.prompts[row],
+                       "completion": batch.completions[row]}
+            # TRL 1.16's wording (users grep for it), with what happens here and how often it is said
             logger.warning(
-                "%d of %d completions got None from every reward function (%s); their total reward is 0",
+                "All reward functions returned None for %d of %d completions (%s); the first one's kwargs:\n%s\n"
+                "Please ensure that at least one reward function returns a valid reward. Such a completion's total "
+                "reward is 0 (warned once per run).",
                 all_none,
                 n,
                 ", ".join(self.names),
+                example,
             )
         flat = torch.cat([per.reshape(-1), total])
         if self.device is not None and flat.device != self.device:

@@ -201,10 +201,17 @@ def load_object(spec: str, kind: str = "reward") -> Any:
 
 
 def _reward_model(
-    model: Any, device: Any, processing_class: Any, options: dict[str, Any]
+    model: Any, device: Any, processing_class: Any, options: dict[str, Any], reward_processing_class: Any = None
 ) -> RewardModelScorer:
     options = dict(options)
     options.setdefault("device", device)
+    if reward_processing_class is not None:
+        if options.get("tokenizer") is not None:
+            raise ConfigError(
+                "reward model: a tokenizer was given twice (the spec's tokenizer option and reward_processing_classes); "
+                "keep one"
+            )
+        options["tokenizer"] = reward_processing_class
     if isinstance(model, torch.nn.Module) and options.get("tokenizer") is None:
         path = str(getattr(model, "name_or_path", "") or "")
         if os.path.isdir(path):
@@ -222,6 +229,7 @@ def load_reward_function(
     *,
     device: str | torch.device | None = None,
     processing_class: Any = None,
+    reward_processing_class: Any = None,
     **options: Any,
 ) -> RewardFunc:
     """Turn a reward spec into a reward function ``f(prompts, completions, completion_ids, **kwargs)``.
@@ -231,8 +239,10 @@ def load_reward_function(
     ``BUILTIN_REWARDS`` (``options`` go to its factory), ``module:function``,
     ``path/to/file.py:function``, a reward model directory or hub id (``options`` go to
     :class:`RewardModelScorer`), or a mapping ``{"name": <one of those strings>, **options}`` as
-    written in YAML. ``device`` and ``processing_class`` only matter for reward models: the device
-    to score on (None: automatic) and the tokenizer to fall back on for a loaded model.
+    written in YAML. ``device``, ``processing_class`` and ``reward_processing_class`` only matter
+    for reward models: the device to score on (None: automatic), the tokenizer to fall back on for a
+    loaded model, and the tokenizer to score with instead of the model's own (TRL's
+    ``reward_processing_classes`` entry; ignored for other rewards, as in TRL).
     """
     if isinstance(spec, Mapping):
         merged = {k: v for k, v in spec.items() if k != "name"}
@@ -241,9 +251,10 @@ def load_reward_function(
                 f"a reward given as a mapping needs a 'name' key ({_forms()}); got keys {sorted(spec)}"
             )
         merged.update(options)
-        return load_reward_function(spec["name"], device=device, processing_class=processing_class, **merged)
+        return load_reward_function(spec["name"], device=device, processing_class=processing_class,
+                                    reward_processing_class=reward_processing_class, **merged)
     if isinstance(spec, torch.nn.Module):
-        return _reward_model(spec, device, processing_class, options)
+        return _reward_model(spec, device, processing_class, options, reward_processing_class)
     if callable(spec):
         return _bind(spec, options)
     if isinstance(spec, os.PathLike):
@@ -258,7 +269,7 @@ def load_reward_function(
                 raise ConfigError(
                     "reward 'reward_model' needs the option model: {name: reward_model, model: path/to/rm}"
                 )
-            return _reward_model(options.pop("model"), device, processing_class, options)
+            return _reward_model(options.pop("model"), device, processing_class, options, reward_processing_class)
         _check_options(text, factory, options)
         if inspect.isclass(factory):
             _check_required(text, factory, options)
@@ -274,5 +285,5 @@ def load_reward_function(
     if text.endswith(".py"):
         raise ConfigError(f"reward {text!r}: name the function in the file, as {text}:function_name")
     if os.path.isdir(text) or (("/" in text or os.sep in text) and not os.path.exists(text)):
-        return _reward_model(text, device, processing_class, options)
+        return _reward_model(text, device, processing_class, options, reward_processing_class)
     raise ConfigError(f"unknown reward {text!r}{closest(text, BUILTIN_REWARDS)}; a reward is {_forms()}")

@@ -87,8 +87,9 @@ class RewardModelScorer:
                     f"reward model {source!r}: its tokenizer has neither a pad token nor an EOS token; set one"
                 )
             tokenizer.pad_token = tokenizer.eos_token
-        if getattr(model.config, "pad_token_id", None) is None:
-            model.config.pad_token_id = tokenizer.pad_token_id
+        # The score is read at the last token that is not the config's pad id: it must be the pad id the
+        # rows are padded with, which is the tokenizer's (a tokenizer given for the model may differ).
+        model.config.pad_token_id = tokenizer.pad_token_id
         self.tokenizer = tokenizer
         model.eval()
         model.requires_grad_(False)

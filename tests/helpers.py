@@ -10,6 +10,23 @@ SMALL_RUN = dict(
 )
 
 
+def train_until_preempted(trainer, step: int | None = None) -> None:
+    """Run ``trainer.train()`` until its checkpoint at ``step`` (default: its first) is saved, then stop it
+    as a preemption would."""
+    import pytest
+
+    original_save = trainer._save
+
+    def save_then_die():
+        original_save()
+        if step is None or trainer.step == step:
+            raise KeyboardInterrupt("simulated preemption")
+
+    trainer._save = save_then_die
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+
+
 def late_rewards_vs_control(train, steps: int):
     """Mean reward of the last ``steps`` logged steps of a learning run and of its control.
 
@@ -96,3 +113,15 @@ def perturb_weights(model, scale: float = 0.1, seed: int = 0):
             if p.dim() == 2:
                 p.add_(torch.randn(p.shape, generator=gen) * scale)
     return model
+
+
+def uninterrupted_and_resumed(make, state):
+    """(``state`` of an uninterrupted run, ``state`` of a run preempted right after its first checkpoint and
+    resumed from it, the step it was preempted at). ``make(output_dir)`` builds a trainer."""
+    full = make("full")
+    full.train()
+    killed = make("resumed")
+    train_until_preempted(killed)
+    resumed = make("resumed")
+    resumed.train(resume_from_checkpoint="latest")
+    return state(full), state(resumed), killed.step

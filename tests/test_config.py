@@ -26,8 +26,6 @@ from grpo_ascend.recipe import RecipeConfig, load_recipe, parse_overrides
         ({"importance_sampling_level": "seq"}, "expected one of ['token', 'sequence']"),
         ({"delta": 1.1}, "delta (1.1) must be > 1 + epsilon_high"),
         ({"bf16": True, "fp16": True}, "choose one precision"),
-        ({"gradient_accumulation_steps": 2, "steps_per_generation": 3, "per_device_train_batch_size": 8},
-         "must be a multiple of gradient_accumulation_steps"),
     ],
 )
 def test_bad_values_give_one_clear_line(values, message):
@@ -102,3 +100,22 @@ def test_recipe_names_still_import_from_config():
     assert grpo_ascend.RecipeConfig is recipe.RecipeConfig
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         config.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("spg, accum, iterations, rounds, steps, old", [
+    (4, 2, 1, 1, 2, [True]),          # aligned: one generation batch per round, as always
+    (2, 2, 1, 1, 1, [False]),         # one step per batch: on-policy, no old log-probs
+    (3, 2, 1, 2, 3, [True, True]),    # TRL allows it: the second step straddles the two batches
+    (1, 2, 1, 2, 1, [False, False]),  # both batches feed one step, made before it: no step in between
+    (1, 3, 2, 3, 2, [False, True, False]),  # the third batch is made after step 1 and used only in step 2
+])
+def test_batch_plan_when_steps_straddle_generation_batches(spg, accum, iterations, rounds, steps, old):
+    """Old log-probs for a batch trained on after an optimizer step that followed its generation (TRL computes
+    them whenever gradient_accumulation_steps % (steps_per_generation × μ) != 0; where we skip them they equal
+    the current ones)."""
+    cfg = GRPOConfig(per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=accum,
+                     steps_per_generation=spg, num_iterations=iterations)
+    plan = cfg.batch_plan()
+    assert (plan.generations_per_round, plan.optimizer_steps_per_round) == (rounds, steps)
+    assert [plan.old_logps_needed(g) for g in range(rounds)] == old
+    assert ("straddle" in plan.describe()) == (rounds > 1)

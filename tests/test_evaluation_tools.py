@@ -53,7 +53,7 @@ def _trainable(trainer):
 
 
 def _train_records(trainer):
-    drop = ("time/", "memory/", "tokens_per_second", "tools/time_s")
+    drop = ("time/", "memory/", "tokens_per_second", "tools/time_s", "step_time")  # step_time: TRL's time/step
     return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in trainer.state.log_history
             if "loss" in r]
 

@@ -12,6 +12,7 @@ from helpers import (
     late_rewards_vs_control,
     make_experience,
     one_round_gradients,
+    uninterrupted_and_resumed,
 )
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
@@ -138,25 +139,8 @@ def test_resume_is_exact(tmp_path, tiny_model_dir):
         return GRPOTrainer(str(tiny_model_dir), first_digit_is_one, cfg, arithmetic_dataset(12, seed=3),
                            peft_config=default_lora_config(r=4))
 
-    full = make(tmp_path / "full")
-    full.train()
-    expected = _weights(full)
-
-    killed = make(tmp_path / "resumed")
-    original_save = killed._save
-
-    def save_then_die():
-        original_save()
-        if killed.step == 2:
-            raise KeyboardInterrupt("simulated preemption")
-
-    killed._save = save_then_die
-    with pytest.raises(KeyboardInterrupt):
-        killed.train()
-
-    resumed = make(tmp_path / "resumed")
-    resumed.train(resume_from_checkpoint="latest")
-    got = _weights(resumed)
+    expected, got, preempted_at = uninterrupted_and_resumed(lambda name: make(tmp_path / name), _weights)
+    assert preempted_at == 2
     assert expected.keys() == got.keys()
     for k in expected:
         assert torch.equal(expected[k], got[k]), k
@@ -241,9 +225,11 @@ def test_trl_trainer_surface_model_state_callbacks_and_save_model(tmp_path, tiny
                           peft_config=default_lora_config(r=4), callbacks=[Recorder])
     assert trainer.model is trainer.policy and trainer.state.max_steps == 5
     trainer.train()
+    # as transformers: the closing summary is logged (train_loss, not loss) before on_train_end
     assert events == [("begin", 0), ("log", 1, True), ("step", 1), ("log", 2, True), ("step", 2), ("save", 2),
-                      ("end", 2)]
-    assert trainer.state.global_step == 2 and [r["step"] for r in trainer.state.log_history] == [1, 2]
+                      ("log", 2, False), ("end", 2)]
+    assert trainer.state.global_step == 2 and [r["step"] for r in trainer.state.log_history] == [1, 2, 2]
+    assert "train_loss" in trainer.state.log_history[-1]
     trainer.save_model()  # into the run folder, next to its metrics and checkpoints
     out = tmp_path / "run"
     assert (out / "adapter_model.safetensors").is_file() and (out / "metrics.jsonl").is_file()

@@ -148,7 +148,7 @@ def test_unit_weights_change_nothing(loss_type):
         assert all(torch.equal(stats[k], plain_stats[k]) for k in stats)
 
 
-@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "luspo", "vespo"])
 def test_gradient_accumulation_is_exact(loss_type):
     d = make_data()
     kw = {"beta": 0.05, "bias": True, "weights": token_weights()}
@@ -187,9 +187,11 @@ def test_cispo_clipped_stats_and_cap():
     expected = ((r > CISPO_CAP) & (d["adv"].unsqueeze(1) > 0) & d["mask"].bool()).sum().item()
     assert expected > 0
     assert stats["clipped_high"].item() == expected and stats["clipped_low"].item() == 0
-    with pytest.raises(ConfigError, match="cispo.* needs epsilon_high"):
-        policy_loss("cispo", PolicyLossBatch(logps=d["logps"], advantages=d["adv"], mask=d["mask"]),
-                    PolicyLossSettings())
+    # No epsilon_high: the cap is epsilon (TRL's fallback), so every positive-advantage ratio above 0.2 is capped.
+    _, fallback = policy_loss("cispo", PolicyLossBatch(logps=d["logps"], advantages=d["adv"], mask=d["mask"],
+                                                       old_logps=d["old"]), PolicyLossSettings(epsilon=0.2))
+    capped = ((r > 0.2) & (d["adv"].unsqueeze(1) > 0) & d["mask"].bool()).sum().item()
+    assert fallback["clipped_high"].item() == capped > expected
 
 
 def test_kl_estimators_on_numbers():

@@ -322,7 +322,7 @@ def test_settings_and_name_errors():
     with pytest.raises(ConfigError, match="beta"):
         PolicyLossSettings(beta=-1.0)
     with pytest.raises(
-        ConfigError, match=r"unknown loss_type 'grpoo' \(did you mean 'grpo'\?\).*bnpo, cispo, dapo, dr_grpo, grpo, sapo"
+        ConfigError, match=r"unknown loss_type 'grpoo' \(did you mean 'grpo'\?\).*bnpo, cispo, dapo, dr_grpo, grpo, luspo, sapo, vespo"
     ):
         POLICY_LOSSES.get("grpoo")
     d = make_data()

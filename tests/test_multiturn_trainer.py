@@ -7,7 +7,7 @@ import json
 
 import pytest
 from datasets import Dataset
-from helpers import SMALL_RUN
+from helpers import SMALL_RUN, train_until_preempted
 from test_multiturn import CALL, ScriptedQwen2, _ids, add
 from transformers import AutoTokenizer
 
@@ -213,16 +213,7 @@ def test_resume_with_tools_and_environments_is_exact(tmp_path, tiny_model_dir):
     full = make(tmp_path / "full")
     full.train()
     killed = make(tmp_path / "resumed")
-    original_save = killed._save
-
-    def save_then_die():
-        original_save()
-        if killed.step == 2:
-            raise KeyboardInterrupt("simulated preemption")
-
-    killed._save = save_then_die
-    with pytest.raises(KeyboardInterrupt):
-        killed.train()
+    train_until_preempted(killed, 2)
     resumed = make(tmp_path / "resumed")
     resumed.train(resume_from_checkpoint="latest")
 

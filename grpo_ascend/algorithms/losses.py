@@ -1,4 +1,5 @@
-"""Policy losses (GRPO, BNPO, Dr. GRPO, DAPO, CISPO, SAPO; token- or sequence-level ratios), PPO's value loss.
+"""Policy losses (GRPO, BNPO, Dr. GRPO, DAPO, CISPO, SAPO, LUSPO, VESPO; token- or sequence-level ratios), PPO's
+value loss.
 
 Exact gradient accumulation
 ---------------------------
@@ -17,6 +18,8 @@ Aggregation per ``loss_type`` (L_it the per-token loss, m_it the 0/1 mask, T_i =
 * ``dr_grpo`` : Σ_it L_it m_it / (num_sequences × max_completion_length) — constant denominator.
 * ``dapo``    : Σ_it L_it m_it / num_tokens_per_step_global — token mean over the whole
                 generation batch, so every token weighs the same across steps and ranks.
+* ``luspo``   : Σ_i [Σ_t L_it m_it] / num_sequences — mean over sequences of each sequence's token *sum*
+                (length-unbiased sequence policy optimization; meant for sequence-level ratios).
 
 Normaliser fields (per rank; under data parallelism the gradients are then *averaged* over the
 W ranks, which is why the global fields divide by W). With these, W ranks compute exactly the
@@ -41,17 +44,27 @@ correction weight of the sampler/trainer mismatch, 1 when absent):
 ``L = w·P(r, A) + β·KL(logp, ref)·[r if use_bias_correction_kl] − entropy_coef·H`` with the policy
 term P per loss type: ``−min(min(r, δ)·A, clip(r, 1−ε, 1+ε_high)·A)`` for grpo/bnpo/dr_grpo/dapo,
 ``−sg[min(r, ε_high)]·A·logp`` for cispo (aggregated like dapo), ``−σ(τ(r−1))·4/τ·A`` for sapo
-(aggregated like grpo; τ per advantage sign). KL is the ``kl_estimator`` (k1, k2 or k3 =
+(aggregated like grpo; τ per advantage sign), ``−sg[φ(w_i)]·A·logp`` for vespo (aggregated like dapo; φ the
+gamma weight of the sequence ratio w_i = Π_t r_it, see :func:`vespo_gamma_weights`), the clipped objective
+for luspo. KL is the ``kl_estimator`` (k1, k2 or k3 =
 ``exp(ref − logp) − (ref − logp) − 1``, the default). The min(r, δ) cap (TRL's two-sided clipping) is
 applied only when ``delta`` is set. With ``importance_sampling_level="sequence"`` (GSPO) every
 token of sequence i uses s_i = exp(mean over its valid tokens of (logp − old_logp)), broadcast with
 its gradient (as TRL), so the gradient at token t of a sequence-constant term is s_i·mean_u ∇logp_u:
 GSPO's sequence-level gradient under ``grpo``, and the same as the GSPO-token form under every other
 aggregation (all weigh the tokens of a sequence equally) unless per-token ``weights`` differ.
+
+Token selection (TRL 1.16's meanings), each multiplying the policy term only, never the normalisers:
+``off_policy_mask_threshold`` δ (DeepSeek-V3.2's off-policy sequence masking) drops sequence i when
+A_i < 0 and mean_t (sampling_logp − logp) > δ; ``batch.selection`` (e.g. the high-entropy tokens of
+``top_entropy_quantile``, see :mod:`grpo_ascend.algorithms.token_selection`) keeps only the selected tokens, for
+the entropy bonus too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,6 +73,7 @@ from torch import Tensor
 
 from grpo_ascend.algorithms.kl import KL_ESTIMATORS
 from grpo_ascend.algorithms.registry import Registry
+from grpo_ascend.algorithms.token_selection import off_policy_sequence_mask
 from grpo_ascend.errors import ConfigError, DataError, closest
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -79,6 +93,9 @@ class PolicyLossBatch:
     weights: optional ``[B]`` or ``[B, T]`` importance-sampling correction weights (no grad) for the
         sampler/trainer mismatch (see ``importance_sampling.py``); they multiply the policy-gradient
         term of each token, not the KL penalty or the entropy bonus (as TRL). None = all 1.
+    sampling_logps: the sampler's log-probs, for ``off_policy_mask_threshold`` (None: ``old_logps``).
+    selection: optional ``[B, T]`` 0/1 tokens whose policy term and entropy bonus count (the high-entropy
+        tokens of ``top_entropy_quantile``); the others still count in the normalisers. None = all.
     """
 
     logps: Tensor
@@ -88,6 +105,8 @@ class PolicyLossBatch:
     ref_logps: Tensor | None = None
     entropies: Tensor | None = None
     weights: Tensor | None = None
+    sampling_logps: Tensor | None = None
+    selection: Tensor | None = None
 
 
 @dataclass
@@ -97,7 +116,9 @@ class PolicyLossSettings:
     ``kl_estimator``: k1 | k2 | k3 (see ``kl.py``). ``use_bias_correction_kl``: multiply the KL term
     by the importance ratio π_θ/π_old (with its gradient; per sequence under GSPO), as TRL 1.16.
     ``sapo_temperature_pos/neg``: SAPO's gate temperatures for A > 0 and A <= 0. For ``cispo``,
-    ``epsilon_high`` is the absolute cap ε_max on the importance weight (TRL's meaning).
+    ``epsilon_high`` is the absolute cap ε_max on the importance weight (TRL's meaning; unset: ``epsilon``,
+    as TRL). ``vespo_k_pos/neg``, ``vespo_lambda_pos/neg``: VESPO's gamma-weight shape per advantage sign.
+    ``off_policy_mask_threshold``: δ of the off-policy sequence mask (None = off).
     """
 
     epsilon: float = 0.2
@@ -111,6 +132,11 @@ class PolicyLossSettings:
     use_bias_correction_kl: bool = False
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if not self.epsilon >= 0:
@@ -136,6 +162,12 @@ class PolicyLossSettings:
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        threshold = self.off_policy_mask_threshold
+        if threshold is not None and not math.isfinite(threshold):
+            raise ConfigError(f"off_policy_mask_threshold must be a finite number or None, got {threshold!r}")
 
     @property
     def eps_high(self) -> float:
@@ -198,7 +230,7 @@ def _check_shapes(batch: PolicyLossBatch) -> None:
     shape = batch.logps.shape
     if batch.logps.dim() != 2:
         raise DataError(f"logps must be [B, T], got shape {tuple(shape)}")
-    for name in ("mask", "old_logps", "ref_logps", "entropies"):
+    for name in ("mask", "old_logps", "ref_logps", "entropies", "sampling_logps", "selection"):
         t = getattr(batch, name)
         if t is not None and t.shape != shape:
             raise DataError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like logps")
@@ -284,6 +316,13 @@ def per_token_policy_loss(
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1)
     per_token, low, high = objective(ratio, adv, torch.where(valid, logps, zero), settings)
+    if settings.off_policy_mask_threshold is not None:
+        sampling = batch.sampling_logps if batch.sampling_logps is not None else old
+        per_token = per_token * off_policy_sequence_mask(
+            adv, logps, torch.where(valid, sampling, zero), valid, settings.off_policy_mask_threshold)
+    selection = None if batch.selection is None else batch.selection.detach().to(logps.dtype)
+    if selection is not None:
+        per_token = per_token * selection
     if batch.weights is not None:
         weights = batch.weights.detach().to(logps.dtype)
         per_token = per_token * (weights.unsqueeze(-1) if weights.dim() == 1 else weights)
@@ -303,7 +342,7 @@ def per_token_policy_loss(
     if batch.entropies is not None:
         ent = torch.where(valid, batch.entropies, zero)
         if settings.entropy_coef != 0:
-            per_token = per_token - settings.entropy_coef * ent
+            per_token = per_token - settings.entropy_coef * (ent if selection is None else ent * selection)
         entropy_sum = ent.detach().sum().to(stat_dtype)
 
     per_token = torch.where(valid, per_token, zero)
@@ -375,11 +414,9 @@ def dapo_loss(
 def cispo_loss(
     batch: PolicyLossBatch, settings: PolicyLossSettings, normaliser: LossNormaliser | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """CISPO (MiniMax-M1): clipped, detached IS weight × A × log π_θ, aggregated like ``dapo`` (as TRL)."""
-    if settings.epsilon_high is None:
-        raise ConfigError(
-            "loss_type='cispo' needs epsilon_high: the cap ε_max on the importance weight (recommended 5.0)"
-        )
+    """CISPO (MiniMax-M1): clipped, detached IS weight × A × log π_θ, aggregated like ``dapo`` (as TRL).
+
+    The cap is ``epsilon_high``, or ``epsilon`` when that is unset (TRL's fallback; ScaleRL uses 5.0)."""
     per_token, stats = per_token_policy_loss(batch, settings, cispo_objective)
     norm = _normaliser_or_local(batch, normaliser)
     return per_token.sum() / _at_least_one(norm.num_tokens_per_step_global), stats
@@ -392,6 +429,65 @@ def sapo_loss(
     """SAPO (soft adaptive policy optimization): soft-gated ratio, aggregated like ``grpo`` (as TRL)."""
     per_token, stats = per_token_policy_loss(batch, settings, sapo_objective)
     return _sequence_mean(per_token, batch, _normaliser_or_local(batch, normaliser)), stats
+
+
+@POLICY_LOSSES.register("luspo")
+def luspo_loss(
+    batch: PolicyLossBatch, settings: PolicyLossSettings, normaliser: LossNormaliser | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """LUSPO: the clipped objective, each sequence's token *sum*, averaged over sequences (as TRL)."""
+    per_token, stats = per_token_policy_loss(batch, settings)
+    return per_token.sum() / _at_least_one(_normaliser_or_local(batch, normaliser).num_sequences), stats
+
+
+def vespo_gamma_weights(batch: PolicyLossBatch, settings: PolicyLossSettings) -> Tensor:
+    """VESPO's per-sequence gradient scale φ(w) = e^λ · w^k · e^(−λw) (φ(1) = 1), detached, [B, 1].
+
+    w = Π_t r_it · c_it over the sequence's valid tokens, r the ratio to the old policy and c the
+    per-token importance-sampling correction weights (``batch.weights``), computed in log space with
+    TRL 1.16's clamps (each log r to [−20, 20], each log c and log w to [log 1e-8, 20]); k, λ are the
+    ``vespo_*_pos`` values where A >= 0, the ``vespo_*_neg`` ones elsewhere; NaN/inf φ become 0.
+    """
+    logps = batch.logps.detach()
+    valid = batch.mask.bool()
+    m = valid.to(logps.dtype)
+    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
+    old = logps if batch.old_logps is None else batch.old_logps
+    floor = math.log(1e-8)
+    log_ratio = torch.where(valid, logps - old, zero).clamp(-20.0, 20.0)
+    log_w = (log_ratio * m).sum(-1, keepdim=True)
+    if batch.weights is not None:
+        if batch.weights.dim() != 2:
+            raise ConfigError("loss_type='vespo' takes per-token importance-sampling weights only: use "
+                              "importance_sampling_mode 'token_truncate' or 'token_mask' (as TRL)")
+        log_c = torch.log(batch.weights.detach().to(logps.dtype)).clamp(floor, 20.0)
+        log_w = log_w + torch.where(valid, log_c, zero).sum(-1, keepdim=True)
+    log_w = log_w.clamp(floor, 20.0)
+    adv = batch.advantages.to(logps.dtype)
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
+    nonneg = adv >= 0
+    k = torch.where(nonneg, settings.vespo_k_pos, settings.vespo_k_neg).to(logps.dtype)
+    lam = torch.where(nonneg, settings.vespo_lambda_pos, settings.vespo_lambda_neg).to(logps.dtype).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@POLICY_LOSSES.register("vespo")
+def vespo_loss(
+    batch: PolicyLossBatch, settings: PolicyLossSettings, normaliser: LossNormaliser | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """VESPO: −sg[φ(w)]·A·log π_θ with φ the gamma weight of the sequence ratio, aggregated like ``dapo``.
+
+    The importance-sampling correction weights enter φ (not the product), so they are taken off the batch."""
+    phi = vespo_gamma_weights(batch, settings)
+
+    def objective(ratio: Tensor, adv: Tensor, logps: Tensor, _: PolicyLossSettings) -> tuple[Tensor, Tensor, Tensor]:
+        none = torch.zeros(ratio.shape, dtype=torch.bool, device=ratio.device)
+        return -phi * adv * logps, none, none
+
+    per_token, stats = per_token_policy_loss(dataclasses.replace(batch, weights=None), settings, objective)
+    norm = _normaliser_or_local(batch, normaliser)
+    return per_token.sum() / _at_least_one(norm.num_tokens_per_step_global), stats
 
 
 def policy_loss(

@@ -15,3 +15,5 @@ ENGINE_FIELDS: dict[str, str] = {
 }
 #: The TRL field the engine fields follow in TRL's order.
 AFTER = "ddp_timeout"
+#: Their declared TRL 1.16 defaults: no engine chosen by the trainer config.
+ENGINE_DEFAULTS: dict[str, None] = dict.fromkeys(ENGINE_FIELDS)

@@ -1,24 +1,30 @@
 """Sandboxed Python execution: the built-in ``python`` tool and a runner for code-task rewards.
 
-Each call runs ``python -I main.py`` in a fresh temporary folder (removed afterwards) under a
-supervisor process in its own session (``_sandbox_launcher.py``), with a clean environment and:
+Each call runs ``python -I main.py`` under a supervisor process in its own session
+(``_sandbox_launcher.py``), with a clean environment and:
 
-- a wall-clock timeout that kills the whole process group (and, as root, every process of the
-  call's sandbox uid, so children that left the group die too);
+- a wall-clock timeout; the call returns within a second of it whatever the program spawned, and
+  every process it started is killed (its group, every descendant, the call's cgroup, the sandbox
+  uid's processes as root, the call's mount namespace otherwise);
 - ``resource`` limits on CPU seconds, address space, file size and number of processes;
+- a cgroup per call where the trainer may make one (:mod:`.sandbox_cgroup`): ``memory_bytes`` and
+  ``max_processes`` then cap the call as a whole; otherwise ``max_processes`` is lowered so that
+  ``max_processes x memory_bytes`` fits in the memory available;
+- ``oom_score_adj`` 1000, so the OOM killer takes sandboxed code before the trainer;
+- a private tmpfs of ``scratch_bytes`` behind /tmp, /var/tmp, /dev/shm and the working folder, in a
+  mount namespace (as root, or through a user namespace), gone with the call; where that fails and
+  the trainer is root, every file of the call's uid in world-writable places is removed afterwards
+  (:mod:`.sandbox_sweep`);
 - stdout/stderr kept up to ``max_output_bytes`` each; a program printing more than
   ``output_kill_bytes`` in total is stopped;
-- no network when the kernel lets us create a network namespace (``unshare(CLONE_NEWNET)``: as
-  root with CAP_SYS_ADMIN, or unprivileged through a user namespace); ``SandboxResult.isolation``
-  says whether that happened;
+- no network where the kernel allows a network namespace;
 - as root, a dedicated unprivileged uid per concurrent call (``RLIMIT_NPROC`` is only enforced
   for non-root users, and per user), so the code cannot signal the trainer or write its files.
 
-What is NOT isolated on Linux without extra privileges (no mount namespace, seccomp or cgroups):
-the code can read every world-readable file (as root's sandbox uid: only world-readable ones; as
-an ordinary user: everything that user can read) and, when the trainer is not root, it runs as the
-trainer's user and could signal the trainer's processes by pid. Use a container or VM for
-untrusted code beyond model-written snippets.
+``SandboxResult.isolation`` says which of these held. What is NOT isolated (no seccomp, no PID
+namespace): the code can read every world-readable file outside the scratch places, and when the
+trainer is not root it runs as the trainer's user and could signal the trainer's processes by pid.
+Use a container or VM for untrusted code beyond model-written snippets.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.tools.sandbox_cgroup import CallGroup, create_call_group
+from grpo_ascend.tools.sandbox_sweep import WORLD_WRITABLE_PLACES, sweep_uid_files
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +55,9 @@ _LAUNCHER = str(Path(__file__).with_name("_sandbox_launcher.py"))
 #: Sandbox uids used when running as root: a block per trainer process, a slot per concurrent call.
 _UID_BASE = 2_000_000
 _UID_SLOTS = 64
-#: Seconds past the timeout after which the trainer kills the supervisor's group itself.
-_BACKSTOP_S = 1.0
+#: Seconds past the timeout after which the trainer kills the supervisor's group itself (the
+#: clean-up after it fits in the rest of the second the call may outlive its timeout by).
+_BACKSTOP_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -57,9 +66,14 @@ class SandboxLimits:
 
     timeout: float = 10.0
     cpu_seconds: int = 10
+    #: Address space per process and, where a cgroup for the call holds, the resident memory of the
+    #: whole call (all its processes and its scratch tmpfs).
     memory_bytes: int = 1 << 30
     file_size_bytes: int = 16 << 20
+    #: Processes of the call (its supervisor included).
     max_processes: int = 32
+    #: Size of the call's private tmpfs behind /tmp, /var/tmp, /dev/shm and its working folder.
+    scratch_bytes: int = 64 << 20
     max_output_bytes: int = 8192
     output_kill_bytes: int = 1 << 20
     network: bool = False
@@ -74,6 +88,7 @@ class SandboxLimits:
             "memory_bytes",
             "file_size_bytes",
             "max_processes",
+            "scratch_bytes",
             "max_output_bytes",
             "output_kill_bytes",
         ):
@@ -118,6 +133,11 @@ class SandboxResult:
             ),
             "supervisor_killed": "Error: the program killed its supervising process and was stopped.",
         }[self.status]
+        if self.status == "killed" and self.signal == signal.SIGKILL and self.isolation.get("oom_kills"):
+            note = (
+                f"Error: the program ran out of memory ({self.limits.memory_bytes} bytes for the whole run) "
+                "and was killed."
+            )
         if self.truncated and self.status != "output_limit":
             note = f"{note} (output truncated to {self.limits.max_output_bytes} bytes per stream)".strip()
         if not out.strip() and not note:
@@ -183,10 +203,36 @@ def _terminate(proc: subprocess.Popen) -> None:
         pass
 
 
-def _sweep_uid(uid: int) -> None:
-    """Kill every process of ``uid`` (used when the supervisor could not do it itself)."""
-    code = f"import os,signal\nos.setgid({uid})\nos.setuid({uid})\ntry: os.kill(-1, signal.SIGKILL)\nexcept OSError: pass"
-    subprocess.run([sys.executable, "-I", "-S", "-c", code], timeout=10, check=False, env={})
+def _kill_leftovers(uid: int | None, mount_namespace: int | None, grace: float = 0.3) -> None:
+    """Kill every process of the sandbox ``uid`` (as root) or in the call's own ``mount_namespace``,
+    for when the supervisor could not do it (it was killed or stopped by the program)."""
+    if uid is None and mount_namespace is None:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        found = False
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if uid is not None:
+                    match = os.stat(f"/proc/{entry}").st_uid == uid
+                else:
+                    match = os.stat(f"/proc/{entry}/ns/mnt").st_ino == mount_namespace
+                if match and not _is_zombie(entry):
+                    os.kill(int(entry), signal.SIGKILL)
+                    found = True
+            except OSError:
+                pass
+        if not found:
+            return
+        time.sleep(0.005)
+
+
+def _is_zombie(pid: str) -> bool:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"Z"
 
 
 _USABLE: dict[str, bool] = {}
@@ -207,11 +253,17 @@ def _interpreter(configured: str | None, uid: int | None) -> str | None:
                 _USABLE[path] = os.path.exists(path) and _probe(path, uid)
                 if not _USABLE[path]:
                     logger.warning(
-                        "sandbox: %s cannot be run by an unprivileged uid; trying the next interpreter", path
+                        "sandbox: %s cannot be run by an unprivileged uid (a virtualenv under /root?); "
+                        "trying the next interpreter, without this one's packages",
+                        path,
                     )
             if _USABLE[path]:
                 return path
-    logger.warning("sandbox: no interpreter runs under an unprivileged uid; sandboxed code keeps root's uid")
+    logger.warning(
+        "sandbox: no interpreter runs under an unprivileged uid; sandboxed code keeps root's uid. Give the "
+        "sandbox one outside /root, e.g. SandboxLimits(interpreter='/opt/sandbox-venv/bin/python') "
+        "(docs/tools.md, 'An interpreter for the sandbox')"
+    )
     return None
 
 
@@ -223,7 +275,8 @@ def _probe(interpreter: str, uid: int) -> bool:
             f.write("print('ok')")
         os.chown(workdir, uid, uid)
         os.chown(script, uid, uid)
-        result = _supervise(script, workdir, uid, SandboxLimits(timeout=20), None, interpreter)
+        limits = SandboxLimits(timeout=20)
+        result = _supervise(workdir, uid, limits, None, interpreter, None, limits.max_processes)
         return result.ok and result.stdout.strip() == "ok"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -240,36 +293,111 @@ def run_python(code: str, limits: SandboxLimits | None = None, stdin: str | None
         uid = None
         interpreter = limits.interpreter or sys.executable
     workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
+    group, no_group = create_call_group(limits.memory_bytes, limits.max_processes)
+    processes = _processes_without_cgroup(limits)
+    result = None
     try:
-        script = os.path.join(workdir, "main.py")
-        with open(script, "w", encoding="utf-8") as f:
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
         if uid is not None:
             os.chown(workdir, uid, uid)
-            os.chown(script, uid, uid)
-        result = _supervise(script, workdir, uid, limits, stdin, interpreter)
-        if as_root and uid is None:
-            result.isolation["uid"] = "not dropped: no interpreter executable by an unprivileged uid"
-        return result
+            os.chown(os.path.join(workdir, "main.py"), uid, uid)
+        result = _supervise(workdir, uid, limits, stdin, interpreter, group, processes)
     finally:
+        isolation = result.isolation if result is not None else {}
+        joined = isolation.pop("cgroup_joined", False)
+        if group is not None:
+            group.kill()
+            if joined:
+                isolation.update(_memory_report(group, limits))
+            group.remove()
+        if not joined:
+            why = no_group or isolation.pop("cgroup_error", "the supervisor did not start")
+            isolation.update(_fallback_memory_report(limits, processes, why))
         shutil.rmtree(workdir, ignore_errors=True)
         if uid is not None:
+            swept = sweep_uid_files(uid)
+            isolation["swept"] = swept
+            if isolation.get("scratch") == "shared":
+                isolation["scratch"] = "sweep"
+                isolation["scratch_note"] += (
+                    f"; files of uid {uid} in {', '.join(WORLD_WRITABLE_PLACES)} removed after the call"
+                )
             _SLOTS.release(uid)
+        elif as_root:
+            isolation["uid"] = "not dropped: no interpreter executable by an unprivileged uid"
+    return result
+
+
+def _processes_without_cgroup(limits: SandboxLimits) -> int:
+    """``max_processes``, lowered so that as many processes of ``memory_bytes`` each fit in the
+    memory the machine has available: the per-process limits' only bound on the call's total."""
+    available = _available_memory()
+    if available is None:
+        return limits.max_processes
+    return max(1, min(limits.max_processes, available // limits.memory_bytes))
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _memory_report(group: CallGroup, limits: SandboxLimits) -> dict[str, Any]:
+    return {
+        "memory": group.mechanism,
+        "memory_note": (
+            f"{limits.memory_bytes} bytes and {limits.max_processes} processes for the whole call "
+            f"({group.mechanism} group), {limits.memory_bytes} bytes of address space per process"
+        ),
+        "max_processes": limits.max_processes,
+        "memory_peak_bytes": group.peak_bytes(),
+        "oom_kills": group.oom_kills(),
+    }
+
+
+def _fallback_memory_report(limits: SandboxLimits, processes: int, why: str) -> dict[str, Any]:
+    lowered = (
+        f", lowered from {limits.max_processes} to fit the available memory"
+        if processes < limits.max_processes
+        else ""
+    )
+    return {
+        "memory": "rlimit",
+        "memory_note": (
+            f"{limits.memory_bytes} bytes of address space per process and at most {processes} processes"
+            f"{lowered}; no cgroup for the call ({why})"
+        ),
+        "max_processes": processes,
+    }
 
 
 def _supervise(
-    script: str, workdir: str, uid: int | None, limits: SandboxLimits, stdin: str | None, interpreter: str
+    workdir: str,
+    uid: int | None,
+    limits: SandboxLimits,
+    stdin: str | None,
+    interpreter: str,
+    group: CallGroup | None,
+    processes_without_cgroup: int,
 ) -> SandboxResult:
     status_r, status_w = os.pipe()
     config = {
         "python": interpreter,
-        "script": script,
+        "workdir": workdir,
         "env": _clean_env(workdir),
         "uid": uid,
         "gid": uid,
         "network": limits.network,
         "status_fd": status_w,
         "timeout": limits.timeout,
+        "scratch_bytes": limits.scratch_bytes,
+        "cgroup_procs": group.procs_files if group is not None else [],
+        "max_processes_without_cgroup": processes_without_cgroup,
         "limits": {
             "cpu_seconds": limits.cpu_seconds,
             "memory_bytes": limits.memory_bytes,
@@ -345,6 +473,8 @@ def _supervise(
     finally:
         selector.close()
         _kill_group(proc.pid)
+        if group is not None:
+            group.kill()  # the fastest way to end everything the call started
         proc.wait()
         for stream in (proc.stdout, proc.stderr):
             stream.close()
@@ -358,8 +488,8 @@ def _supervise(
     finished = next((r for r in reports if {"exit_code", "signal", "stopped"} & set(r)), None)
     if finished is None and child is not None:
         _kill_group(child)  # the supervisor died before killing the program's group
-    if uid is not None and finished is None:
-        _sweep_uid(uid)  # the supervisor died before it could kill the uid's leftovers
+    if finished is None:  # the supervisor died or hung before it could kill the program's leftovers
+        _kill_leftovers(uid, isolation.get("mount_namespace"))
     exit_code = finished.get("exit_code") if finished else None
     sig = finished.get("signal") if finished else None
     if stopped is None and finished is not None and "stopped" in finished:
@@ -376,7 +506,7 @@ def _supervise(
     return SandboxResult(
         status=status,
         stdout=kept["stdout"].decode(errors="replace"),
-        stderr=_clean_traceback(kept["stderr"].decode(errors="replace"), workdir),
+        stderr=_clean_traceback(kept["stderr"].decode(errors="replace"), isolation.get("workdir", workdir)),
         exit_code=exit_code,
         signal=sig,
         duration=duration,

@@ -23,7 +23,7 @@ from grpo_ascend import device as dev
 from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSettings
 from grpo_ascend.algorithms.losses import LossNormaliser
 from grpo_ascend.config import BaseRLConfig, BatchPlan
-from grpo_ascend.data import PromptSampler
+from grpo_ascend.data import is_stream, make_prompt_sampler
 from grpo_ascend.dist import make_accelerator, select_strategy
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, ExperienceMaker
@@ -45,6 +45,7 @@ from grpo_ascend.trainers.components import (
     build_optimizer,
     build_policy,
     build_rewards,
+    check_streamed_steps,
     lr_factor,
     merge_lora_for_rollout,
     total_steps,
@@ -52,6 +53,7 @@ from grpo_ascend.trainers.components import (
 from grpo_ascend.trainers.evaluating import EvaluationMixin
 from grpo_ascend.trainers.micro_batches import TokenCost, plan_for_rank
 from grpo_ascend.trainers.surface import TrainerSurfaceMixin
+from grpo_ascend.trainers.trl_logs import TRLLogHistory, training_flops_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +96,11 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         if not isinstance(self.args, self.config_class):
             raise ConfigError(f"args must be a {self.config_class.__name__}, got {type(self.args).__name__}")
         if train_dataset is None:
-            raise ConfigError("train_dataset is required: a datasets.Dataset with a 'prompt' column")
+            raise ConfigError("`train_dataset` is required: pass a datasets.Dataset with a 'prompt' column (TRL 1.16 "
+                              "lets an environment_factory replace it; here the prompts come from a dataset always)")
         args = self.args
         self._init_evaluation(eval_dataset)  # before loading anything: refuse eval settings without a dataset
+        check_streamed_steps(args, train_dataset)
         dev.seed_everything(args.seed)
         self.accelerator, self.precision = make_accelerator(args)
         # Chosen once; refuses a launch its engine can't run. The trainer never asks which engine runs.
@@ -111,13 +115,17 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self.strategy.validate_model(self.is_peft)
         self.train_dataset = train_dataset
         self._callbacks = callbacks
+        #: What summary.json holds after ``train()`` (steps, first/last reward, peak memory, ...); None before.
+        self.run_summary: dict[str, Any] | None = None
 
-    def _build_training(self, reward_funcs: Any, extra_parameters: Sequence[nn.Parameter] = ()) -> None:
-        """Optimizer and schedule, the prepared log-prob model, rollout engine, rewards and sampling stream."""
+    def _build_training(self, reward_funcs: Any, extra_parameters: Sequence[nn.Parameter] = (),
+                        reward_processing_classes: Any = None) -> None:
+        """Optimizer and schedule, the prepared log-prob model, rollout engine, rewards and sampling stream;
+        ``reward_processing_classes``: TRL's tokenizers for reward models (see reward_models.RewardSet)."""
         args = self.args
         self.optimizer = build_optimizer(trainable_parameters(self.policy) + list(extra_parameters), args)
-        self.sampler = PromptSampler(self.train_dataset, seed=args.seed, shuffle=args.shuffle_dataset)
-        self.max_steps = total_steps(args, len(self.train_dataset), self.plan)
+        self.sampler = make_prompt_sampler(self.train_dataset, seed=args.seed, shuffle=args.shuffle_dataset)
+        self.max_steps = total_steps(args, None if is_stream(self.train_dataset) else len(self.train_dataset), self.plan)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(args, self.max_steps))
         self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
         self.strategy.configure(self.policy, self.plan)
@@ -133,7 +141,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             self.policy, args.rollout_merge_lora, self.strategy.may_merge_lora(args.rollout_merge_lora, self.is_peft),
             self.is_peft, self.device)
         self._auto_token_budget = self._plan_token_budget() if args.max_tokens_per_micro_batch == "auto" else None
-        self.rewards = build_rewards(reward_funcs, args, self.device, self.tokenizer)
+        self.rewards = build_rewards(reward_funcs, args, self.device, self.tokenizer, reward_processing_classes)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed + 1000 * self.accelerator.process_index)
         self.step = 0
@@ -350,8 +358,13 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             logger.warning("step %d: loss or gradient is NaN/inf; step skipped, weights untouched", self.step + 1)
         return grad_norm, stepped
 
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> dict[str, Any]:
-        """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True."""
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> Any:
+        """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True.
+
+        Returns transformers' ``TrainOutput(global_step, training_loss, metrics)``, whose metrics are also the
+        last entry of ``state.log_history`` (trainers/trl_logs.py); the run summary written to summary.json is
+        :attr:`run_summary`.
+        """
         self._begin(resume_from_checkpoint)
         try:
             if self._evaluating() and self.args.eval_on_start and self.step == 0:
@@ -403,6 +416,9 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self._first_reward: float | None = None
         self._last_record: dict[str, float] = {}
         self._peak_gb = 0.0
+        self.state.global_step = self.step
+        self._trl_log = TRLLogHistory(self.state, getattr(args, "loss_type", ""), getattr(args, "entropy_coef", 0.0),
+                                      training_flops_per_token(self.policy), self.plan.completions_per_step)
         self._event("on_train_begin")
 
     def _shuffled_rows(self, n: int, iteration: int) -> Tensor:
@@ -439,6 +455,10 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self._peak_gb = max(self._peak_gb, step_peak, *log.timer.peak_gb.values())
         if self.token_budget is not None:
             step_metrics = {**step_metrics, "micro_batches": float(self._step_micro_batches)}
+        if log.steps == 1:
+            self._trl_log.add_round(log.metrics, exp, self.ranks)
+        self._trl_log.add_step({**step_metrics, "learning_rate": self.scheduler.get_last_lr()[0],
+                                "time/step": train_time + (log.prep_seconds if log.steps == 1 else 0.0)})
         if self.step % args.logging_steps == 0 or self.step == self.max_steps:
             self._log_step(step_metrics, log, train_time, step_peak)
         assert self.tracker is not None
@@ -468,13 +488,20 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         }
         assert self.tracker is not None
         self.tracker.log(self.step, record)
-        self.state.log_history.append({**record, "step": self.step})
-        self._event("on_log", logs=record)
+        if self.step % self.args.logging_steps == 0:  # TRL's entries; a last step off them waits for the summary
+            self._log({**record, **self._trl_log.flush()})
         if self._first_reward is None:
             self._first_reward = record.get("reward")
         self._last_record = record
 
-    def _finish(self) -> dict[str, Any]:
+    def _log(self, logs: dict[str, Any]) -> None:
+        """One ``state.log_history`` entry and its ``on_log`` event (transformers' ``Trainer.log``)."""
+        self.state.log_history.append({**logs, "step": self.step})
+        self._event("on_log", logs=logs)
+
+    def _finish(self) -> Any:
+        from transformers.trainer_utils import TrainOutput
+
         args = self.args
         export_dir = None
         if args.export_adapter_at_end:
@@ -497,6 +524,9 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         }
         if export_dir:
             summary["adapter"] = export_dir
-        out = self.tracker.close(summary)
+        self.run_summary = self.tracker.close(summary)
+        train_loss, metrics = self._trl_log.summary()
+        metrics["epoch"] = self.sampler.epochs_done
+        self._log(metrics)
         self._event("on_train_end")
-        return out
+        return TrainOutput(self.step, train_loss, metrics)

@@ -80,7 +80,8 @@ class CheckpointingMixin:
                     scaler=self.accelerator.scaler,
                     config=self.args.to_dict(),
                     tokenizer=self.tokenizer,
-                    extra_tensors={"sampling_generator": self.generator.get_state(), **per_rank},
+                    extra_tensors={"sampling_generator": self.generator.get_state(), **per_rank,
+                                   **self._extra_state_tensors()},
                     rng_device=self.device,
                     trainable_weights=state.trainable_weights,
                 )
@@ -106,6 +107,13 @@ class CheckpointingMixin:
     def _restore_trainer_state(self, state: dict[str, Any]) -> None:
         """Subclass hook: restore what the subclass added to :meth:`_trainer_state`."""
 
+    def _extra_state_tensors(self) -> dict[str, Tensor]:
+        """Subclass hook: tensors a resumed run needs besides the weights (main rank, inside the save)."""
+        return {}
+
+    def _restore_extra_state_tensors(self, extra: dict[str, Tensor]) -> None:
+        """Subclass hook: take back what :meth:`_extra_state_tensors` saved."""
+
     def _load(self, path: Path) -> None:
         from grpo_ascend import checkpoint as ckpt
 
@@ -127,5 +135,6 @@ class CheckpointingMixin:
         self.sampler.load_state_dict(state["sampler"])
         self._restore_rank_random_state(loaded.extra_tensors, int(state.get("world_size", 1)))
         self._restore_trainer_state(state)
+        self._restore_extra_state_tensors(loaded.extra_tensors)
         self._last_saved_step = self.step
         logger.info("resumed from %s at step %d", path, self.step)

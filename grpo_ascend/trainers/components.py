@@ -13,9 +13,11 @@ from torch import nn
 
 from grpo_ascend import device as dev
 from grpo_ascend.config import BaseRLConfig, BatchPlan
+from grpo_ascend.data import is_stream
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models import (
     apply_peft,
+    cast_head_to_fp32,
     count_parameters,
     load_causal_lm,
     load_tokenizer,
@@ -37,6 +39,8 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
         logger.warning("model_init_kwargs are ignored: the model was passed already loaded")
     policy = load_causal_lm(model, init_kwargs=args.model_init_kwargs)
     tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class, args.model_init_kwargs)
+    if getattr(args, "cast_lm_head_to_fp32", False):
+        cast_head_to_fp32(policy)  # before the adapter: TRL refuses an adapter on the head
     policy = apply_peft(policy, peft_config)
     if args.disable_dropout:
         for module in policy.modules():
@@ -63,12 +67,24 @@ def build_optimizer(params: Sequence[nn.Parameter], args: BaseRLConfig) -> torch
                              eps=args.adam_epsilon, weight_decay=args.weight_decay)
 
 
-def total_steps(args: BaseRLConfig, dataset_size: int, plan: BatchPlan) -> int:
-    """``max_steps``, or the optimizer steps of ``num_train_epochs`` passes over the prompts."""
+def check_streamed_steps(args: BaseRLConfig, train_dataset: Any) -> None:
+    """A streamed train set (no length) needs ``max_steps``, as in transformers: refused before loading anything."""
+    if is_stream(train_dataset) and args.max_steps <= 0:
+        raise ConfigError(
+            f"train_dataset is a stream ({type(train_dataset).__name__}, no length), so num_train_epochs cannot "
+            f"give the number of steps; set max_steps > 0 (got max_steps={args.max_steps})"
+        )
+
+
+def total_steps(args: BaseRLConfig, dataset_size: int | None, plan: BatchPlan) -> int:
+    """``max_steps``, or the optimizer steps of ``num_train_epochs`` passes over the prompts (``dataset_size``
+    None: a stream, for which :func:`check_streamed_steps` requires ``max_steps``)."""
     if args.max_steps > 0:
         return args.max_steps
-    rounds = math.ceil(args.num_train_epochs * dataset_size / plan.prompts_per_generation)
-    return max(1, rounds * plan.optimizer_steps_per_generation)
+    if dataset_size is None:
+        raise ConfigError(f"a streamed train set needs max_steps > 0 (got max_steps={args.max_steps})")
+    rounds = math.ceil(args.num_train_epochs * dataset_size / plan.prompts_per_round)
+    return max(1, rounds * plan.optimizer_steps_per_round)
 
 
 def lr_factor(args: BaseRLConfig, total: int) -> Callable[[int], float]:
@@ -114,12 +130,14 @@ def build_engine(policy: nn.Module, tokenizer: Any, args: BaseRLConfig, device: 
     return RolloutEngine(policy, tokenizer, sampling)
 
 
-def build_rewards(reward_funcs: Any, args: BaseRLConfig, device: torch.device, tokenizer: Any) -> Any:
-    """The reward functions with their weights, error policy and timeout."""
+def build_rewards(reward_funcs: Any, args: BaseRLConfig, device: torch.device, tokenizer: Any,
+                  reward_processing_classes: Any = None) -> Any:
+    """The reward functions with their weights, error policy and timeout (and reward models' own tokenizers)."""
     from reward_models import RewardSet
 
     return RewardSet(reward_funcs, reward_weights=args.reward_weights, reward_errors=args.reward_errors,
-                     reward_timeout=args.reward_timeout, device=device, processing_class=tokenizer)
+                     reward_timeout=args.reward_timeout, device=device, processing_class=tokenizer,
+                     reward_processing_classes=reward_processing_classes)
 
 
 def merge_lora_for_rollout(policy: nn.Module, wanted: bool | None, strategy_allows: bool, is_peft: bool,

@@ -18,17 +18,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from grpo_ascend import device as dev
-from grpo_ascend.data import check_prompt_dataset, is_conversational
+from grpo_ascend.data import check_prompt_dataset, eval_prompt_rows, is_conversational
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.evaluation import (
     TOOL_SUMS,
-    best_metric_name,
+    best_metric_key,
     eval_sums,
     finish_eval_metrics,
     greater_is_better,
@@ -48,8 +49,14 @@ class EvaluationMixin:
 
     def _init_evaluation(self, eval_dataset: Any) -> None:
         args = self.args
-        if eval_dataset is not None:
-            check_prompt_dataset(eval_dataset)
+        self._eval_rows: dict[int, Any] = {}  # the trainer's eval sets by id, streams read once into rows
+        if isinstance(eval_dataset, Mapping):
+            if not eval_dataset:
+                raise ConfigError("eval_dataset is an empty dict: give {name: dataset, ...} or one dataset")
+            for dataset in eval_dataset.values():
+                self._eval_rows[id(dataset)] = _checked_eval_rows(dataset)
+        elif eval_dataset is not None:
+            self._eval_rows[id(eval_dataset)] = _checked_eval_rows(eval_dataset)
         elif args.eval_strategy != "no":
             raise ConfigError(f"eval_strategy is {args.eval_strategy!r} but there is no eval dataset: pass "
                               "eval_dataset= (recipes: eval_dataset, eval_split or eval_fraction), or set eval_strategy: no")
@@ -57,6 +64,7 @@ class EvaluationMixin:
         self._last_eval_step = -1
         self._last_eval_metrics: dict[str, float] | None = None
         self._best: tuple[int, float] | None = None  # (step, value) of the best saved checkpoint
+        self._best_key: str | None = None  # the eval metric metric_for_best_model names (see best_metric_key)
         self._eval_rollout: Any = None  # made at the first evaluation (see _eval_engine)
 
     # ------------------------------------------------------------------------------ public
@@ -65,12 +73,27 @@ class EvaluationMixin:
 
         Returns the metrics with ``metric_key_prefix/`` names, logs them (metrics.jsonl and the
         trackers while a run is open, ``state.log_history`` always) and fires ``on_evaluate``.
+        Several eval sets (a dict or ``DatasetDict``; a name picks one of the trainer's) are
+        evaluated one by one as in transformers, each under the prefix ``<metric_key_prefix>_<name>``
+        (``eval_<name>/reward``), each logged on its own; the returned dict holds them all.
         """
+        named = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
+        if isinstance(eval_dataset, str):
+            if eval_dataset not in named:
+                raise ConfigError(f"evaluate({eval_dataset!r}): the trainer's eval sets are "
+                                  f"{sorted(named) if named else 'not named (one dataset)'}")
+            return self.evaluate(named[eval_dataset], f"{metric_key_prefix}_{eval_dataset}")
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ConfigError("evaluate() has no dataset: pass eval_dataset= to the trainer or to evaluate()")
+        if isinstance(dataset, Mapping):
+            metrics: dict[str, float] = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, f"{metric_key_prefix}_{name}"))
+            return metrics
         started = time.perf_counter()
-        sums, names, n = self._eval_sums(dataset)
+        rows = self._eval_rows.get(id(dataset))
+        sums, names, n = self._eval_sums(rows if rows is not None else _checked_eval_rows(dataset))
         metrics = finish_eval_metrics(self._sum_over_ranks(sums), names, n)
         metrics["runtime"] = time.perf_counter() - started
         record = {f"{metric_key_prefix}/{k}": v for k, v in metrics.items()}
@@ -173,10 +196,7 @@ class EvaluationMixin:
         """Before saving step N: the checkpoint to keep as the best (updated when step N's evaluation wins)."""
         root = Path(self.args.output_dir)
         if self._last_eval_metrics is not None and self._last_eval_step == self.step:
-            key = "eval/" + best_metric_name(self.args)
-            if key not in self._last_eval_metrics:
-                raise ConfigError(f"metric_for_best_model {self.args.metric_for_best_model!r} is not an eval metric; "
-                                  f"choose one of {sorted(k.removeprefix('eval/') for k in self._last_eval_metrics)}")
+            self._best_key = key = best_metric_key(self.args, self._last_eval_metrics)
             value = float(self._last_eval_metrics[key])
             if is_better(value, None if self._best is None else self._best[1], greater_is_better(self.args)):
                 self._best = (self.step, value)
@@ -189,7 +209,7 @@ class EvaluationMixin:
         if self._best is not None and self.is_main_process:
             step, value = self._best
             write_best_pointer(self.args.output_dir, Path(self.args.output_dir) / f"checkpoint-{step}",
-                               "eval/" + best_metric_name(self.args), value)
+                               self._best_key, value)
 
     def _restore_best(self) -> None:
         """On resume: the best so far from best.json (if it names a step not after the resumed one)."""
@@ -199,6 +219,7 @@ class EvaluationMixin:
         record = read_best_pointer(self.args.output_dir)
         if record is not None and int(record["step"]) <= self.step:
             self._best = (int(record["step"]), float(record["value"]))
+            self._best_key = str(record["metric"])
 
     def _load_best_at_end(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's weights into the model (every rank)."""
@@ -211,7 +232,7 @@ class EvaluationMixin:
         module = self._trainable_module()
         with self.strategy.loading(module):
             ckpt.load_checkpoint(path, model=module, restore_rng=False)
-        logger.info("loaded the best checkpoint %s (%s = %g)", path, best_metric_name(self.args), self._best[1])
+        logger.info("loaded the best checkpoint %s (%s = %g)", path, self._best_key, self._best[1])
 
 
 def eval_chunks(size: int, per_call: int, rank: int, world: int) -> list[tuple[int, range]]:
@@ -223,6 +244,12 @@ def eval_chunks(size: int, per_call: int, rank: int, world: int) -> list[tuple[i
     """
     starts = range(0, size, per_call)
     return [(i, range(s, min(s + per_call, size))) for i, s in enumerate(starts)][rank::world]
+
+
+def _checked_eval_rows(dataset: Any) -> Any:
+    """An eval set checked (prompt column, not empty) and indexable by row (a stream is read into rows)."""
+    check_prompt_dataset(dataset)
+    return eval_prompt_rows(dataset)
 
 
 def _join(parts: list[dict[str, Any]], num_functions: int) -> dict[str, Any]:

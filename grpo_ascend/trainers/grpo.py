@@ -1,4 +1,4 @@
-"""GRPO: group-relative advantages and a clipped policy loss (GRPO / BNPO / Dr. GRPO / DAPO / GSPO).
+"""GRPO: group-relative advantages and a policy loss from the registry (GRPO / BNPO / Dr. GRPO / DAPO / GSPO / ...).
 
 Use it like TRL's ``GRPOTrainer``::
 
@@ -12,16 +12,15 @@ One round is :meth:`GRPOTrainer._train_round`, top to bottom.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
 import torch
 
-from grpo_ascend.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    compute_advantages,
-    select_informative_groups,
-)
+from grpo_ascend import device as dev
+from grpo_ascend.algorithms.advantages import ADVANTAGE_ESTIMATORS, select_informative_groups
+from grpo_ascend.algorithms.entropy_control import EntropyControl
 from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSettings
 from grpo_ascend.algorithms.losses import (
     POLICY_LOSSES,
@@ -29,13 +28,23 @@ from grpo_ascend.algorithms.losses import (
     PolicyLossSettings,
     policy_loss,
 )
+from grpo_ascend.algorithms.reward_aggregation import GroupedRewards, aggregate_advantages
+from grpo_ascend.algorithms.token_selection import high_entropy_mask
 from grpo_ascend.config import GRPOConfig
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, experience_metrics
+from grpo_ascend.models import mix_into_reference
 from grpo_ascend.phases import PhaseTimer
 from grpo_ascend.rollout.row_rollouts import RolloutFuncRollout, build_tool_rollout, prepare_tools
 from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
+from grpo_ascend.trainers.step_segments import Segment, step_log, step_parts, straddling_normalisers
 from grpo_ascend.trl_compat import from_trl_config, is_trl_grpo_config
+
+logger = logging.getLogger(__name__)
+#: Loss types that sum per-token terms, so sequence-level ratios weigh each sequence by its length.
+TOKEN_SUMMED_LOSSES = ("bnpo", "dr_grpo", "dapo", "cispo")
+NO_REWARD_SOURCE = ("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose environment "
+                    "defines a `get_reward` method.")
 
 
 class GRPOTrainer(RLTrainerBase):
@@ -47,7 +56,7 @@ class GRPOTrainer(RLTrainerBase):
     def __init__(
         self,
         model: Any,
-        reward_funcs: Any,
+        reward_funcs: Any = None,
         args: GRPOConfig | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
@@ -61,7 +70,7 @@ class GRPOTrainer(RLTrainerBase):
         reward_processing_classes: Any = None,
         optimizers: tuple[Any, Any] = (None, None),
     ):
-        _refuse_trl_only(quantization_config, reward_processing_classes, optimizers)
+        _refuse_trl_only(quantization_config, optimizers)
         if is_trl_grpo_config(args):  # TRL's own GRPOConfig: mapped, ignored with a warning, or refused
             args = from_trl_config(args)
         cfg = args if args is not None else GRPOConfig()
@@ -79,18 +88,39 @@ class GRPOTrainer(RLTrainerBase):
             use_bias_correction_kl=cfg.use_bias_correction_kl,
             sapo_temperature_pos=cfg.sapo_temperature_pos,
             sapo_temperature_neg=cfg.sapo_temperature_neg,
+            vespo_k_pos=cfg.vespo_k_pos,
+            vespo_lambda_pos=cfg.vespo_lambda_pos,
+            vespo_k_neg=cfg.vespo_k_neg,
+            vespo_lambda_neg=cfg.vespo_lambda_neg,
+            off_policy_mask_threshold=cfg.off_policy_mask_threshold,
         )
+        _warn_about_level(cfg)
+        self.entropy_control = EntropyControl(cfg.entropy_coef, cfg.use_adaptive_entropy, cfg.entropy_coef_min,
+                                              cfg.entropy_coef_max, cfg.entropy_coef_delta, cfg.entropy_target)
         if rollout_func is not None and (tools or environment_factory is not None):
             raise ConfigError("pass either rollout_func or tools/environment_factory, not both: a rollout_func "
                               "runs its own generation (return env_mask to keep tool tokens out of the loss)")
+        from reward_models import processing_classes_per_function  # loaded with the rewards, as in components
+
+        reward_tokenizers = processing_classes_per_function(reward_processing_classes, len(_as_list(reward_funcs)))
         toolset, pool = prepare_tools(tools, environment_factory)
         if pool is not None:  # environments' get_reward: extra reward sources with weight 1 (as TRL)
             env_rewards = pool.reward_functions()
             reward_funcs = _as_list(reward_funcs) + env_rewards
+            reward_tokenizers += [None] * len(env_rewards)
             if cfg.reward_weights is not None and env_rewards:
                 cfg = dataclasses.replace(cfg, reward_weights=list(cfg.reward_weights) + [1.0] * len(env_rewards))
+        if not _as_list(reward_funcs):  # reward_funcs may be left out only when an environment scores rollouts
+            raise ConfigError(NO_REWARD_SOURCE)
         super().__init__(model, cfg, train_dataset, processing_class, peft_config, callbacks, eval_dataset)
-        self._build_training(reward_funcs)
+        if cfg.sync_ref_model and self.is_peft:
+            raise ConfigError(
+                "sync_ref_model=True with a LoRA (PEFT) policy: the reference is the base model with the adapters "
+                "disabled, and α·policy + (1 − α)·reference is no longer the base plus one low-rank adapter, so it "
+                "would need a full copy of the adapted weights; TRL refuses this too. Use sync_ref_model=False, or "
+                "full fine-tuning (peft_config=None) for a synced reference"
+            )
+        self._build_training(reward_funcs, reward_processing_classes=reward_tokenizers)
         if toolset is not None:
             self.engine = build_tool_rollout(self.engine, self.tokenizer, self.args, toolset, pool)
         elif rollout_func is not None:
@@ -106,46 +136,148 @@ class GRPOTrainer(RLTrainerBase):
         self._policy_params = [p for p in self.policy.parameters() if p.requires_grad]
 
     def _train_round(self) -> None:
-        """Experience → group-relative advantages → μ passes of optimizer steps over micro-batches → log."""
+        """Experience → group-relative advantages → μ passes of optimizer steps over micro-batches → log.
+
+        A round is one generation batch unless steps straddle them (``BatchPlan.generations_per_round``):
+        then the rows left when a batch runs out wait for the next batch to fill their step (TRL's order).
+        """
+        carried: list[Segment] = []
+        for generation in range(self.plan.generations_per_round):
+            exp, tokens_global, log = self._generate(generation)
+            stream = torch.cat([self._shuffled_rows(exp.size, generation * self.plan.num_iterations + it)
+                                for it in range(self.plan.num_iterations)])
+            held = sum(int(s.rows.numel()) for s in carried)
+            for rows, complete in step_parts(stream, self.plan.micro_batch * self.plan.grad_accum, held):
+                segments, carried = carried + [Segment(exp, rows, tokens_global, log)], []
+                if not complete:
+                    carried = segments
+                elif self.step >= self.max_steps or self.control.should_training_stop:
+                    return
+                else:
+                    self._optimizer_step(segments)
+
+    def _generate(self, generation: int) -> tuple[Experience, torch.Tensor, RoundLog]:
+        """A generation batch with its advantages, its valid tokens over all ranks (the loss normaliser's,
+        see LossNormaliser) and the log its steps carry."""
         args, ranks = self.args, self.ranks
         timer, started = PhaseTimer(self.device), time.perf_counter()
         exp = self.experience.make(
-            self.plan.prompts_per_rank, timer, old_logps=self.plan.optimizer_steps_per_generation > 1,
+            self.plan.prompts_per_rank, timer, old_logps=self.plan.old_logps_needed(generation),
             trainer_state=self._trainer_state_for_rewards, refill=self._refill if args.dynamic_sampling else None,
         )
         metrics = experience_metrics(exp, ranks)
-        adv = compute_advantages(args.advantage_estimator, ranks.gather(exp.rewards), args.num_generations,
-                                 args.scale_rewards)
+        grouped = GroupedRewards(ranks.gather(exp.rewards_per_function), ranks.gather(exp.rewards),
+                                 torch.tensor(self.rewards.weights, device=self.device), args.num_generations)
+        adv = aggregate_advantages(args.multi_objective_aggregation, grouped, args.advantage_estimator,
+                                   args.scale_rewards)
         exp.advantages = adv.advantages[ranks.rank * exp.size : (ranks.rank + 1) * exp.size].float()
         metrics.update(adv.metrics())
-        tokens_global = ranks.reduce(exp.loss_mask.sum())  # the round's loss normaliser (see LossNormaliser)
-        log = RoundLog(metrics, timer, prep_seconds=time.perf_counter() - started)
+        tokens_global = ranks.reduce(exp.loss_mask.sum())
+        return exp, tokens_global, RoundLog(metrics, timer, prep_seconds=time.perf_counter() - started)
 
-        for rows in self._step_rows(exp.size):
-            step_start, sums = time.perf_counter(), {}
-            normaliser = self._step_normaliser(exp.loss_mask[rows], tokens_global)
-            self.policy.train()
-            for micro, last in self._micro_batches(rows, exp):
-                with self._no_sync(self.logprob_model, last):
+    def _optimizer_step(self, segments: list[Segment]) -> None:
+        """One optimizer step over its segments' micro-batches (gradients synchronise on the very last)."""
+        args, ranks = self.args, self.ranks
+        dev.reset_peak_memory(self.device)
+        step_start, sums, count = time.perf_counter(), {}, 0
+        if len(segments) == 1 and self.plan.generations_per_round == 1:
+            normalisers = [self._step_normaliser(segments[0].exp.loss_mask[segments[0].rows], segments[0].tokens_global)]
+        else:
+            normalisers = straddling_normalisers(segments, ranks, self.plan.grad_accum, self.plan.steps_per_generation)
+        settings = dataclasses.replace(self.loss_settings, entropy_coef=self.entropy_control.applied())
+        bonus = self.entropy_control.enabled
+        self.policy.train()
+        for k, (segment, normaliser) in enumerate(zip(segments, normalisers)):
+            exp = segment.exp
+            for micro, last in self._micro_batches(segment.rows, exp):
+                count += 1
+                with self._no_sync(self.logprob_model, last and k == len(segments) - 1):
                     logps, entropies = self.logprob_model(*exp.model_inputs(micro), temperature=args.temperature,
-                                                          with_entropy=True, entropy_grad=bool(args.entropy_coef))
+                                                          with_entropy=True, entropy_grad=bonus)
                     batch = PolicyLossBatch(
                         logps=logps, advantages=exp.advantages[micro], mask=exp.loss_mask[micro],
                         old_logps=None if exp.old_logps is None else exp.old_logps[micro],
                         ref_logps=None if exp.ref_logps is None else exp.ref_logps[micro],
-                        entropies=entropies if args.entropy_coef or entropies is None else entropies.detach(),
+                        entropies=entropies if bonus or entropies is None else entropies.detach(),
                         weights=None if exp.token_weights is None else exp.token_weights[micro],
+                        sampling_logps=exp.sampling_logps[micro],
+                        selection=self._high_entropy_tokens(entropies, exp.loss_mask[micro]),
                     )
-                    loss, stats = policy_loss(args.loss_type, batch, self.loss_settings, normaliser)
+                    loss, stats = policy_loss(args.loss_type, batch, settings, normaliser)
+                    if bonus:  # TRL's policy_loss: the loss without the entropy bonus
+                        stats["policy_loss"] = self._loss_without_entropy(batch, settings, normaliser)
                     self._backward(loss)
-                self._accumulate(sums, {"loss": loss, **stats})
-            grad_norm, _ = self._clip_and_step(self._policy_params, torch.isfinite(sums["loss"]))
-            totals = ranks.sum_scalars(sums)
-            step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm,
-                            **self._policy_metrics(totals)}
-            if args.beta > 0:
-                step_metrics["kl"] = totals.get("kl_sum", 0.0) / max(totals.get("token_count", 0.0), 1.0)
-            self._end_step(step_metrics, log, exp, step_start)
+                self._accumulate(sums, {"loss": loss, **stats, **self._trained_entropy(batch)})
+        self._step_micro_batches = count
+        grad_norm, _ = self._clip_and_step(self._policy_params, torch.isfinite(sums["loss"]))
+        totals = ranks.sum_scalars(sums)
+        step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm, **self._policy_metrics(totals)}
+        if bonus:
+            step_metrics["policy_loss"] = totals["policy_loss"] / ranks.world
+        if args.beta > 0:
+            step_metrics["kl"] = totals.get("kl_sum", 0.0) / max(totals.get("token_count", 0.0), 1.0)
+        if args.use_adaptive_entropy:
+            self.entropy_control.update(totals["trained_entropy_sum"] / max(totals["trained_tokens"], 1.0))
+        if bonus:  # as TRL: the coefficient after this step's update
+            step_metrics["entropy_coef"] = self.entropy_control.coef
+        self._end_step(step_metrics, step_log(segments), segments[-1].exp, step_start)
+        self._sync_reference()
+
+    def _sync_reference(self) -> None:
+        """TR-DPO: every ``ref_model_sync_steps`` optimizer steps, reference ← α·policy + (1 − α)·reference."""
+        if not self.args.sync_ref_model or self.step % self.args.ref_model_sync_steps:
+            return
+        with self._gathered_trainable():
+            mix_into_reference(self.ref_logprob_model.model, self._trainable_module(), self.args.ref_model_mixup_alpha)
+
+    def _high_entropy_tokens(self, entropies: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+        """The micro-batch's tokens in the top ``top_entropy_quantile`` by entropy over all ranks (None: all)."""
+        if self.args.top_entropy_quantile >= 1.0 or entropies is None:
+            return None
+        return high_entropy_mask(entropies, mask, self.args.top_entropy_quantile, self._gather_ragged)
+
+    def _gather_ragged(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D ``local`` concatenated, padded to one length with −1e9 (non-negative values only)."""
+        if self.ranks.world == 1:
+            return local
+        longest = int(self.ranks.reduce(torch.tensor(local.numel(), device=local.device), "max"))
+        return self.ranks.gather(torch.nn.functional.pad(local, (0, longest - local.numel()), value=-1e9))
+
+    def _trained_entropy(self, batch: PolicyLossBatch) -> dict[str, torch.Tensor]:
+        """Entropy sum and count over the tokens the policy term trains on, for adaptive entropy control."""
+        if not self.args.use_adaptive_entropy or batch.entropies is None:
+            return {}
+        trained = batch.mask.bool() if batch.selection is None else batch.selection.bool() & batch.mask.bool()
+        ent = torch.where(trained, batch.entropies.detach(), torch.zeros_like(batch.entropies.detach()))
+        return {"trained_entropy_sum": ent.sum().float(), "trained_tokens": trained.sum().float()}
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {**super()._trainer_state(), "entropy_control": self.entropy_control.state_dict()}
+
+    def _restore_trainer_state(self, state: dict[str, Any]) -> None:
+        if "entropy_control" in state:
+            self.entropy_control.load_state_dict(state["entropy_control"])
+
+    def _extra_state_tensors(self) -> dict[str, torch.Tensor]:
+        """A synced reference has moved away from the starting weights: it is saved for an exact resume."""
+        if not self.args.sync_ref_model:
+            return {}
+        return {f"reference/{name}": p.detach().cpu() for name, p in self.ref_logprob_model.model.named_parameters()}
+
+    def _restore_extra_state_tensors(self, extra: dict[str, torch.Tensor]) -> None:
+        if not self.args.sync_ref_model:
+            return
+        with torch.no_grad():
+            for name, p in self.ref_logprob_model.model.named_parameters():
+                p.copy_(extra[f"reference/{name}"].to(p.device, p.dtype))
+
+    def _loss_without_entropy(self, batch: PolicyLossBatch, settings: PolicyLossSettings,
+                              normaliser: Any) -> torch.Tensor:
+        """The micro-batch's policy loss with the entropy bonus left out (a metric: no gradient)."""
+        with torch.no_grad():
+            detached = dataclasses.replace(batch, logps=batch.logps.detach(), entropies=None)
+            settings = dataclasses.replace(settings, entropy_coef=0.0)
+            return policy_loss(self.args.loss_type, detached, settings, normaliser)[0]
 
     def _refill(self, exp: Experience, timer: PhaseTimer) -> Experience:
         """DAPO dynamic sampling: keep groups whose rewards differ; draw more prompts to refill, up to a cap.
@@ -194,17 +326,31 @@ class GRPOTrainer(RLTrainerBase):
         return out
 
 
-def _refuse_trl_only(quantization_config: Any, reward_processing_classes: Any, optimizers: Any) -> None:
+def _refuse_trl_only(quantization_config: Any, optimizers: Any) -> None:
     """TRL's GRPOTrainer arguments that exist for scripts' sake: their empty values are accepted."""
     if quantization_config is not None:
         raise ConfigError("quantization_config: quantized base models (QLoRA) are not supported; the rollout engine "
                           "folds LoRA into full-precision weights. Pass quantization_config=None (TRL's script does "
                           "unless --load_in_4bit / --load_in_8bit)")
-    if reward_processing_classes is not None:
-        raise ConfigError("reward_processing_classes: reward models load their own tokenizer here; pass None")
     if tuple(optimizers or (None, None)) != (None, None):
         raise ConfigError("optimizers: a custom optimizer / scheduler is not supported; the trainer builds AdamW with "
                           "the config's learning_rate, betas, weight_decay and lr_scheduler_type. Pass (None, None)")
+
+
+def _warn_about_level(cfg: GRPOConfig) -> None:
+    """TRL's warnings where importance_sampling_level and loss_type do not fit as their papers meant."""
+    if cfg.importance_sampling_level == "sequence" and cfg.loss_type in TOKEN_SUMMED_LOSSES:
+        logger.warning(
+            "When using `importance_sampling_level='sequence'`, the '%s' loss sums per-token contributions, which "
+            "effectively weights each sequence by its completion length instead of optimizing the per-sequence "
+            "objective. To reproduce the GSPO paper's setup, set loss_type='grpo' (or our alias loss_type='gspo').",
+            cfg.loss_type)
+    if cfg.loss_type == "luspo" and cfg.importance_sampling_level != "sequence":
+        logger.warning("When using 'luspo' loss, importance_sampling_level should be set to 'sequence' to mirror the "
+                       "paper's setup.")
+    if cfg.loss_type == "vespo" and cfg.importance_sampling_level != "token":
+        logger.warning("VESPO computes sequence-level importance weights internally; importance_sampling_level "
+                       "should be 'token' (the default).")
 
 
 def _as_list(reward_funcs: Any) -> list[Any]:

@@ -68,6 +68,9 @@ COMMANDS: dict[str, Command] = {
                     lazy("grpo_ascend.plot:add_plot_arguments"), lazy("grpo_ascend.plot:run_plot")),
     "build-tiny-model": Command("build the offline tiny/small Qwen2 model + tokenizer (cached) and print its folder",
                                 lazy("grpo_ascend.tiny_model:add_build_arguments"), lazy("grpo_ascend.tiny_model:run_build")),
+    "plan": Command("the memory a recipe needs per device, per phase, before launch (no weights loaded), e.g. plan "
+                    "recipes/gsm8k_qwen.yaml --model-config recipes/model_configs/qwen2.5-7b.json --device-memory 64GiB",
+                    lazy("grpo_ascend.plan_cli:add_plan_arguments"), lazy("grpo_ascend.plan_cli:run_plan")),
     "doctor": Command("report versions, the accelerator and its chip, bf16 support, collective timeouts, runtime env "
                       "vars and free memory", lazy("grpo_ascend.doctor:add_arguments"), lazy("grpo_ascend.doctor:run")),
 }

@@ -38,12 +38,13 @@ class BaseRLConfig(_Validated):
     # --- batch ---
     per_device_train_batch_size: int = _f(8, "Completions per micro-batch on each device (forward/backward unit).")
     gradient_accumulation_steps: int = _f(1, "Micro-batches accumulated into one optimizer step.")
-    max_tokens_per_micro_batch: int | None = _f(
+    max_tokens_per_micro_batch: int | Literal["auto"] | None = _f(
         None, "Token budget of a training micro-batch on each device: each optimizer step's rows (per_device_train_"
         "batch_size × gradient_accumulation_steps) are packed, longest first, into micro-batches whose forward runs "
         "at most this many tokens (rows × their longest completion + the prompt width once per group, or per row "
         "without share_prompt_prefill); a row over it gets a micro-batch of its own. The loss is the same however "
-        "the rows are split. null = micro-batches of per_device_train_batch_size rows."
+        "the rows are split. null = micro-batches of per_device_train_batch_size rows. 'auto' = the largest budget "
+        "whose planned peak fits 90% of the device's memory at start-up (the memory plan of docs/memory.md)."
     )
     num_generations: int = _f(8, "G: completions sampled per prompt (the group).")
     steps_per_generation: int | None = _f(
@@ -176,8 +177,8 @@ class BaseRLConfig(_Validated):
             if getattr(self, name) is None:
                 setattr(self, name, unset)
         budget = self.max_tokens_per_micro_batch
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
-            raise ConfigError(f"max_tokens_per_micro_batch must be a whole number of tokens or null, got {budget!r}")
+        if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)):
+            raise ConfigError(f"max_tokens_per_micro_batch must be a whole number of tokens, 'auto' or null, got {budget!r}")
         _positive(
             self,
             "per_device_train_batch_size",
@@ -190,8 +191,9 @@ class BaseRLConfig(_Validated):
             "generation_batch_size",
             "reward_timeout",
             "ddp_timeout",
-            "max_tokens_per_micro_batch",
         )
+        if isinstance(budget, int) and budget <= 0:
+            raise ConfigError(f"max_tokens_per_micro_batch must be > 0, got {budget}")
         if self.learning_rate < 0:
             raise ConfigError(f"learning_rate must be >= 0 (0 = a control run that never moves), got {self.learning_rate}")
         if self.max_steps == 0 or self.max_steps < -1:
@@ -282,8 +284,9 @@ class BatchPlan:
     grad_accum: int
     steps_per_generation: int
     num_iterations: int
-    #: Token budget that packs each step's rows into micro-batches (None: grad_accum of micro_batch rows).
-    max_tokens_per_micro_batch: int | None = None
+    #: Token budget that packs each step's rows into micro-batches (None: grad_accum of micro_batch rows;
+    #: 'auto': chosen from the device's memory when the trainer starts).
+    max_tokens_per_micro_batch: int | str | None = None
 
     @property
     def completions_per_generation(self) -> int:
@@ -337,7 +340,9 @@ class BatchPlan:
             + (f"({self.grad_accum} micro-batches of {self.micro_batch} × {self.world_size} process(es)); "
                if self.max_tokens_per_micro_batch is None else
                f"({self.micro_batch * self.grad_accum} × {self.world_size} process(es), in micro-batches of at most "
-               f"{self.max_tokens_per_micro_batch} tokens); ")
+               f"{self.max_tokens_per_micro_batch} tokens); " if self.max_tokens_per_micro_batch != "auto" else
+               f"({self.micro_batch * self.grad_accum} × {self.world_size} process(es), in micro-batches under a token "
+               "budget chosen from the device's memory at start-up); ")
             + (f"{self.optimizer_steps_per_generation} optimizer step(s) per generation round"
                if self.generations_per_round == 1 else
                f"optimizer steps straddle generation rounds: {self.generations_per_round} rounds feed "

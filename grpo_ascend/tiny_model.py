@@ -9,6 +9,7 @@ has signal), and saves both with ``save_pretrained``. Builds are cached per size
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import random
@@ -17,6 +18,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from grpo_ascend import builtin_weights
 from grpo_ascend.errors import ConfigError, closest
@@ -455,6 +457,26 @@ def resolve_builtin(name: str) -> Path | None:
             f"unknown built-in model {name!r}: expected builtin:<size>[-warm|-tool-warm], size in {sorted(SIZES)}"
         )
     return build_tiny_model(size, warm=flavour != "", tools=flavour == "tool-warm")
+
+
+def builtin_architecture(name: str) -> dict[str, Any]:
+    """The config.json values of a ``builtin:*`` model without building it (for ``grpo-ascend plan``).
+
+    The sizes come from :data:`SIZES`; the vocabulary is the built model's when it is in the cache,
+    else :data:`VOCAB_SIZE`, the most the trained tokenizer can have (the built one has a few hundred).
+    """
+    spec = name.split(":", 1)[1] if name.startswith("builtin:") else name
+    size, _, flavour = spec.partition("-")
+    if flavour not in FLAVOURS:
+        raise ConfigError(f"unknown built-in model {name!r}: expected builtin:<size>[-warm|-tool-warm], size in {sorted(SIZES)}")
+    arch = _size(size)
+    config = {"model_type": "qwen2", "vocab_size": VOCAB_SIZE, "hidden_size": arch.hidden_size,
+              "num_hidden_layers": arch.num_hidden_layers, "num_attention_heads": arch.num_attention_heads,
+              "num_key_value_heads": arch.num_key_value_heads, "intermediate_size": arch.intermediate_size,
+              "tie_word_embeddings": True, "dtype": "float32"}
+    for built in sorted(cache_dir().glob(f"{size}-s0-v{BUILD_VERSION}/config.json")):
+        config["vocab_size"] = json.loads(built.read_text())["vocab_size"]
+    return config
 
 
 def _size(size: str) -> TinySize:

@@ -4,6 +4,7 @@ The trainer builds one strategy (:func:`grpo_ascend.dist.select_strategy`) right
 and then calls it; it never asks which engine runs. The calls, in the order a run makes them:
 
 =========================  ====================================================================
+``memory_layout``          where weights, gradients and optimizer state live (the memory plan's input)
 ``validate_model``         refuse a model the engine can't train (e.g. full fine-tuning, ZeRO-3)
 ``configure``              before prepare: fill the engine's config from the run's batch plan
 ``unsharded_reference``    a whole frozen reference copy when the engine will shard the policy
@@ -38,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_ascend.config import BaseRLConfig, BatchPlan
+from grpo_ascend.dist.memory_layout import MemoryLayout, plain_layout
 
 
 @dataclass
@@ -79,6 +81,10 @@ class Strategy(abc.ABC):
     @property
     def world_size(self) -> int:
         return self.accelerator.num_processes
+
+    def memory_layout(self) -> MemoryLayout:
+        """Where this engine keeps weights, gradients and optimizer state (for the memory plan)."""
+        return plain_layout(self.world_size)
 
     # ------------------------------------------------------------------ validation and setup
     def validate(self, trainer_name: str, prepared_models: int) -> None:

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from grpo_ascend.config import BaseRLConfig, BatchPlan
 from grpo_ascend.dist import compat_deepspeed as compat
 from grpo_ascend.dist.base import SaveState
+from grpo_ascend.dist.memory_layout import MemoryLayout, deepspeed_layout
 from grpo_ascend.dist.plain import PlainStrategy
 from grpo_ascend.errors import ConfigError
 
@@ -134,6 +135,9 @@ class DeepSpeedStrategy(PlainStrategy):
         for param in head.parameters():
             if compat.is_partitioned(param):
                 compat.register_external(module, param)
+
+    def memory_layout(self) -> MemoryLayout:
+        return deepspeed_layout(self.stage, self.world_size)
 
     def may_merge_lora(self, wanted: bool | None, is_peft: bool) -> bool:
         if not self.partitions_parameters:

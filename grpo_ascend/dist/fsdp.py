@@ -41,6 +41,7 @@ from grpo_ascend import device as dev
 from grpo_ascend.config import BatchPlan
 from grpo_ascend.dist import compat_fsdp2
 from grpo_ascend.dist.base import SaveState
+from grpo_ascend.dist.memory_layout import MemoryLayout, fsdp_layout
 from grpo_ascend.dist.plain import PlainStrategy
 from grpo_ascend.errors import ConfigError
 
@@ -159,6 +160,9 @@ class FSDPStrategy(PlainStrategy):
         if self.precision != "fp32":
             autocast_forward(model, lambda: dev.autocast(self.device, self.precision))
         return model, optimizer
+
+    def memory_layout(self) -> MemoryLayout:
+        return fsdp_layout(self.world_size)
 
     def may_merge_lora(self, wanted: bool | None, is_peft: bool) -> bool:
         if wanted is not False and is_peft:

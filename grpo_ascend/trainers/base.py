@@ -8,6 +8,7 @@ A subclass implements :meth:`RLTrainerBase._train_round`: one generation round (
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -71,6 +72,8 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
     """Shared machinery; see the module docstring."""
 
     config_class: type[BaseRLConfig] = BaseRLConfig
+    #: The algorithm's name in recipes (``algorithm:``), as the memory plan knows it.
+    algorithm: str = "grpo"
     #: Models handed to accelerate's prepare (PPO: policy and critic); engines taking one refuse more.
     prepared_models: int = 1
 
@@ -137,6 +140,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self.merge_lora_for_rollout = merge_lora_for_rollout(
             self.policy, args.rollout_merge_lora, self.strategy.may_merge_lora(args.rollout_merge_lora, self.is_peft),
             self.is_peft, self.device)
+        self._auto_token_budget = self._plan_token_budget() if args.max_tokens_per_micro_batch == "auto" else None
         self.rewards = build_rewards(reward_funcs, args, self.device, self.tokenizer, reward_processing_classes)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed + 1000 * self.accelerator.process_index)
@@ -151,6 +155,40 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self._init_surface(self._callbacks)
 
     # ------------------------------------------------------------------------------ setup
+    @property
+    def token_budget(self) -> int | None:
+        """The training micro-batches' token budget: ``max_tokens_per_micro_batch``, 'auto' as resolved at start-up."""
+        budget = self.args.max_tokens_per_micro_batch
+        return self._auto_token_budget if budget == "auto" else budget
+
+    def _plan_token_budget(self) -> int:
+        """``max_tokens_per_micro_batch: auto``: the largest budget whose memory plan (docs/memory.md) fits
+        AUTO_FRACTION of this device's memory (free + what this process holds), the smallest over ranks."""
+        from grpo_ascend.memory_plan import (
+            AUTO_FRACTION,
+            ModelShape,
+            auto_token_budget,
+            lora_targets,
+            run_settings,
+        )
+        from grpo_ascend.models import hf_model
+
+        model = hf_model(self.policy)
+        lora = self.policy.peft_config[self.policy.active_adapter] if self.is_peft else None
+        settings = run_settings(
+            self.args, dev.device_type(self.device), self.accelerator.num_processes,
+            algorithm=self.algorithm, use_peft=self.is_peft,
+            lora_r=lora.r if lora is not None else 0, lora_targets=lora_targets(lora.target_modules if lora else None),
+            weight_bytes=next(model.parameters()).element_size(), precision=self.precision)
+        settings = dataclasses.replace(settings, merge_lora=self.merge_lora_for_rollout)
+        free, _ = dev.free_memory(self.device)
+        capacity = int((free + dev.memory_stats(self.device)["allocated"]) * AUTO_FRACTION)
+        budget = auto_token_budget(ModelShape.from_config(model.config.to_dict()), settings,
+                                   self.strategy.memory_layout(), capacity)
+        budget = int(-self.ranks.reduce(torch.tensor([-float(budget)], device=self.device), "max")[0])
+        logger.info("max_tokens_per_micro_batch: auto -> %d tokens (memory plan within %.1f GiB)", budget, capacity / 2**30)
+        return budget
+
     def _whole_weights(self) -> contextlib.AbstractContextManager:
         """The whole policy on every rank for one generation round (the strategy's; all ranks enter)."""
         return self.strategy.whole_weights(self.logprob_model)
@@ -242,7 +280,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
     def _micro_batches(self, rows: Tensor, exp: Experience) -> Iterator[tuple[Tensor, bool]]:
         """The step's micro-batches, each with whether it is the step's last (where gradients synchronise):
         ``per_device_train_batch_size`` rows each, or packed under ``max_tokens_per_micro_batch``."""
-        if self.args.max_tokens_per_micro_batch is None:
+        if self.token_budget is None:
             parts = list(rows.split(self.args.per_device_train_batch_size))
         else:
             parts = self._token_budget_parts(rows, exp)
@@ -252,7 +290,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
 
     def _token_budget_parts(self, rows: Tensor, exp: Experience) -> list[Tensor]:
         """``rows`` packed under the token budget (trainers/micro_batches.py), as many parts on every rank."""
-        budget = self.args.max_tokens_per_micro_batch
+        budget = self.token_budget
         mask = exp.completion_mask[rows].ne(0)
         width = mask.shape[1]
         lengths = (mask * torch.arange(1, width + 1, device=mask.device)).amax(1) if width else mask.sum(1)
@@ -415,7 +453,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         train_time = time.perf_counter() - started
         step_peak = dev.memory_stats(self.device)["peak"] / 2**30
         self._peak_gb = max(self._peak_gb, step_peak, *log.timer.peak_gb.values())
-        if args.max_tokens_per_micro_batch is not None:
+        if self.token_budget is not None:
             step_metrics = {**step_metrics, "micro_batches": float(self._step_micro_batches)}
         if log.steps == 1:
             self._trl_log.add_round(log.metrics, exp, self.ranks)

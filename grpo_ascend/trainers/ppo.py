@@ -54,6 +54,7 @@ class PPOTrainer(RLTrainerBase):
     """PPO trainer on accelerate; ``model`` is a path, hub id, ``builtin:*`` name or a loaded model."""
 
     config_class = PPOConfig
+    algorithm = "ppo"
     args: PPOConfig
     prepared_models = 2  # policy and critic: engines that take one model per run refuse PPO
 

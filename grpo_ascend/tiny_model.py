@@ -388,6 +388,8 @@ def _build_into(target: Path, build: _Build) -> Path:
 def _built_model(build: _Build):
     """(model, tokenizer, shipped weights file or None) of ``build``: the shipped warm start when there
     is one, else trained here."""
+    import torch
+
     tokenizer = build_tokenizer(seed=build.seed)
     if build.tools:
         tokenizer.chat_template = COMPACT_TOOLS_CHAT_TEMPLATE
@@ -395,9 +397,13 @@ def _built_model(build: _Build):
     if shipped is not None:
         return _load_shipped(build, tokenizer, shipped), tokenizer, shipped
     if build.tools:
+        from transformers import AutoModelForCausalLM
+
         from grpo_ascend.tiny_tool_warm import tool_warm_start
 
-        model, _, _ = _built_model(_Build(build.size, True, False, build.seed, build.from_scratch))
+        # the warm model it starts from is built (and cached) first, as builtin:<size>-warm
+        warm = build_tiny_model(build.size, warm=True, seed=build.seed, from_scratch=build.from_scratch)
+        model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32)
         logger.info("building %s: calculator warm start (minutes of CPU)", build.name)
         return tool_warm_start(model, tokenizer, seed=build.seed), tokenizer, None
     model = _build_base_model(build.size, tokenizer, seed=build.seed)

@@ -67,10 +67,31 @@ def chaotic(tiny_model_dir):
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-#: Files that build the slowest model (``tiny-tool-warm``, minutes) go first: under the two workers of
-#: scripts/test.sh one worker builds it while the other runs the rest, instead of it starting last.
-FIRST_FILES = ("test_tool_demo.py",)
+#: The longest files first, so that neither of scripts/test.sh's two workers is left running a long file
+#: alone at the end (xdist hands out whole files in this order as workers free up). Seconds of one
+#: worker in a full run on the 2-core machine (loaded) in brackets; single-process files alternate with
+#: two-process ones (which use both cores while they run) so that the two workers rarely launch
+#: four processes at once. Refresh from `bash scripts/test.sh --durations=0` when files grow.
+LONGEST_FILES = (
+    "test_ppo.py",  # 299: the PPO learning test and its control run
+    "test_distributed.py",  # 334, two processes
+    "test_tool_demo.py",  # 221: the calculator learning test
+    "test_deepspeed.py",  # 225, two processes
+    "test_demo.py",  # 126
+    "test_fsdp.py",  # 212, two processes
+    "test_memory_plan.py",  # 90
+    "test_strategy_contract.py",  # 195, two processes
+    "test_grpo_trainer.py",  # 88
+    "test_evaluation_distributed.py",  # 53, two processes
+    "test_compiled_decode.py",  # 56
+    "test_multiturn_distributed.py",  # 42, two processes
+    "test_multiturn_trainer.py",  # 54
+    "test_ppo_distributed.py",  # 25, two processes
+    "test_evaluation_tools.py",  # 39
+    "test_tiny_model.py",  # 38
+)
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in FIRST_FILES)
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))

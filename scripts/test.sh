@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the test suite in a fresh or reused virtual environment.
-#   bash scripts/test.sh            # everything (CPU, about 10 minutes on 2 cores, two workers)
+#   bash scripts/test.sh            # everything (CPU, about 20 minutes on a fresh 2-core machine, two workers)
 #   bash scripts/test.sh --fast     # skip the slow end-to-end tests
 #   bash scripts/test.sh tests/test_config.py -k yaml   # any pytest arguments
 # At the end it prints the 15 slowest tests and the wall time (venv and installs included).

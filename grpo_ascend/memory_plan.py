@@ -502,7 +502,7 @@ def _together(shape: ModelShape, s: RunSettings, layout: MemoryLayout, capacity:
 def settings_from_config(recipe: Any, args: Any, device: str, world_size: int = 1,
                          prompt_length: int | None = None) -> RunSettings:
     """The plan's view of a recipe (``RecipeConfig``) and trainer config (``GRPOConfig`` / ``PPOConfig``) on
-    ``device`` (a device type such as 'npu', 'cuda' or 'cpu': its defaults for precision and layout)."""
+    ``device`` (a device type, as the device layer names it: its defaults for precision and layout)."""
     dtype = (args.model_init_kwargs or {}).get("dtype") or recipe.model_dtype
     return run_settings(args, device, world_size, algorithm=recipe.algorithm, use_peft=recipe.use_peft,
                         lora_r=recipe.lora_r, lora_targets=lora_targets(recipe.lora_target_modules),

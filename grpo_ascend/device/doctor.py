@@ -1,9 +1,10 @@
 """``grpo-ascend doctor``: versions, the device, collective timeouts and runtime environment, as text or JSON.
 
-The facts come from :mod:`grpo_ascend.device`; this module builds the report and lays it out.
-torch is imported inside :func:`run`, in a try: from torch 2.5 on, ``import torch`` loads every
-device backend extension registered under the ``torch.backends`` entry point, and one whose
-libraries cannot load makes ``import torch`` itself fail, which is exactly what doctor must explain.
+The facts come from :mod:`grpo_ascend.device.doctor_facts`; this module builds the report and lays
+it out. It imports torch only inside :func:`run`, in a try, and the facts (which need torch) only
+inside :func:`doctor_report`: from torch 2.5 on, ``import torch`` loads every device backend
+extension registered under the ``torch.backends`` entry point, and one whose libraries cannot
+load makes ``import torch`` itself fail, which is exactly what doctor must explain.
 """
 
 from __future__ import annotations
@@ -102,18 +103,19 @@ def doctor_report(device: str | None = None, ddp_timeout: int = 1800) -> dict[st
 
     Raises DeviceError if ``device`` is given and unusable. torch must import (see :func:`run`).
     """
-    from grpo_ascend import device as dev
+    from grpo_ascend.device import doctor_facts as found  # imports torch (see the module docstring)
+    from grpo_ascend.device.core import resolve_device
 
-    resolved = dev.resolve_device(device) if device is not None else None
-    facts = dev.device_facts(resolved)
+    resolved = resolve_device(device) if device is not None else None
+    facts = found.device_facts(resolved)
     report = _base_report(device)
     report.update({
-        "software": dev.software_versions(),
+        "software": found.software_versions(),
         **facts,
-        "timeouts": dev.timeout_facts(facts["device"], ddp_timeout),
-        "env": dev.runtime_environment(),
-        "defaults_pending": dev.pending_runtime_defaults(ddp_timeout),
-        "warnings": dev.accelerator_warnings(),
+        "timeouts": found.timeout_facts(facts["device"], ddp_timeout),
+        "env": found.runtime_environment(),
+        "defaults_pending": found.pending_runtime_defaults(ddp_timeout),
+        "warnings": found.accelerator_warnings(),
     })
     return report
 

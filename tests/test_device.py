@@ -52,6 +52,16 @@ def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     _track_env(monkeypatch, "LOCAL_RANK")
 
 
+def test_package_reexports_its_modules_names_on_first_use():
+    from grpo_ascend.device import core, memory, npu_patches
+
+    assert dev.resolve_device is core.resolve_device and dev.memory_stats is memory.memory_stats
+    assert dev.apply_npu_patches is npu_patches.apply_npu_patches
+    assert all(getattr(dev, name) is not None for name in dev.__all__) and set(dev.__all__) <= set(dir(dev))
+    with pytest.raises(AttributeError, match="'grpo_ascend.device' has no attribute 'resolve'"):
+        dev.resolve  # noqa: B018
+
+
 # --------------------------------------------------------------------------------------------
 # CPU, for real
 # --------------------------------------------------------------------------------------------

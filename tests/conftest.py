@@ -28,7 +28,7 @@ def _forget_torch_npu():
 @pytest.fixture(scope="session")
 def tiny_model_dir():
     """Directory of the random-init ``tiny`` Qwen2 model and its tokenizer."""
-    from grpo_ascend.tiny_model import build_tiny_model
+    from grpo_ascend.models.tiny_model import build_tiny_model
 
     return build_tiny_model("tiny")
 
@@ -40,7 +40,7 @@ def tiny_warm_model_dir():
     ``GRPO_ASCEND_WARM_SEED=N`` builds the warm start from another seed: a stand-in for another
     machine, whose float reduction order gives a slightly different warm model.
     """
-    from grpo_ascend.tiny_model import build_tiny_model
+    from grpo_ascend.models.tiny_model import build_tiny_model
 
     return build_tiny_model("tiny", warm=True, seed=int(os.environ.get("GRPO_ASCEND_WARM_SEED", "0")))
 
@@ -49,7 +49,7 @@ def tiny_warm_model_dir():
 def tiny_tool_model_dir():
     """Directory of ``builtin:tiny-tool-warm`` (the warm model after calculator transcripts); the
     warm seed as for :func:`tiny_warm_model_dir`."""
-    from grpo_ascend.tiny_model import build_tiny_model
+    from grpo_ascend.models.tiny_model import build_tiny_model
 
     return build_tiny_model("tiny", warm=True, tools=True, seed=int(os.environ.get("GRPO_ASCEND_WARM_SEED", "0")))
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_ascend.config import GRPOConfig, PPOConfig
+from grpo_ascend.config.configs import GRPOConfig, PPOConfig
+from grpo_ascend.config.recipe import RecipeConfig, load_recipe, parse_overrides
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.recipe import RecipeConfig, load_recipe, parse_overrides
 
 
 @pytest.mark.parametrize(
@@ -91,9 +91,10 @@ def test_ppo_validation():
 
 
 def test_recipe_names_still_import_from_config():
-    """The recipe layer moved to grpo_ascend.recipe; ``from grpo_ascend.config import ...`` keeps working."""
+    """The recipe layer moved to grpo_ascend.config.recipe; ``from grpo_ascend.config.configs import ...`` keeps working."""
     import grpo_ascend
-    from grpo_ascend import config, recipe
+    from grpo_ascend.config import configs as config
+    from grpo_ascend.config import recipe
 
     for name in ("RecipeConfig", "load_recipe", "parse_overrides"):
         assert getattr(config, name) is getattr(recipe, name)

@@ -103,19 +103,18 @@ def doctor_report(device: str | None = None, ddp_timeout: int = 1800) -> dict[st
 
     Raises DeviceError if ``device`` is given and unusable. torch must import (see :func:`run`).
     """
-    from grpo_ascend.device import doctor_facts as found  # imports torch (see the module docstring)
-    from grpo_ascend.device.core import resolve_device
+    from grpo_ascend.device import core, doctor_facts  # these import torch (see the module docstring)
 
-    resolved = resolve_device(device) if device is not None else None
-    facts = found.device_facts(resolved)
+    resolved = core.resolve_device(device) if device is not None else None
+    facts = doctor_facts.device_facts(resolved)
     report = _base_report(device)
     report.update({
-        "software": found.software_versions(),
+        "software": doctor_facts.software_versions(),
         **facts,
-        "timeouts": found.timeout_facts(facts["device"], ddp_timeout),
-        "env": found.runtime_environment(),
-        "defaults_pending": found.pending_runtime_defaults(ddp_timeout),
-        "warnings": found.accelerator_warnings(),
+        "timeouts": doctor_facts.timeout_facts(facts["device"], ddp_timeout),
+        "env": doctor_facts.runtime_environment(),
+        "defaults_pending": doctor_facts.pending_runtime_defaults(ddp_timeout),
+        "warnings": doctor_facts.accelerator_warnings(),
     })
     return report
 

@@ -132,7 +132,7 @@ def test_cli_imports_without_torch(tmp_path):
 # grpo_ascend/distributed/: the trainer calls a strategy and never asks which engine runs. Unlike device
 # names this covers prose too (docstrings, comments, help texts), as the pre-commit hook greps.
 ENGINE_NAME = re.compile(r"deepspeed|DeepSpeed|FSDP|fully_shard|DTensor|DistributedType")
-ENGINE_PACKAGE = Path("grpo_ascend/dist")
+ENGINE_PACKAGE = Path("grpo_ascend/distributed")
 
 
 def test_only_strategy_modules_name_distributed_engines():

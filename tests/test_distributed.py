@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -142,12 +143,29 @@ def test_ranks_share_one_global_draw(tmp_path, tiny_model_dir, algorithm):
 # ---------------------------------------------------------------------------------------------
 
 
+def launch_once_per_session(tmp_path_factory, name: str, mode: str, spec: dict[str, Any]) -> Path:
+    """The folder of a launch made once per test session, shared by every test file (and every
+    pytest-xdist worker, behind a file lock) that compares against it; ``spec``'s config gets
+    ``output_dir`` = ``<folder>/run``. Only for launches no test writes into."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    out = root / f"shared-{name}"
+    with FileLock(str(out) + ".lock"):
+        if not (out / "launched").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            launch(mode, out, {**spec, "config": {**spec.get("config", {}), "output_dir": str(out / "run")}})
+            (out / "launched").touch()
+    return out
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory, tiny_model_dir):
-    """An uninterrupted 2-process run of 4 optimizer steps (checkpoints at 2 and 4)."""
-    out = tmp_path_factory.mktemp("full")
-    launch("train", out, {"model_dir": str(tiny_model_dir), "config": {"output_dir": str(out / "run")}})
-    return out
+    """An uninterrupted 2-process run of 4 optimizer steps (checkpoints at 2 and 4): plain data
+    parallelism with the default config, also the reference of tests/test_fsdp.py (one launch for both)."""
+    return launch_once_per_session(tmp_path_factory, "ddp-default", "train", {"model_dir": str(tiny_model_dir)})
 
 
 def test_ranks_hold_identical_weights_after_several_steps(full_run):

@@ -29,6 +29,7 @@ from test_distributed import (  # noqa: E402
     _weights,
     assert_resumed_run_matches,
     launch,
+    launch_once_per_session,
 )
 
 FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}
@@ -61,10 +62,10 @@ def test_fsdp_shards_per_decoder_layer_and_ranks_agree(fsdp_run):
 
 
 @pytest.mark.slow
-def test_fsdp_training_matches_plain_data_parallel(fsdp_run, tmp_path, tiny_model_dir):
-    """Same seed, same config: FSDP2 ends with the weights (and per-step metrics) of the DDP path."""
-    ddp = tmp_path / "ddp"
-    launch("train", ddp, {"model_dir": str(tiny_model_dir), "config": {"output_dir": str(ddp / "run")}})
+def test_fsdp_training_matches_plain_data_parallel(fsdp_run, tmp_path_factory, tiny_model_dir):
+    """Same seed, same config: FSDP2 ends with the weights (and per-step metrics) of the DDP path
+    (the uninterrupted run of test_distributed.py, launched once for both files)."""
+    ddp = launch_once_per_session(tmp_path_factory, "ddp-default", "train", {"model_dir": str(tiny_model_dir)})
     expected = _weights(ddp, 0)
     for rank in range(WORLD):
         got = _weights(fsdp_run, rank)

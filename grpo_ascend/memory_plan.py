@@ -338,12 +338,12 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
                   f"{m.num_params / 1e9:.2f}B params x {w} B" + (f" / {world} ranks" if shard > 1 else ""))]
     if s.use_peft:
         terms.append(Term("LoRA parameters", trainable * 4, everywhere, f"r={s.lora_r}, {trainable / 1e6:.1f}M"))
-    if layout.shards_weights:
-        terms.append(Term("whole weights for rollout", m.num_params * w - m.num_params * w // shard, ("generation",),
-                          "gathered once per round"))
+    if layout.shards_weights:  # gathered into new buffers beside each rank's shard
+        terms.append(Term("whole weights for rollout", m.num_params * w, ("generation",), "gathered once per round"))
     if layout.whole_head_in_training:
-        terms.append(Term("whole output head", m.embedding_params * w - m.embedding_params * w // shard, ("training",),
-                          "kept gathered from forward to step"))
+        others = min(m.num_params - m.embedding_params, layout.live_gathered_elements)
+        terms.append(Term("gathered weights", (m.embedding_params + others) * w, ("old_logprobs", "reference", "training"),
+                          f"output head + {others / 1e6:.1f}M live parameters whole in each forward"))
     opt_shard = world if layout.shards_optimizer else 1
     per_param = (12 if layout.fp32_master_weights else 2 * train_bytes)
     terms.append(Term("optimizer state", trainable * per_param // opt_shard, everywhere,

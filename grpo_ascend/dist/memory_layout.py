@@ -4,7 +4,7 @@
 optimizer state are split over the ranks and what extra copies the engine holds. It comes from
 an accelerate config file (:func:`layout_from_accelerate_config`, for ``grpo-ascend plan``) or
 from a running strategy (:meth:`grpo_ascend.dist.base.Strategy.memory_layout`, for
-``max_tokens_per_micro_batch: auto``); :mod:`grpo_ascend.memory_plan` turns it into bytes.
+``max_tokens_per_micro_batch: auto``); :mod:`grpo_ascend.memory_terms` turns it into bytes.
 """
 
 from __future__ import annotations

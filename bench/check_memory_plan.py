@@ -6,9 +6,12 @@ trainer's log. On the CPU that is the process's peak resident set in the phase (
 phase), so the baseline -- the resident set just before the model is built, with every library
 imported -- is subtracted. The plan gets the run's real prompt width (the longest prompt of the
 dataset under the chat template) and is computed from the same config objects the run used.
+``lora-zero3-2proc`` runs on 2 ranks under DeepSpeed ZeRO-3, one process each, and gives one row per
+rank (:func:`launch_ranks`).
 
-    python bench/check_memory_plan.py                # every configuration, one process, a table
-    python bench/check_memory_plan.py --only lora-long
+    python bench/check_memory_plan.py                # every configuration, a table
+    python bench/check_memory_plan.py --only lora-long-beta
+    python bench/check_memory_plan.py --only lora-zero3-2proc   # needs deepspeed
 """
 
 from __future__ import annotations

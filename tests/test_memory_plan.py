@@ -75,6 +75,17 @@ def test_sharding_divides_what_each_engine_shards():
     assert zero2["gradients"] == shape.num_params * 2 // 8 and zero2["weights"] == ddp["weights"]
     with pytest.raises(ConfigError, match="full fine-tuning"):
         plan_memory(shape, full, deepspeed_layout(3, 8))
+    # ZeRO-3 LoRA: each rank keeps 1/8 of the weights; gathers make whole copies beside that shard (the whole
+    # policy for rollouts; in forwards the head plus DeepSpeed's 1e9 live parameters, fewer than 7B's).
+    lora = RunSettings(weight_bytes=2, activation_bytes=2, reference=True)
+    zero3 = plan_memory(shape, lora, deepspeed_layout(3, 8))
+    terms = {t.name: t for t in zero3.terms}
+    assert terms["weights"].nbytes == shape.num_params * 2 // 8
+    assert terms["whole weights for rollout"].nbytes == shape.num_params * 2
+    assert terms["whole weights for rollout"].phases == ("generation",)
+    assert terms["gathered weights"].nbytes == (152064 * 3584 + 10**9) * 2
+    assert terms["gathered weights"].phases == ("old_logprobs", "reference", "training")
+    assert "merged LoRA copy" not in terms
 
 
 def test_accelerate_configs_map_to_their_layouts():

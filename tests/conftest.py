@@ -1,4 +1,5 @@
-"""Shared fixtures: the offline tiny model (built once per machine, cached) and quiet logs."""
+"""Shared fixtures: the offline tiny model (built once per machine, cached), quiet logs, and no fake
+torch_npu outliving its test."""
 
 from __future__ import annotations
 
@@ -14,10 +15,20 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def _forget_torch_npu():
+    """After each test (and its monkeypatches' undo) the device layer imports torch_npu afresh, so a
+    fake from tests/fake_device.py never outlives the test that put it in."""
+    yield
+    from grpo_ascend.device import forget_torch_npu
+
+    forget_torch_npu()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir():
     """Directory of the random-init ``tiny`` Qwen2 model and its tokenizer."""
-    from grpo_ascend.tiny_model import build_tiny_model
+    from grpo_ascend.models.tiny_model import build_tiny_model
 
     return build_tiny_model("tiny")
 
@@ -29,7 +40,7 @@ def tiny_warm_model_dir():
     ``GRPO_ASCEND_WARM_SEED=N`` builds the warm start from another seed: a stand-in for another
     machine, whose float reduction order gives a slightly different warm model.
     """
-    from grpo_ascend.tiny_model import build_tiny_model
+    from grpo_ascend.models.tiny_model import build_tiny_model
 
     return build_tiny_model("tiny", warm=True, seed=int(os.environ.get("GRPO_ASCEND_WARM_SEED", "0")))
 
@@ -38,7 +49,7 @@ def tiny_warm_model_dir():
 def tiny_tool_model_dir():
     """Directory of ``builtin:tiny-tool-warm`` (the warm model after calculator transcripts); the
     warm seed as for :func:`tiny_warm_model_dir`."""
-    from grpo_ascend.tiny_model import build_tiny_model
+    from grpo_ascend.models.tiny_model import build_tiny_model
 
     return build_tiny_model("tiny", warm=True, tools=True, seed=int(os.environ.get("GRPO_ASCEND_WARM_SEED", "0")))
 

@@ -61,8 +61,7 @@ CASES = [
     Case("full-short-beta", 32768, False, {"beta": 0.04}),
     Case("full-vocab152k", 151936, False, {"num_generations": 4, "per_device_train_batch_size": 4}),
     Case("lora-long-checkpointing", 8192, True, {**LONG, "gradient_checkpointing": True}, kv_heads=4, head_dim=128),
-    # Untied 65,536 x 128 embedding and head (64 MiB of the 65 MiB of weights): sharded in training but for
-    # the head ZeRO-3 keeps whole, gathered whole for rollouts.
+    # Untied 65,536 x 128 embedding and head, 64 of the model's 65 MiB: ZeRO-3's shard and gathered copies weigh.
     Case("lora-zero3-2proc", 65536, True, {"beta": 0.04, "logprob_chunk_size": 32}, hidden=128, tied=False,
          processes=2),
 ]

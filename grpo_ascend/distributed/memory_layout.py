@@ -43,7 +43,7 @@ class MemoryLayout:
     gradient_buckets: bool = False
     #: DeepSpeed: the gradient reduction buffer holds up to this many elements (0: none).
     reduce_bucket_elements: int = 0
-    #: ZeRO-3: the output head (and a tied embedding) is gathered whole from the forward to the step.
+    #: ZeRO-3: the output head (and a tied embedding) is gathered whole in each forward (in training, to the step).
     whole_head_in_training: bool = False
     #: ZeRO-3: besides the head, up to this many elements of other weights stay gathered in a forward (0: none).
     live_gathered_elements: int = 0

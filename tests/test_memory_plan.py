@@ -197,7 +197,7 @@ def test_plan_is_within_tolerance_of_measured_peaks_per_phase():
 def test_plan_is_within_tolerance_of_each_ranks_measured_peaks_under_zero3():
     """2 processes (gloo) under DeepSpeed ZeRO-3 as recipes/accelerate/deepspeed_zero3.yaml launches them, LoRA,
     beta > 0, an untied 65,536 x 128 embedding and head (64 of the model's 65 MiB): every rank measures its own
-    peak per phase after a warm-up run (about 50 s of CPU over both ranks). Each rank's phases must be within the
+    peak per phase after a warm-up run (60-70 s of CPU over both ranks). Each rank's phases must be within the
     tolerance above; training, where ZeRO-3's shards and gathered weights are most of the need, within 20 %."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'grpo-ascend[deepspeed]')")
     results = _check("lora-zero3-2proc")

@@ -38,6 +38,7 @@ from grpo_ascend.models import (
 )
 from grpo_ascend.phases import PhaseTimer
 from grpo_ascend.ranks import Ranks
+from grpo_ascend.rollout.backend import PolicyWeights, serving
 from grpo_ascend.tracking import RunTracker, truncate_metrics
 from grpo_ascend.trainers.checkpointing import CheckpointingMixin
 from grpo_ascend.trainers.components import (
@@ -206,13 +207,15 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         return dev.autocast(self.device, self.precision)
 
     def _rollout_context(self) -> contextlib.AbstractContextManager:
-        """Around generation: eval mode, autocast, the whole weights (sharded engines), LoRA folded in."""
+        """Around generation: eval mode, autocast, the whole weights (sharded engines), LoRA folded in, the
+        rollout backend serving the policy's current weights (rollout/backend.py: restore, sync, release)."""
         self.policy.eval()
         stack = contextlib.ExitStack()
         stack.enter_context(self._autocast())
         stack.enter_context(self._whole_weights())
         if self.merge_lora_for_rollout:
             stack.enter_context(lora_merged(self.policy))
+        stack.enter_context(serving(self.engine.backend, lambda: PolicyWeights(self.policy, self.step)))
         return stack
 
     def _make_experience_maker(self, reference: bool, mask_truncated_completions: bool = False,

@@ -1,0 +1,78 @@
+"""What a weight sync sends to vLLM: a LoRA adapter folder, or the policy's named tensors in bounded buckets.
+
+LoRA runs send the adapter only (PEFT's format, the base stays loaded once in vLLM). Full fine-tuning
+streams the policy's tensors under their Hugging Face names, a bucket of at most ``bucket_bytes`` at a
+time converted to vLLM's dtype and device, so at most one bucket is ever copied (none when the
+trainer and vLLM share dtype and device).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from grpo_ascend.adapters import adapter_config_dict, adapter_names, adapter_state_dict
+from grpo_ascend.checkpoint_io import AtomicFolder, save_tensors, write_json
+
+#: PEFT's file names, which vLLM reads.
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+#: Default bucket of a full-weight sync.
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+def lora_rank(policy: nn.Module) -> int:
+    """The largest LoRA rank of the policy's top-level adapter (ranks per module included)."""
+    config = policy.peft_config[adapter_names(policy)[0]]
+    return max([int(config.r), *(int(r) for r in (getattr(config, "rank_pattern", None) or {}).values())])
+
+
+def write_adapter(policy: nn.Module, folder: Path) -> Path:
+    """Write the policy's top-level adapter to ``folder`` in PEFT's format, atomically: a reader sees the
+    whole previous folder or the whole new one, never a partial write."""
+    adapter = adapter_names(policy)[0]
+    with AtomicFolder(folder) as tmp:
+        save_tensors(tmp / ADAPTER_WEIGHTS, adapter_state_dict(policy, adapter))
+        write_json(tmp / ADAPTER_CONFIG, adapter_config_dict(policy, adapter), "the adapter config")
+    return folder
+
+
+def remove_folder(folder: Path | None) -> None:
+    """Delete an adapter folder vLLM no longer serves (missing is fine)."""
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters under their Hugging Face checkpoint names (tied weights once)."""
+    for name, param in model.named_parameters():
+        yield name, param.detach()
+
+
+def weight_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                   dtype: torch.dtype | None = None,
+                   device: torch.device | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``weights`` grouped into buckets of at most ``bucket_bytes`` (one larger tensor makes a bucket of
+    its own), each tensor converted to ``dtype`` / ``device`` (no copy where they already match)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor.to(dtype=dtype or tensor.dtype, device=device or tensor.device)))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def streamed(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of ``buckets`` one by one; a bucket is released before the next is made."""
+    for bucket in buckets:
+        yield from bucket
+        bucket.clear()

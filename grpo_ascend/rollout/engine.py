@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,13 +43,15 @@ from grpo_ascend.device import (
     default_length_bucket,
     default_shared_prefix_decode,
 )
-from grpo_ascend.errors import ConfigError
+from grpo_ascend.errors import ConfigError, DataError
 from grpo_ascend.rollout.kv_cache import BucketedKVCache, round_up
-from grpo_ascend.rollout.prompts import Prompt, render_prompts, tokenize_prompts
 from grpo_ascend.rollout.sampling import SamplingParams, next_tokens
 from grpo_ascend.rollout.shared_prefix import SharedPrefixKVCache, supports_shared_prefix
 
 logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[Mapping[str, object]]
+
 
 @dataclass
 class RolloutBatch:
@@ -244,10 +246,58 @@ class RolloutEngine:
     # ------------------------------------------------------------------ prompts
 
     def _render(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[str]:
-        return render_prompts(self.tokenizer, prompts, (params or self.params).chat_template_kwargs)
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise DataError(
+                f"prompts must be a list of strings or chat message lists, got {type(prompts).__name__}; wrap one prompt in a list"
+            )
+        if len(prompts) == 0:
+            raise DataError("the prompt list is empty: pass at least one prompt")
+        texts = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                texts.append(p)
+            elif isinstance(p, Sequence) and all(isinstance(m, Mapping) for m in p) and len(p) > 0:
+                if getattr(self.tokenizer, "chat_template", None) is None:
+                    raise DataError(
+                        f"prompt {i} is a chat message list but the tokenizer has no chat template; "
+                        "set tokenizer.chat_template or pass plain-text prompts"
+                    )
+                texts.append(
+                    self.tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True,
+                                                       **dict((params or self.params).chat_template_kwargs or {}))
+                )
+            else:
+                raise DataError(
+                    f"prompt {i} must be a string or a non-empty list of {{'role', 'content'}} dicts, got {p!r:.80}"
+                )
+        return texts
 
     def _tokenize(self, texts: list[str], params: SamplingParams) -> tuple[list[list[int]], list[str]]:
-        return tokenize_prompts(self.tokenizer, texts, params.max_prompt_length, params.prompt_truncation)
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        limit = params.max_prompt_length
+        cut = []
+        for i, row in enumerate(ids):
+            if len(row) == 0:
+                raise DataError(
+                    f"prompt {i} is empty after tokenization; every prompt needs at least one token"
+                )
+            if limit is not None and len(row) > limit:
+                if params.prompt_truncation == "error":
+                    raise DataError(
+                        f"prompt {i} has {len(row)} tokens, more than max_prompt_length={limit}; shorten it, "
+                        "raise max_prompt_length, or set prompt_truncation='left' to keep its last tokens"
+                    )
+                ids[i] = row[-limit:]
+                texts[i] = self.tokenizer.decode(ids[i], skip_special_tokens=False)
+                cut.append(i)
+        if cut:
+            logger.warning(
+                "truncated %d prompt(s) from the left to max_prompt_length=%d (indices %s)",
+                len(cut),
+                limit,
+                cut[:20],
+            )
+        return ids, texts
 
     # ------------------------------------------------------------------ generation
 
@@ -394,7 +444,7 @@ class RolloutEngine:
             [r[:n] for r, n in zip(rows, lengths_host)], skip_special_tokens=True
         )
         if params.stop_strings:
-            completion_texts = [cut_at_stop(s, params.stop_strings) for s in completion_texts]
+            completion_texts = [_cut_at_stop(s, params.stop_strings) for s in completion_texts]
         t_end = time.perf_counter()
         return RolloutBatch(
             prompt_ids=prompt_ids.repeat_interleave(group, dim=0),
@@ -428,7 +478,7 @@ def _synchronize(device: torch.device) -> None:
     synchronize(device)
 
 
-def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
     """Text before the earliest occurrence of any stop string (unchanged if none occurs)."""
     cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
     return text if cut < 0 else text[:cut]

@@ -21,32 +21,24 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from grpo_ascend.adapters import is_peft
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.rollout.engine import RolloutBatch
-from grpo_ascend.rollout.prompts import Prompt, render_prompts, tokenize_prompts
+from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm import import_vllm
-from grpo_ascend.rollout.vllm.requests import (
-    LOGPROBS_MODE,
-    Completion,
-    build_batch,
-    request_seed,
-    sampling_fields,
-)
+from grpo_ascend.rollout.vllm.base import VLLMBackend
+from grpo_ascend.rollout.vllm.requests import LOGPROBS_MODE, Completion
 from grpo_ascend.rollout.vllm.weights import (
     DEFAULT_BUCKET_BYTES,
     lora_rank,
-    named_weights,
     remove_folder,
     streamed,
     weight_buckets,
@@ -59,14 +51,15 @@ logger = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def _vllm_lora_rank(rank: int) -> int:
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM reserves that holds ``rank``."""
     for r in VLLM_LORA_RANKS:
         if rank <= r:
             return r
     raise ConfigError(f"LoRA rank {rank} is above vLLM's largest ({VLLM_LORA_RANKS[-1]}); use a smaller r")
 
 
-class VLLMColocatedRollout:
+class VLLMColocatedRollout(VLLMBackend):
     """Grouped completions from an in-process vLLM engine, with the sampler's per-token log-probs.
 
     ``model_path``: the folder (or hub id) of the policy's base weights, loaded once. ``lora_rank``:
@@ -74,7 +67,7 @@ class VLLMColocatedRollout:
     trainer's). ``dtype``: vLLM's weights (fp32 for exact log-prob parity on the CPU).
     ``kv_cache_memory_bytes`` overrides ``gpu_memory_utilization`` (a fraction of the device's memory;
     on the CPU, of the host's). ``adapter_dir``: where adapter versions are written (default: a
-    temporary folder). ``length_bucket``: padding multiple of the returned tensors.
+    temporary folder, deleted by :meth:`close`). ``bucket_bytes``: the bound of one full-sync bucket.
     """
 
     def __init__(
@@ -103,42 +96,44 @@ class VLLMColocatedRollout:
                 "here runs on its rank's device alone; use 1, or vllm_mode='server' with a tensor-parallel server"
             )
         vllm = import_vllm()
-        self.tokenizer = tokenizer
-        self.params = params
-        self.device = torch.device(device)
-        self.length_bucket = max(1, int(length_bucket))
-        self.bucket_bytes = int(bucket_bytes)
-        self.pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+        self._own_adapter_dir = adapter_dir is None
         self._adapter_root = Path(adapter_dir) if adapter_dir is not None else Path(tempfile.mkdtemp(prefix="vllm-lora-"))
         self._lora: Any = None  # the LoRARequest of the adapter version being served
-        self._lora_version = 0
+        self._lora_ids = 0
+        self._version: int | None = None
         self._asleep = False
+        self.bucket_bytes = int(bucket_bytes)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # binding would pin the trainer's threads too
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         set_threads(threads)
+        sleep_mode = bool(enable_sleep_mode) and self._sleep_available()
         kwargs: dict[str, Any] = dict(
             model=model_path, dtype=dtype, enforce_eager=True, seed=seed, logprobs_mode=LOGPROBS_MODE,
-            gpu_memory_utilization=gpu_memory_utilization, model_impl=model_impl,
-            enable_sleep_mode=enable_sleep_mode and self._sleep_available(),
+            gpu_memory_utilization=gpu_memory_utilization, model_impl=model_impl, enable_sleep_mode=sleep_mode,
         )
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         if max_model_length is not None:
             kwargs["max_model_len"] = int(max_model_length)
         if lora_rank is not None:
-            kwargs.update(enable_lora=True, max_lora_rank=_vllm_lora_rank(lora_rank), max_loras=1)
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=1)
         started = time.perf_counter()
         try:
             self.llm = vllm.LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads  # vLLM's CPU worker replaced it with a no-op
-        self.sleep_mode = bool(kwargs["enable_sleep_mode"])
-        if enable_sleep_mode and not self.sleep_mode:
+        self.start_seconds = time.perf_counter() - started
+        self.sleep_mode = sleep_mode
+        if enable_sleep_mode and not sleep_mode:
             logger.warning("vllm_enable_sleep_mode: this platform's vLLM has no sleep mode (the CPU build has none); "
                            "the engine keeps its memory between rounds")
-        self.start_seconds = time.perf_counter() - started
         logger.info("vLLM colocated engine started in %.1f s (%s, %s)", self.start_seconds, model_path, dtype)
+        hf_eos = self.llm.llm_engine.model_config.hf_config.eos_token_id
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        eos += [int(i) for i in (hf_eos if isinstance(hf_eos, (list, tuple)) else [hf_eos]) if i is not None]
+        super().__init__(tokenizer, params, device=device, eos_token_ids=list(dict.fromkeys(eos)),
+                         length_bucket=length_bucket)
 
     @staticmethod
     def _sleep_available() -> bool:
@@ -148,83 +143,62 @@ class VLLMColocatedRollout:
 
     # ------------------------------------------------------------------ generation
 
-    @property
-    def eos_token_ids(self) -> list[int]:
-        """The EOS ids vLLM stops at: the tokenizer's plus the generation config's."""
-        ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        extra = self.llm.llm_engine.model_config.hf_config.eos_token_id
-        for i in extra if isinstance(extra, (list, tuple)) else [extra]:
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-        return ids
-
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None,
-                 generator: torch.Generator | None = None) -> RolloutBatch:
-        """``params.num_generations`` completions per prompt (prompt order, G rows each) with the sampler's log-probs."""
-        params = params if params is not None else self.params
-        params.validate()
-        texts = render_prompts(self.tokenizer, prompts, params.chat_template_kwargs)
-        ids, texts = tokenize_prompts(self.tokenizer, texts, params.max_prompt_length, params.prompt_truncation)
-        return self.generate_ids(ids, texts, params, generator)
-
-    def generate_ids(self, prompt_ids: Sequence[Sequence[int]], prompt_texts: Sequence[str], params: SamplingParams,
-                     generator: torch.Generator | None = None) -> RolloutBatch:
-        """As :meth:`generate` for prompts already tokenized (token ids in, token ids out)."""
+    def complete(self, prompt_ids: Sequence[Sequence[int]], fields: Sequence[dict[str, Any]]) -> list[list[Completion]]:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.restore_memory()
-        seed = request_seed(params, generator)
-        G = params.num_generations
-        requests = [VLLMSamplingParams(**sampling_fields(params, None if seed is None else seed + i * G))
-                    for i in range(len(prompt_ids))]
-        started = time.perf_counter()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], requests,
-                                    lora_request=self._lora, use_tqdm=False)
-        groups = [[_completion(o) for o in out.outputs] for out in outputs]
-        batch = build_batch(self.tokenizer, prompt_ids, prompt_texts, groups, params, self.pad_token_id,
-                            self.device, self.length_bucket)
-        batch.timing["total_s"] = time.perf_counter() - started
-        return batch
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids],
+                                    [VLLMSamplingParams(**f) for f in fields], lora_request=self._lora, use_tqdm=False)
+        return [[_completion(o) for o in out.outputs] for out in outputs]
 
     # ------------------------------------------------------------------ weight sync
 
-    def sync_weights(self, policy: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> dict[str, float]:
-        """Make the engine sample from ``policy``'s current weights; returns timings for the round's log.
-
-        A PEFT policy sends its adapter; any other sends ``weights`` (default: its parameters by name;
-        a sharded strategy passes its whole weights) in buckets. The prefix cache is reset either way.
-        """
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Sample from ``weights`` from now on: a new adapter version, or the full weights reloaded in
+        buckets; then the prefix cache is reset. A version already held is not sent again."""
+        if weights.version == self._version and weights.version is not None:
+            return
         self.restore_memory()
         started = time.perf_counter()
-        if is_peft(policy):
-            self._load_adapter(policy)
+        if weights.adapter_only:
+            self._load_adapter(weights)
         else:
-            buckets = weight_buckets(weights if weights is not None else named_weights(policy), self.bucket_bytes,
-                                     dtype=self._dtype(), device=None)
+            buckets = weight_buckets(weights.named_tensors(), self.bucket_bytes, dtype=self._dtype())
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": streamed(buckets)})
             self.llm.collective_rpc(refresh_tied_head)
         self.reset_prefix_cache()
-        return {"vllm/sync_s": time.perf_counter() - started}
+        self._version = weights.version
+        self.last_sync_seconds = time.perf_counter() - started
 
     def _dtype(self) -> torch.dtype:
         return self.llm.llm_engine.model_config.dtype
 
-    def _load_adapter(self, policy: nn.Module) -> None:
+    def _load_adapter(self, weights: PolicyWeights) -> None:
         from vllm.lora.request import LoRARequest
 
-        if self._lora is None and lora_rank(policy) > self.llm.llm_engine.vllm_config.lora_config.max_lora_rank:
-            raise ConfigError(f"the policy's LoRA rank {lora_rank(policy)} is above the engine's max_lora_rank")
-        self._lora_version += 1
-        version = self._lora_version
-        folder = write_adapter(policy, self._adapter_root / f"adapter-{version}")
-        request = LoRARequest(lora_name=f"policy-{version}", lora_int_id=version, lora_path=str(folder))
+        lora_config = self.llm.llm_engine.vllm_config.lora_config
+        config = weights.adapter_config()
+        if lora_config is None:
+            raise ConfigError("this vLLM engine was started without LoRA (lora_rank=None) but the policy is a LoRA "
+                              "model; start it with the adapter's rank")
+        if lora_rank(config) > lora_config.max_lora_rank:
+            raise ConfigError(f"the adapter's LoRA rank {lora_rank(config)} is above the engine's max_lora_rank "
+                              f"{lora_config.max_lora_rank}")
+        self._lora_ids += 1
+        new_id = self._lora_ids
+        folder = write_adapter(config, weights.named_tensors(), self._adapter_root / f"adapter-{new_id}")
+        request = LoRARequest(lora_name=f"policy-{new_id}", lora_int_id=new_id, lora_path=str(folder))
         self.llm.llm_engine.add_lora(request)
         old, self._lora = self._lora, request
         if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
             remove_folder(Path(old.lora_path))
+
+    @property
+    def served_adapter(self) -> tuple[int, str] | None:
+        """(vLLM adapter id, folder) of the adapter version being served; None before a LoRA sync."""
+        return None if self._lora is None else (self._lora.lora_int_id, self._lora.lora_path)
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt blocks (computed with the previous weights)."""
@@ -246,8 +220,10 @@ class VLLMColocatedRollout:
             self._asleep = False
 
     def close(self) -> None:
-        """Delete adapter folders written by this engine."""
-        if self._lora is not None:
+        """Delete the adapter folders this engine wrote."""
+        if self._own_adapter_dir:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
+        elif self._lora is not None:
             remove_folder(Path(self._lora.lora_path))
 
 

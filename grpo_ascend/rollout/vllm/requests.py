@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from grpo_ascend.rollout.engine import RolloutBatch
+from grpo_ascend.rollout.backend import RolloutBatch
 from grpo_ascend.rollout.kv_cache import round_up
+from grpo_ascend.rollout.prompts import cut_at_stop, left_pad
 from grpo_ascend.rollout.sampling import SamplingParams
 
 #: vLLM's log-prob mode the backends start engines with (see the module docstring).
@@ -76,37 +77,35 @@ def group_completions(completions: Sequence[Completion], num_generations: int) -
     raise RuntimeError(f"vLLM returned {len(completions)} completions for a group of {num_generations}")
 
 
+def right_pad(rows: Sequence[Sequence[Any]], fill: Any, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows right-padded with ``fill`` to ``width`` as one host tensor."""
+    return torch.tensor([list(r) + [fill] * (width - len(r)) for r in rows], dtype=dtype)
+
+
 def build_batch(tokenizer: Any, prompt_ids: Sequence[Sequence[int]], prompt_texts: Sequence[str],
                 groups: Sequence[Sequence[Completion]], params: SamplingParams, pad_token_id: int,
                 device: torch.device, length_bucket: int) -> RolloutBatch:
     """A RolloutBatch (rows ``i*G .. i*G+G-1`` = prompt ``i``) from each prompt's completions, laid out
     as the built-in engine lays them: prompts left-padded, completions right-padded to bucketed widths."""
-    from grpo_ascend.rollout.engine import cut_at_stop
-
     G = params.num_generations
     rows = [c for group in groups for c in group_completions(group, G)]
-    lp = round_up(max(len(p) for p in prompt_ids), length_bucket)
+    p_ids, p_mask = left_pad(prompt_ids, pad_token_id, length_bucket, device)
     lengths = [len(c.token_ids) for c in rows]
     lc = max(1, round_up(max(lengths), length_bucket))
-    host_ids = torch.tensor([[pad_token_id] * (lp - len(p)) + list(p) for p in prompt_ids], dtype=torch.long)
-    host_mask = torch.tensor([[0] * (lp - len(p)) + [1] * len(p) for p in prompt_ids], dtype=torch.long)
-    c_ids = torch.tensor([c.token_ids + [pad_token_id] * (lc - len(c.token_ids)) for c in rows], dtype=torch.long)
     c_mask = torch.tensor([[1] * n + [0] * (lc - n) for n in lengths], dtype=torch.long)
-    c_lp = torch.tensor([c.logprobs + [0.0] * (lc - len(c.logprobs)) for c in rows], dtype=torch.float32)
     texts = tokenizer.batch_decode([c.token_ids for c in rows], skip_special_tokens=True)
     if params.stop_strings:
         texts = [cut_at_stop(t, params.stop_strings) for t in texts]
     return RolloutBatch(
-        prompt_ids=host_ids.repeat_interleave(G, dim=0).to(device),
-        prompt_mask=host_mask.repeat_interleave(G, dim=0).to(device),
-        completion_ids=c_ids.to(device),
+        prompt_ids=p_ids.repeat_interleave(G, dim=0),
+        prompt_mask=p_mask.long().repeat_interleave(G, dim=0),
+        completion_ids=right_pad([c.token_ids for c in rows], pad_token_id, lc, torch.long).to(device),
         completion_mask=c_mask.to(device),
-        sampling_logprobs=c_lp.to(device),
+        sampling_logprobs=right_pad([c.logprobs for c in rows], 0.0, lc, torch.float32).to(device),
         truncated=torch.tensor([not c.stopped for c in rows], dtype=torch.bool).to(device),
         prompt_texts=[t for t in prompt_texts for _ in range(G)],
         completion_texts=texts,
         num_generations=G,
         completion_lengths=c_mask.sum(1).to(device),
         timing={"tokens": float(sum(lengths))},
-        decode_batch_sizes=[len(rows)],
     )

@@ -9,13 +9,12 @@ trainer and vLLM share dtype and device).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
 
-from grpo_ascend.adapters import adapter_config_dict, adapter_names, adapter_state_dict
 from grpo_ascend.checkpoint_io import AtomicFolder, save_tensors, write_json
 
 #: PEFT's file names, which vLLM reads.
@@ -25,19 +24,19 @@ ADAPTER_CONFIG = "adapter_config.json"
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
-def lora_rank(policy: nn.Module) -> int:
-    """The largest LoRA rank of the policy's top-level adapter (ranks per module included)."""
-    config = policy.peft_config[adapter_names(policy)[0]]
-    return max([int(config.r), *(int(r) for r in (getattr(config, "rank_pattern", None) or {}).values())])
+def lora_rank(config: Mapping[str, Any]) -> int:
+    """The largest LoRA rank of a PEFT adapter config (ranks per module included)."""
+    return max([int(config["r"]), *(int(r) for r in (config.get("rank_pattern") or {}).values())])
 
 
-def write_adapter(policy: nn.Module, folder: Path) -> Path:
-    """Write the policy's top-level adapter to ``folder`` in PEFT's format, atomically: a reader sees the
-    whole previous folder or the whole new one, never a partial write."""
-    adapter = adapter_names(policy)[0]
+def write_adapter(config: Mapping[str, Any], tensors: Iterable[tuple[str, torch.Tensor]], folder: Path) -> Path:
+    """Write an adapter (PEFT config dict, PEFT state-dict names) to ``folder`` in PEFT's format,
+    atomically: a reader sees the whole previous folder or the whole new one, never a partial write."""
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+    config["inference_mode"] = True
     with AtomicFolder(folder) as tmp:
-        save_tensors(tmp / ADAPTER_WEIGHTS, adapter_state_dict(policy, adapter))
-        write_json(tmp / ADAPTER_CONFIG, adapter_config_dict(policy, adapter), "the adapter config")
+        save_tensors(tmp / ADAPTER_WEIGHTS, dict(tensors))
+        write_json(tmp / ADAPTER_CONFIG, config, "the adapter config")
     return folder
 
 
@@ -45,12 +44,6 @@ def remove_folder(folder: Path | None) -> None:
     """Delete an adapter folder vLLM no longer serves (missing is fine)."""
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's parameters under their Hugging Face checkpoint names (tied weights once)."""
-    for name, param in model.named_parameters():
-        yield name, param.detach()
 
 
 def weight_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,

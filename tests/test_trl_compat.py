@@ -230,5 +230,6 @@ def test_chat_template_kwargs_reach_the_prompts(tiny_model):
     tokenizer.chat_template = "{% if greeting is defined %}{{ greeting }}|{% endif %}" + tokenizer.chat_template
     chat = [[{"role": "user", "content": "2 + 2?"}]]
     engine = build_engine(model, tokenizer, GRPOConfig(chat_template_kwargs={"greeting": "HELLO"}), torch.device("cpu"))
-    assert engine._render(chat)[0].startswith("HELLO|<|im_start|>user")
-    assert not RolloutEngine(model, tokenizer)._render(chat)[0].startswith("HELLO")
+    assert engine.prompts.encode(chat, engine.params).texts[0].startswith("HELLO|<|im_start|>user")
+    plain = RolloutEngine(model, tokenizer)
+    assert not plain.prompts.encode(chat, plain.params).texts[0].startswith("HELLO")

@@ -93,12 +93,15 @@ class TurnEnd:
 class SessionOutput:
     """What a finished :class:`RolloutSession` produced, rows as in :meth:`RolloutBackend.start_session`.
 
+    ``prompt_ids`` / ``prompt_mask`` [N, Lp]: each row's prompt, left-padded (mask long);
     ``completion_ids`` / ``sampling_logprobs`` / ``generated`` are [N, W] (W a bucketed width
     >= the longest row); ``generated`` is True on tokens the policy sampled, False on appended
     tokens and padding; ``lengths`` [N] counts each row's tokens (sampled and appended).
     ``steps``: decode steps run; ``decode_batch_sizes``: see :class:`RolloutBatch`.
     """
 
+    prompt_ids: Tensor
+    prompt_mask: Tensor
     completion_ids: Tensor
     sampling_logprobs: Tensor
     generated: Tensor
@@ -116,6 +119,7 @@ class RolloutSession(ABC):
     and the next turn's header) to continue it at the next :meth:`advance`, or leave it and it is
     finished. A backend may return more rows per call than another (the built-in engine returns at
     the first step where any row ends; a server returns when every submitted row has stopped).
+    Use it as a context manager (``with backend.start_session(...) as session:``).
     """
 
     @abstractmethod
@@ -129,6 +133,16 @@ class RolloutSession(ABC):
     @abstractmethod
     def output(self) -> SessionOutput:
         """The completions once :meth:`advance` returned no rows."""
+
+    def close(self) -> None:
+        """Give back what the session holds (cache, model mode); called on leaving a ``with`` block."""
+        return None
+
+    def __enter__(self) -> RolloutSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass

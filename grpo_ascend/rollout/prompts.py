@@ -53,13 +53,7 @@ class PromptEncoder:
         tools: Sequence[Sequence[Mapping[str, Any]] | None] | None = None,
     ) -> list[str]:
         """Each prompt as text: strings as they are, chat message lists through the chat template."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise DataError(
-                f"prompts must be a list of strings or chat message lists, got {type(prompts).__name__}; "
-                "wrap one prompt in a list"
-            )
-        if len(prompts) == 0:
-            raise DataError("the prompt list is empty: pass at least one prompt")
+        check_prompts(prompts)
         texts = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
@@ -108,6 +102,17 @@ class PromptEncoder:
         rows = ids.tolist()
         texts = self.tokenizer.batch_decode([r[:n] for r, n in zip(rows, lengths)], skip_special_tokens=True)
         return [cut_at_stop(s, stop_strings) for s in texts] if stop_strings else texts
+
+
+def check_prompts(prompts: object) -> None:
+    """Raise a clear error unless ``prompts`` is a non-empty list (of prompts; each is checked at rendering)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise DataError(
+            f"prompts must be a list of strings or chat message lists, got {type(prompts).__name__}; "
+            "wrap one prompt in a list"
+        )
+    if len(prompts) == 0:
+        raise DataError("the prompt list is empty: pass at least one prompt")
 
 
 def left_pad(ids: Sequence[Sequence[int]], pad: int, bucket: int, device: torch.device) -> tuple[Tensor, Tensor]:

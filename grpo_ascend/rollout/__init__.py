@@ -1,9 +1,9 @@
-"""Rollout: grouped sampling of completions behind one backend seam, and the on-device rollout buffer.
+"""Rollout: grouped sampling of completions behind one backend seam.
 
 The seam (``RolloutBackend``, ``RolloutSession``, ``PolicyWeights``, ``build_backend``,
 ``register_backend``; :mod:`grpo_ascend.rollout.backend`), the built-in ``RolloutEngine``,
-``RolloutBatch`` and ``SamplingParams`` are re-exported lazily, so importing
-``grpo_ascend.rollout.buffer`` does not pull in transformers.
+``RolloutBatch`` and ``SamplingParams`` are re-exported lazily, so importing one submodule
+(e.g. ``grpo_ascend.rollout.sampling``) does not pull in the others.
 """
 
 from __future__ import annotations

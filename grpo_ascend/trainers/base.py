@@ -22,12 +22,13 @@ from torch import Tensor, nn
 from grpo_ascend import device as dev
 from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSettings
 from grpo_ascend.algorithms.losses import LossNormaliser
-from grpo_ascend.config import BaseRLConfig, BatchPlan
-from grpo_ascend.data import is_stream, make_prompt_sampler
-from grpo_ascend.dist import make_accelerator, select_strategy
+from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
+from grpo_ascend.data.prompts import is_stream, make_prompt_sampler
+from grpo_ascend.distributed import make_accelerator, select_strategy
+from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, ExperienceMaker
-from grpo_ascend.models import (
+from grpo_ascend.models.policy import (
     CompletionLogprobs,
     activation_checkpointing_on,
     adapters_disabled,
@@ -36,9 +37,8 @@ from grpo_ascend.models import (
     lora_merged,
     trainable_parameters,
 )
-from grpo_ascend.phases import PhaseTimer
-from grpo_ascend.ranks import Ranks
-from grpo_ascend.tracking import RunTracker, truncate_metrics
+from grpo_ascend.tracking.phases import PhaseTimer
+from grpo_ascend.tracking.run_tracker import RunTracker, truncate_metrics
 from grpo_ascend.trainers.checkpointing import CheckpointingMixin
 from grpo_ascend.trainers.components import (
     build_engine,
@@ -130,7 +130,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
         self.strategy.configure(self.policy, self.plan)
         if args.fused_lora and self.is_peft and self.strategy.may_fuse_lora():
-            from grpo_ascend import lora_kernel
+            from grpo_ascend.models import lora_kernel
 
             logger.info("fused LoRA kernel on %d layers", lora_kernel.install(self.policy))
         self._unsharded_reference = self.strategy.unsharded_reference(
@@ -164,14 +164,14 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
     def _plan_token_budget(self) -> int:
         """``max_tokens_per_micro_batch: auto``: the largest budget whose memory plan (docs/memory.md) fits
         AUTO_FRACTION of this device's memory (free + what this process holds), the smallest over ranks."""
-        from grpo_ascend.memory_plan import (
+        from grpo_ascend.models.policy import hf_model
+        from grpo_ascend.planning.memory_plan import (
             AUTO_FRACTION,
             ModelShape,
             auto_token_budget,
             lora_targets,
             run_settings,
         )
-        from grpo_ascend.models import hf_model
 
         model = hf_model(self.policy)
         lora = self.policy.peft_config[self.policy.active_adapter] if self.is_peft else None
@@ -242,7 +242,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         if self.is_peft:
             self.ref_logprob_model = None
         else:
-            from grpo_ascend.models import frozen_copy
+            from grpo_ascend.models.policy import frozen_copy
 
             ref = self._unsharded_reference
             if ref is None:
@@ -398,7 +398,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
 
     def _begin(self, resume_from_checkpoint: str | bool | None) -> None:
         """Resume if asked, prepare the output folder and the tracker."""
-        from grpo_ascend import checkpoint as ckpt
+        from grpo_ascend.checkpoints import checkpoint as ckpt
 
         args = self.args
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
@@ -505,7 +505,7 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         args = self.args
         export_dir = None
         if args.export_adapter_at_end:
-            from grpo_ascend.export import export_checkpoint
+            from grpo_ascend.checkpoints.export import export_checkpoint
 
             source = self.strategy.export_source(self.policy, Path(args.output_dir) / f"checkpoint-{self.step}")
             with self._gathered_trainable():  # every rank gathers (if partitioned), the main rank writes

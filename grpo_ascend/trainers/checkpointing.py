@@ -1,5 +1,5 @@
 """What a trainer saves and restores: the checkpoint contents, every rank's random streams, and
-the trainer's own counters (the file format and its atomic writing are grpo_ascend/checkpoint.py's)."""
+the trainer's own counters (the file format and its atomic writing are grpo_ascend/checkpoints/checkpoint.py's)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class CheckpointingMixin:
         return out
 
     def _save(self) -> None:
-        from grpo_ascend import checkpoint as ckpt
+        from grpo_ascend.checkpoints import checkpoint as ckpt
 
         self.accelerator.wait_for_everyone()
         per_rank = self._per_rank_random_state()
@@ -115,7 +115,7 @@ class CheckpointingMixin:
         """Subclass hook: take back what :meth:`_extra_state_tensors` saved."""
 
     def _load(self, path: Path) -> None:
-        from grpo_ascend import checkpoint as ckpt
+        from grpo_ascend.checkpoints import checkpoint as ckpt
 
         module = self._trainable_module()
         with self.strategy.loading(module):  # every rank reads the whole tensors into its (sharded) weights

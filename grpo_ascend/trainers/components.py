@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from grpo_ascend import device as dev
-from grpo_ascend.config import BaseRLConfig, BatchPlan
-from grpo_ascend.data import is_stream
+from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
+from grpo_ascend.data.prompts import is_stream
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models import (
+from grpo_ascend.models.policy import (
     apply_peft,
     cast_head_to_fp32,
     count_parameters,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from grpo_ascend import device as dev
-from grpo_ascend.data import check_prompt_dataset, eval_prompt_rows, is_conversational
+from grpo_ascend.data.prompts import check_prompt_dataset, eval_prompt_rows, is_conversational
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.evaluation import (
     TOOL_SUMS,
@@ -204,7 +204,7 @@ class EvaluationMixin:
 
     def _write_best(self) -> None:
         """After a save: point OUTPUT_DIR/best at the best checkpoint (main process)."""
-        from grpo_ascend.best_checkpoint import write_best_pointer
+        from grpo_ascend.checkpoints.best import write_best_pointer
 
         if self._best is not None and self.is_main_process:
             step, value = self._best
@@ -213,7 +213,7 @@ class EvaluationMixin:
 
     def _restore_best(self) -> None:
         """On resume: the best so far from best.json (if it names a step not after the resumed one)."""
-        from grpo_ascend.best_checkpoint import read_best_pointer
+        from grpo_ascend.checkpoints.best import read_best_pointer
 
         self._last_eval_step = self.step  # the resumed checkpoint's step was evaluated before it was saved
         record = read_best_pointer(self.args.output_dir)
@@ -223,7 +223,7 @@ class EvaluationMixin:
 
     def _load_best_at_end(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's weights into the model (every rank)."""
-        from grpo_ascend import checkpoint as ckpt
+        from grpo_ascend.checkpoints import checkpoint as ckpt
 
         if not self.args.load_best_model_at_end or self._best is None:
             return

@@ -80,7 +80,7 @@ class TrainerSurfaceMixin:
         format, or the whole model for full fine-tuning, plus the tokenizer. Files already in the
         folder (metrics, checkpoints) are kept; same-named files are replaced. Every rank must call it.
         With ``push_to_hub`` the run's output_dir is then pushed (as transformers)."""
-        from grpo_ascend.export import export_checkpoint
+        from grpo_ascend.checkpoints.export import export_checkpoint
 
         out = Path(output_dir if output_dir is not None else self.args.output_dir)
         source = self.strategy.export_source(self.policy, Path(self.args.output_dir) / f"checkpoint-{self.step}")
@@ -102,7 +102,7 @@ class TrainerSurfaceMixin:
     # ------------------------------------------------------------------------------ Hub
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
         """Create (or find) the Hub repo ``hub_model_id`` (default: output_dir's name); sets ``self.hub_model_id``."""
-        from grpo_ascend import hub
+        from grpo_ascend.checkpoints import hub
 
         if not self.is_main_process:
             return
@@ -117,9 +117,9 @@ class TrainerSurfaceMixin:
                     tags: str | list[str] | None = None) -> Any:
         """Save the model into output_dir, write a model card (README.md) and upload output_dir (without
         its checkpoint-* folders) to ``hub_model_id``. Every rank must call it; the main rank uploads and
-        gets the CommitInfo (a Future when not ``blocking``). Raises :class:`~grpo_ascend.hub.HubError`
+        gets the CommitInfo (a Future when not ``blocking``). Raises :class:`~grpo_ascend.checkpoints.hub.HubError`
         with what to do when the Hub can't be reached (offline, no token, no write access)."""
-        from grpo_ascend import hub
+        from grpo_ascend.checkpoints import hub
 
         args = self.args
         token = token if token is not None else args.hub_token
@@ -137,7 +137,7 @@ class TrainerSurfaceMixin:
 
     def _push_checkpoint(self, checkpoint: Path) -> None:
         """After a checkpoint save, per ``hub_strategy``: the model in output_dir, and the checkpoint folder."""
-        from grpo_ascend import hub
+        from grpo_ascend.checkpoints import hub
 
         args = self.args
         if not args.push_to_hub or args.hub_strategy == "end":

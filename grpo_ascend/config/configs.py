@@ -92,6 +92,10 @@ class BaseRLConfig(_Validated):
         None, "Pad prompt/completion lengths to multiples of this so NPUs compile few shapes; null = 64 on NPUs, "
         "exact lengths (1) elsewhere, where padding only costs compute."
     )
+    rollout_backend: str = _f(
+        "builtin", "What samples the completions: 'builtin' (grpo-ascend's engine, on the policy module itself) "
+        "or another registered rollout backend (grpo_ascend.rollout.backend; docs/trainer.md#rollout-backends)."
+    )
     # --- rewards ---
     reward_weights: list[float] | None = _f(None, "Weight per reward function (default 1 each).")
     reward_errors: Literal["raise", "zero"] = _f("raise", "A raising reward function stops the run, or scores 0 and is counted.")

@@ -37,6 +37,7 @@ from grpo_ascend.models.policy import (
     lora_merged,
     trainable_parameters,
 )
+from grpo_ascend.rollout.backend import PolicyWeights, serving
 from grpo_ascend.tracking.phases import PhaseTimer
 from grpo_ascend.tracking.run_tracker import RunTracker, truncate_metrics
 from grpo_ascend.trainers.checkpointing import CheckpointingMixin
@@ -206,13 +207,15 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         return dev.autocast(self.device, self.precision)
 
     def _rollout_context(self) -> contextlib.AbstractContextManager:
-        """Around generation: eval mode, autocast, the whole weights (sharded engines), LoRA folded in."""
+        """Around generation: eval mode, autocast, the whole weights (sharded engines), LoRA folded in, the
+        rollout backend serving the policy's current weights (rollout/backend.py: restore, sync, release)."""
         self.policy.eval()
         stack = contextlib.ExitStack()
         stack.enter_context(self._autocast())
         stack.enter_context(self._whole_weights())
         if self.merge_lora_for_rollout:
             stack.enter_context(lora_merged(self.policy))
+        stack.enter_context(serving(self.engine.backend, lambda: PolicyWeights(self.policy, self.step)))
         return stack
 
     def _make_experience_maker(self, reference: bool, mask_truncated_completions: bool = False,

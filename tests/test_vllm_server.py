@@ -81,7 +81,7 @@ def test_adapter_sync_over_three_steps(server, tokenizer, untied_model_dir, tmp_
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    from grpo_ascend.models import apply_peft
+    from grpo_ascend.models.policy import apply_peft
 
     policy = apply_peft(AutoModelForCausalLM.from_pretrained(untied_model_dir),
                         LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)).eval()

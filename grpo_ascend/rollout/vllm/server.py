@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from grpo_ascend.checkpoint_io import AtomicFolder, save_tensors
+from grpo_ascend.checkpoints.files import AtomicFolder, save_tensors
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.sampling import SamplingParams

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from grpo_ascend.checkpoint_io import AtomicFolder, save_tensors, write_json
+from grpo_ascend.checkpoints.files import AtomicFolder, save_tensors, write_json
 
 #: PEFT's file names, which vLLM reads.
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -193,6 +193,9 @@ class RolloutBackend(ABC):
 
     tokenizer: Any
     params: SamplingParams
+    #: Whether the sampler runs the policy module itself, so that in fp32 its log-probs are the training
+    #: forward's (the trainer then skips recomputing the old log-probs); False for an external engine.
+    samples_policy_module: bool = False
 
     @property
     def backend(self) -> RolloutBackend:
@@ -288,6 +291,7 @@ BackendFactory = Callable[[nn.Module, Any, SamplingParams, Any], RolloutBackend]
 #: name -> factory, or "module:attribute" imported when the name is first built (optional dependencies).
 _BACKENDS: dict[str, BackendFactory | str] = {
     "builtin": "grpo_ascend.rollout.engine:build_builtin_backend",
+    "vllm": "grpo_ascend.rollout.vllm.factory:build_vllm_backend",
 }
 
 

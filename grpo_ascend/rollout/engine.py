@@ -68,6 +68,8 @@ class RolloutEngine(RolloutBackend):
     accelerator). ``compact=False`` keeps finished rows in the batch (for comparison/debugging).
     """
 
+    samples_policy_module = True
+
     def __init__(
         self,
         model: nn.Module,

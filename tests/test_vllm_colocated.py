@@ -146,6 +146,40 @@ def test_full_sync_logprobs_match_the_trainer_before_and_after_training(full_eng
     assert max_error(policy, full_engine.generate(prompts, params, gen), params.temperature) <= PARITY
 
 
+def run_session(backend, prompt_ids, params, tool_tokens):
+    """Drive a multi-turn session as a tool loop does: the first time a row stops on a stop id, append
+    ``tool_tokens`` and let it continue; returns the session's output."""
+    session = backend.start_session(prompt_ids, params)
+    answered: set[int] = set()
+    while ends := session.advance():
+        for end in ends:
+            if end.stopped and end.row not in answered and end.length + len(tool_tokens) < params.max_completion_length:
+                answered.add(end.row)
+                session.append(end.row, tool_tokens)
+    return session.output(), answered
+
+
+def test_tool_sessions_equal_the_builtin_engine(full_engine, chaotic_policy, tokenizer):
+    """Multi-turn sessions (what tool loops drive) continue through vLLM as through the built-in engine."""
+    full_engine.sync_weights(PolicyWeights(chaotic_policy, -1))
+    builtin = RolloutEngine(chaotic_policy, tokenizer, sampling(temperature=0.0))
+    prompt_ids = [tokenizer(p)["input_ids"] for p in long_prompts(2, 40)]
+    free = builtin.generate_ids(prompt_ids, sampling(temperature=0.0, num_generations=1, max_completion_length=20))
+    # Stop ids taken from the greedy completions themselves: every row stops early, by construction.
+    stops = sorted({int(free.completion_ids[0, 3]), int(free.completion_ids[1, 5])})
+    params = sampling(temperature=0.0, num_generations=2, max_completion_length=20, stop_token_ids=stops)
+    ours, ours_answered = run_session(builtin, prompt_ids, params, [5, 6, 7])
+    theirs, theirs_answered = run_session(full_engine, prompt_ids, params, [5, 6, 7])
+    assert ours_answered == theirs_answered and len(ours_answered) == 4
+    n = int(ours.lengths.max())
+    assert torch.equal(theirs.lengths, ours.lengths)
+    assert torch.equal(theirs.completion_ids[:, :n], ours.completion_ids[:, :n])
+    assert torch.equal(theirs.generated[:, :n], ours.generated[:, :n])
+    assert float((theirs.sampling_logprobs[:, :n] - ours.sampling_logprobs[:, :n]).abs().max()) <= PARITY
+
+
+# Last in the file: vLLM keeps one set of process-wide parallel groups, so once this test's second engine
+# is gone the module's engine can no longer run (one engine per process at a time).
 def test_lora_adapter_sync_logprobs_match_the_trainer_before_and_after_training(tiny_model_dir, tokenizer):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM

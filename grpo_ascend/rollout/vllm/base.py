@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
+from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.backend import RolloutBackend, RolloutBatch, RolloutSession, SessionOutput, TurnEnd
 from grpo_ascend.rollout.kv_cache import round_up
+from grpo_ascend.rollout.prompts import left_pad
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm.requests import (
     Completion,
@@ -97,11 +99,12 @@ class VLLMSession(RolloutSession):
         self.logprobs: list[list[float]] = [[] for _ in range(n)]
         self.generated: list[list[bool]] = [[] for _ in range(n)]
         self.running = set(range(n))
+        self.paused: set[int] = set()
         self.rounds = 0
 
     def advance(self) -> list[TurnEnd]:
         rows = sorted(self.running)
-        self.running = set()
+        self.running, self.paused = set(), set()
         if not rows:
             return []
         limit = self.params.max_completion_length
@@ -122,10 +125,17 @@ class VLLMSession(RolloutSession):
                 self.logprobs[r].extend(c.logprobs)
                 self.generated[r].extend([True] * len(c.token_ids))
                 ends.append(TurnEnd(r, list(c.token_ids), c.stopped, len(self.tokens[r])))
+        self.paused = {e.row for e in ends}
         return sorted(ends, key=lambda e: e.row)
 
     def append(self, row: int, token_ids: Sequence[int]) -> None:
         ids = [int(t) for t in token_ids]
+        if row not in self.paused:
+            raise ConfigError(f"row {row} is not paused: append to rows the last advance() returned, once each")
+        if len(self.tokens[row]) + len(ids) >= self.params.max_completion_length:
+            raise ConfigError(f"appending {len(ids)} tokens to row {row} at {len(self.tokens[row])} leaves no room "
+                              f"under max_completion_length={self.params.max_completion_length}")
+        self.paused.discard(row)
         self.tokens[row].extend(ids)
         self.logprobs[row].extend([0.0] * len(ids))
         self.generated[row].extend([False] * len(ids))
@@ -135,7 +145,10 @@ class VLLMSession(RolloutSession):
         lengths = [len(t) for t in self.tokens]
         width = max(1, round_up(max(lengths), self.backend.length_bucket))
         dev = self.backend.device
+        prompt_ids, prompt_mask = left_pad(self.prompts, self.backend.pad_token_id, self.backend.length_bucket, dev)
         return SessionOutput(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask.long(),
             completion_ids=right_pad(self.tokens, self.backend.pad_token_id, width, torch.long).to(dev),
             sampling_logprobs=right_pad(self.logprobs, 0.0, width, torch.float32).to(dev),
             generated=right_pad(self.generated, False, width, torch.bool).to(dev),

@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -115,16 +114,38 @@ def test_full_sync_over_three_steps(server, tokenizer, untied_model_dir, tmp_pat
             train_steps(policy, batch, steps=1)
 
 
-def test_a_dead_server_is_one_clear_error(server, tokenizer, tmp_path):
+def test_a_server_dying_mid_run_is_one_line_and_the_run_resumes(server, untied_model_dir, tmp_path):
+    """Trainer in server mode: the server is killed after checkpoint-2; the next round stops the run with one
+    line, the checkpoints stay intact, and the run resumes from checkpoint-2 (here with a colocated engine)
+    and finishes. Last in the file: it kills the module's server."""
+    from helpers import SMALL_RUN, index_in_group
+
+    from grpo_ascend import GRPOConfig, GRPOTrainer
+    from grpo_ascend.data.synthetic import arithmetic_dataset
+    from grpo_ascend.models.policy import default_lora_config
     from grpo_ascend.rollout.vllm.server import ServerGone
 
-    rollout = client(server, tokenizer, tmp_path, retries=1)
-    proc = server[0]
-    proc.kill()
-    proc.wait(timeout=30)
-    started = time.monotonic()
+    proc, url, _ = server
+    score = index_in_group(4)
+
+    def killing_reward(completions, trainer_state, **kwargs):
+        if trainer_state["step"] == 2 and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        return score(completions)
+
+    run = dict(SMALL_RUN, output_dir=str(tmp_path / "run"), max_steps=4, save_steps=1, use_vllm=True)
+    cfg = GRPOConfig(**run, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=300)
+    trainer = GRPOTrainer(untied_model_dir, killing_reward, cfg, arithmetic_dataset(40),
+                          peft_config=default_lora_config(r=8))
     with pytest.raises(ServerGone) as err:
-        rollout.generate(long_prompts(1), sampling())
+        trainer.train()
     message = str(err.value)
-    assert "\n" not in message and server[1] in message and "resume" in message
-    assert time.monotonic() - started < 30
+    assert "\n" not in message and url in message and "resume" in message
+    assert (tmp_path / "run" / "checkpoint-3").is_dir()
+
+    cfg = GRPOConfig(**run, vllm_mode="colocate", vllm_kv_cache_memory_bytes=32 * 2**20, vllm_max_model_length=256)
+    resumed = GRPOTrainer(untied_model_dir, score, cfg, arithmetic_dataset(40), peft_config=default_lora_config(r=8))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert resumed.step == 4
+    resumed.engine.backend.close()

@@ -142,7 +142,7 @@ UNDER = 0.7
 #: set are upper bounds of what is alive at once); measured worst case 1.29 (lora-long-beta, generation).
 OVER = 1.4
 #: Absolute slack for the resident-set measurement: the heap keeps up to 16 MiB free at its top (the trim
-#: threshold grpo_ascend/host_allocator.py sets) plus the holes tensors under 4 MiB leave in it, so a phase
+#: threshold grpo_ascend/device/host_allocator.py sets) plus the holes tensors under 4 MiB leave in it, so a phase
 #: that starts after a larger one reads up to ~25 MiB more than it holds (measured between identical runs).
 SLACK_MIB = 32
 

@@ -27,7 +27,7 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -193,9 +193,10 @@ class RolloutBackend(ABC):
 
     tokenizer: Any
     params: SamplingParams
-    #: Whether the sampler runs the policy module itself, so that in fp32 its log-probs are the training
-    #: forward's (the trainer then skips recomputing the old log-probs); False for an external engine.
-    samples_policy_module: bool = False
+    #: True when the backend samples with the trainer's policy module in place (the built-in engine), so
+    #: the trainer's speed-ups of that module apply (LoRA folded into the weights while generating); a
+    #: backend holding its own copy of the weights takes them through :meth:`sync_weights` instead.
+    samples_policy_module: ClassVar[bool] = False
 
     @property
     def backend(self) -> RolloutBackend:

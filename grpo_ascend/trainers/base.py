@@ -138,7 +138,8 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             self.policy, self.is_peft, wants_reference=getattr(args, "beta", 0.0) > 0)
         self.logprob_model, self.optimizer = self.strategy.prepare(self.logprob_model, self.optimizer, self.policy)
         self.engine = build_engine(self.policy, self.tokenizer, args, self.device)
-        self.merge_lora_for_rollout = merge_lora_for_rollout(
+        # Folding LoRA into the weights speeds up a backend that samples with the policy module itself.
+        self.merge_lora_for_rollout = self.engine.backend.samples_policy_module and merge_lora_for_rollout(
             self.policy, args.rollout_merge_lora, self.strategy.may_merge_lora(args.rollout_merge_lora, self.is_peft),
             self.is_peft, self.device)
         self._auto_token_budget = self._plan_token_budget() if args.max_tokens_per_micro_batch == "auto" else None

@@ -153,8 +153,8 @@ def test_trl_algorithm_options_map_onto_ours(tmp_path):
 
 def test_all_refusals_come_in_one_error(tmp_path):
     with pytest.raises(ConfigError) as info:
-        from_trl_config(_config(tmp_path, vllm_structured_outputs_regex="x", neftune_noise_alpha=5.0, lr_scheduler_type="polynomial",
-                                torch_compile=True))
+        from_trl_config(_config(tmp_path, vllm_structured_outputs_regex="x", neftune_noise_alpha=5.0,
+                                lr_scheduler_type="polynomial", torch_compile=True))
     text = str(info.value)
     assert "3 setting(s)" in text and "vllm_structured_outputs_regex" in text and "neftune_noise_alpha" in text
     assert "lr_scheduler_type='polynomial'" in text and "torch_compile" not in text  # ignored, not refused
@@ -230,5 +230,6 @@ def test_chat_template_kwargs_reach_the_prompts(tiny_model):
     tokenizer.chat_template = "{% if greeting is defined %}{{ greeting }}|{% endif %}" + tokenizer.chat_template
     chat = [[{"role": "user", "content": "2 + 2?"}]]
     engine = build_engine(model, tokenizer, GRPOConfig(chat_template_kwargs={"greeting": "HELLO"}), torch.device("cpu"))
-    assert engine._render(chat)[0].startswith("HELLO|<|im_start|>user")
-    assert not RolloutEngine(model, tokenizer)._render(chat)[0].startswith("HELLO")
+    assert engine.prompts.encode(chat, engine.params).texts[0].startswith("HELLO|<|im_start|>user")
+    plain = RolloutEngine(model, tokenizer)
+    assert not plain.prompts.encode(chat, plain.params).texts[0].startswith("HELLO")

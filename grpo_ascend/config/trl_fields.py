@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from grpo_ascend.distributed.trl_config import AFTER, ENGINE_FIELDS
 from grpo_ascend.errors import ConfigError
 
 Kind = Literal["mapped", "ignored", "refused"]
@@ -439,7 +440,6 @@ TRL_FIELDS: dict[str, TRLField] = {
 
 def _with_engine_fields(table: dict[str, TRLField]) -> dict[str, TRLField]:
     """Insert the engine-choosing fields (their classification is grpo_ascend/dist's) at their place in TRL's order."""
-    from grpo_ascend.distributed.trl_config import AFTER, ENGINE_FIELDS
 
     out: dict[str, TRLField] = {}
     for name, entry in table.items():

@@ -24,7 +24,7 @@ from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSetting
 from grpo_ascend.algorithms.losses import LossNormaliser
 from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
 from grpo_ascend.data.prompts import is_stream, make_prompt_sampler
-from grpo_ascend.distributed import make_accelerator, select_strategy
+from grpo_ascend.distributed.launch import make_accelerator, select_strategy
 from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, ExperienceMaker

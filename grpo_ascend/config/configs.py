@@ -102,6 +102,36 @@ class BaseRLConfig(_Validated):
         "builtin", "What samples the completions: 'builtin' (grpo-ascend's engine, on the policy module itself) "
         "or another registered rollout backend (grpo_ascend.rollout.backend; docs/trainer.md#rollout-backends)."
     )
+    # --- vLLM rollouts (rollout_backend: vllm; TRL's names and meanings; docs/vllm.md) ---
+    use_vllm: bool = _f(False, "TRL's switch for vLLM rollouts: true = rollout_backend 'vllm'.")
+    vllm_mode: Literal["colocate", "server"] = _f(
+        "colocate", "colocate: an in-process vLLM engine beside the trainer on its device; server: a client of a "
+        "running vLLM / vllm-ascend OpenAI server (vllm_server_base_url or host + port)."
+    )
+    vllm_server_base_url: str | None = _f(None, "Server mode: the server's URL (overrides host and port).")
+    vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host when no base URL is given.")
+    vllm_server_port: int = _f(8000, "Server mode: the server's port when no base URL is given.")
+    vllm_server_timeout: float = _f(240.0, "Server mode: seconds to wait for the server to answer at start.")
+    vllm_gpu_memory_utilization: float = _f(
+        0.3, "Colocate: fraction of the device's memory vLLM takes for weights and KV cache (on the CPU build, "
+        "of the host's memory)."
+    )
+    vllm_tensor_parallel_size: int = _f(1, "Colocate: tensor-parallel size of the engine (only 1 here; use a "
+                                        "tensor-parallel server for more).")
+    vllm_max_model_length: int | None = _f(None, "vLLM's max_model_len (prompt + completion); null = the model's.")
+    vllm_enable_sleep_mode: bool = _f(
+        False, "Colocate: put the engine to sleep (weights offloaded, KV cache freed) while the trainer trains; "
+        "where the platform has it (not vLLM's CPU build)."
+    )
+    vllm_model_impl: Literal["auto", "vllm", "transformers"] = _f("vllm", "vLLM's model implementation.")
+    vllm_kv_cache_memory_bytes: int | None = _f(
+        None, "Colocate: the KV cache's size in bytes (overrides vllm_gpu_memory_utilization for the cache); not a "
+        "TRL setting."
+    )
+    vllm_sync_dir: str | None = _f(
+        None, "Server mode: the folder adapter versions (and full weights) are written to for the server to load; "
+        "the server must read it (same machine or shared storage). null = output_dir/vllm-sync. Not a TRL setting."
+    )
     # --- rewards ---
     reward_weights: list[float] | None = _f(None, "Weight per reward function (default 1 each).")
     reward_errors: Literal["raise", "zero"] = _f("raise", "A raising reward function stops the run, or scores 0 and is counted.")
@@ -181,6 +211,13 @@ class BaseRLConfig(_Validated):
     )
 
     def __post_init__(self) -> None:
+        if self.use_vllm:
+            if self.rollout_backend not in ("builtin", "vllm"):
+                raise ConfigError(f"use_vllm=True conflicts with rollout_backend={self.rollout_backend!r}; set only one")
+            self.rollout_backend = "vllm"
+        _check_choice("vllm_mode", self.vllm_mode, ("colocate", "server"))
+        _positive(self, "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+                  "vllm_max_model_length", "vllm_kv_cache_memory_bytes")
         # TRL's unset values (None) of fields typed more narrowly here: transformers' output folder, a visible
         # progress bar, and our number of printed completions (as a trl.GRPOConfig converts them).
         for name, unset in (("output_dir", "trainer_output"), ("disable_tqdm", False), ("num_completions_to_print", 4)):
@@ -495,6 +532,9 @@ class GRPOConfig(BaseRLConfig):
     )
 
     def __post_init__(self) -> None:
+        if (self.use_vllm or self.rollout_backend == "vllm") and self.vllm_importance_sampling_correction is None:
+            # TRL's default with vLLM: correct the sampler/trainer mismatch (turn off with the TRL name).
+            self.importance_sampling_correction = True
         _apply_aliases(self)
         if self.loss_type == "gspo":  # our alias; TRL spells GSPO as sequence-level ratios under the grpo loss
             self.loss_type, self.importance_sampling_level = "grpo", "sequence"

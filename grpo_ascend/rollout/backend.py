@@ -292,6 +292,7 @@ BackendFactory = Callable[[nn.Module, Any, SamplingParams, Any], RolloutBackend]
 #: name -> factory, or "module:attribute" imported when the name is first built (optional dependencies).
 _BACKENDS: dict[str, BackendFactory | str] = {
     "builtin": "grpo_ascend.rollout.engine:build_builtin_backend",
+    "vllm": "grpo_ascend.rollout.vllm.factory:build_vllm_backend",
 }
 
 

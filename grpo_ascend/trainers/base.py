@@ -229,7 +229,8 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             micro_batch=args.per_device_train_batch_size, pad_token_id=self.tokenizer.pad_token_id,
             rollout_context=self._rollout_context, policy_logprobs=self._policy_logprobs,
             reference_logprobs=self._reference_logprobs if reference else None,
-            exact_sampling_logps=self.precision == "fp32",  # the engine's log-probs are the training forward's
+            # the built-in engine's fp32 log-probs are the training forward's; an external sampler's are not
+            exact_sampling_logps=self.precision == "fp32" and self.engine.backend.samples_policy_module,
             mask_truncated_completions=mask_truncated_completions,
             importance_sampling=importance_sampling,
         )

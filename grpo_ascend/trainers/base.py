@@ -24,7 +24,7 @@ from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSetting
 from grpo_ascend.algorithms.losses import LossNormaliser
 from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
 from grpo_ascend.data.prompts import is_stream, make_prompt_sampler
-from grpo_ascend.distributed import make_accelerator, select_strategy
+from grpo_ascend.distributed.launch import make_accelerator, select_strategy
 from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, ExperienceMaker
@@ -37,6 +37,7 @@ from grpo_ascend.models.policy import (
     lora_merged,
     trainable_parameters,
 )
+from grpo_ascend.rollout.backend import PolicyWeights, serving
 from grpo_ascend.tracking.phases import PhaseTimer
 from grpo_ascend.tracking.run_tracker import RunTracker, truncate_metrics
 from grpo_ascend.trainers.checkpointing import CheckpointingMixin
@@ -137,7 +138,8 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             self.policy, self.is_peft, wants_reference=getattr(args, "beta", 0.0) > 0)
         self.logprob_model, self.optimizer = self.strategy.prepare(self.logprob_model, self.optimizer, self.policy)
         self.engine = build_engine(self.policy, self.tokenizer, args, self.device)
-        self.merge_lora_for_rollout = merge_lora_for_rollout(
+        # Folding LoRA into the weights speeds up a backend that samples with the policy module itself.
+        self.merge_lora_for_rollout = self.engine.backend.samples_policy_module and merge_lora_for_rollout(
             self.policy, args.rollout_merge_lora, self.strategy.may_merge_lora(args.rollout_merge_lora, self.is_peft),
             self.is_peft, self.device)
         self._auto_token_budget = self._plan_token_budget() if args.max_tokens_per_micro_batch == "auto" else None
@@ -206,13 +208,15 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         return dev.autocast(self.device, self.precision)
 
     def _rollout_context(self) -> contextlib.AbstractContextManager:
-        """Around generation: eval mode, autocast, the whole weights (sharded engines), LoRA folded in."""
+        """Around generation: eval mode, autocast, the whole weights (sharded engines), LoRA folded in, the
+        rollout backend serving the policy's current weights (rollout/backend.py: restore, sync, release)."""
         self.policy.eval()
         stack = contextlib.ExitStack()
         stack.enter_context(self._autocast())
         stack.enter_context(self._whole_weights())
         if self.merge_lora_for_rollout:
             stack.enter_context(lora_merged(self.policy))
+        stack.enter_context(serving(self.engine.backend, lambda: PolicyWeights(self.policy, self.step)))
         return stack
 
     def _make_experience_maker(self, reference: bool, mask_truncated_completions: bool = False,
@@ -225,7 +229,8 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             micro_batch=args.per_device_train_batch_size, pad_token_id=self.tokenizer.pad_token_id,
             rollout_context=self._rollout_context, policy_logprobs=self._policy_logprobs,
             reference_logprobs=self._reference_logprobs if reference else None,
-            exact_sampling_logps=self.precision == "fp32",  # the engine's log-probs are the training forward's
+            # the built-in engine's fp32 log-probs are the training forward's; an external sampler's are not
+            exact_sampling_logps=self.precision == "fp32" and self.engine.backend.samples_policy_module,
             mask_truncated_completions=mask_truncated_completions,
             importance_sampling=importance_sampling,
         )

@@ -106,8 +106,9 @@ def lr_factor(args: BaseRLConfig, total: int) -> Callable[[int], float]:
 
 
 def build_engine(policy: nn.Module, tokenizer: Any, args: BaseRLConfig, device: torch.device) -> Any:
-    """The rollout engine over ``policy`` with the run's sampling settings (length bucket per device)."""
-    from grpo_ascend.rollout.engine import RolloutEngine
+    """The rollout backend ``args.rollout_backend`` over ``policy`` with the run's sampling settings
+    (length bucket per device)."""
+    from grpo_ascend.rollout.backend import build_backend
     from grpo_ascend.rollout.sampling import SamplingParams
 
     bucket = args.length_bucket if args.length_bucket is not None else dev.default_length_bucket(device)
@@ -127,7 +128,7 @@ def build_engine(policy: nn.Module, tokenizer: Any, args: BaseRLConfig, device: 
         shared_prefix=args.shared_prefix_decode,
         chat_template_kwargs=args.chat_template_kwargs,
     )
-    return RolloutEngine(policy, tokenizer, sampling)
+    return build_backend(args.rollout_backend, policy, tokenizer, sampling, args)
 
 
 def build_rewards(reward_funcs: Any, args: BaseRLConfig, device: torch.device, tokenizer: Any,

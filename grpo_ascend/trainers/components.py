@@ -23,6 +23,8 @@ from grpo_ascend.models.policy import (
     load_tokenizer,
     lora_merge_bytes,
 )
+from grpo_ascend.rollout.backend import build_backend
+from grpo_ascend.rollout.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +110,6 @@ def lr_factor(args: BaseRLConfig, total: int) -> Callable[[int], float]:
 def build_engine(policy: nn.Module, tokenizer: Any, args: BaseRLConfig, device: torch.device) -> Any:
     """The rollout backend ``args.rollout_backend`` over ``policy`` with the run's sampling settings
     (length bucket per device)."""
-    from grpo_ascend.rollout.backend import build_backend
-    from grpo_ascend.rollout.sampling import SamplingParams
-
     bucket = args.length_bucket if args.length_bucket is not None else dev.default_length_bucket(device)
     sampling = SamplingParams(
         num_generations=args.num_generations,

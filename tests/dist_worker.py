@@ -416,26 +416,9 @@ def run_draws(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
     (out / f"draws_rank{rank}.json").write_text(json.dumps({"rounds": seen, "epochs": epochs}))
 
 
-def skip_deepspeed_shm_op_build() -> None:
-    """Start DeepSpeed's process group without its shared-memory all-reduce op.
-
-    On the CPU accelerator DeepSpeed JIT-compiles that C++ op (ninja, ~100 s on 2 cores, again for
-    every new venv path) when the group starts; only its inference all-reduce calls the op, never
-    training, whose collectives go through torch.distributed (gloo) as before.
-    """
-    import importlib
-
-    # by module path: the attribute deepspeed.comm.torch is the torch package (comm re-exports it)
-    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
-    if hasattr(ds_torch_comm, "build_shm_op"):
-        ds_torch_comm.build_shm_op = lambda: None
-
-
 def main() -> int:
     mode, out, spec = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     torch.set_num_threads(1)
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
-        skip_deepspeed_shm_op_build()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out.mkdir(parents=True, exist_ok=True)
     if mode == "train":

@@ -59,6 +59,7 @@ def _has_parameters(module: str, path: str, names: tuple[str, ...]) -> None:
         raise _changed(f"the parameter(s) {', '.join(missing)} of {module}.{path}")
 
 
+_COMM = "deepspeed.comm.torch"  # imported by path: the attribute deepspeed.comm.torch is the torch package
 _ENGINE = "deepspeed.runtime.engine"
 _ZERO12 = "deepspeed.runtime.zero.stage_1_and_2"
 _ZERO3 = "deepspeed.runtime.zero.stage3"
@@ -67,6 +68,7 @@ _STATE_KEYS = "deepspeed.checkpoint.constants"
 #: name -> probe; each raises CompatError naming the internal when the installed DeepSpeed changed it.
 PINNED_INTERNALS: dict[str, Callable[[], None]] = {
     "zero.GatheredParameters": lambda: _attribute("deepspeed", "zero.GatheredParameters"),
+    "comm.torch.build_shm_op": lambda: _attribute(_COMM, "build_shm_op"),
     "zero.register_external_parameter": lambda: _attribute("deepspeed", "zero.register_external_parameter"),
     "stage3.unwrap_model_for_generation": lambda: _attribute(_ZERO3, "unwrap_model_for_generation"),
     "DeepSpeedEngine.set_gradient_accumulation_boundary": lambda: _has_parameters(
@@ -166,3 +168,15 @@ def load_plain_optimizer_state(zero_optimizer: Any, state: dict[str, Any], world
     zero_optimizer.load_state_dict([state] * world_size, load_optimizer_states=True, load_from_fp32_weights=True)
     for key, value in scaler_state.items():
         setattr(zero_optimizer.loss_scaler, key, value)
+
+
+def skip_shared_memory_allreduce_build() -> None:
+    """Start DeepSpeed's process group without building its CPU shared-memory all-reduce op.
+
+    On the CPU accelerator DeepSpeed compiles that C++ op (ninja, 1.5-5 minutes on 2 cores, again for every
+    new environment) when its process group starts. Only DeepSpeed's inference all-reduce uses it; training's
+    collectives go through torch.distributed, so a training run never needs it. Other accelerators build nothing.
+    """
+    comm = importlib.import_module(_COMM)
+    _attribute(_COMM, "build_shm_op")
+    comm.build_shm_op = lambda: None

@@ -13,7 +13,7 @@ from typing import Any
 
 from grpo_ascend import device as dev
 from grpo_ascend.config.configs import BaseRLConfig
-from grpo_ascend.distributed import compat_accelerate
+from grpo_ascend.distributed import compat_accelerate, compat_deepspeed
 from grpo_ascend.distributed.base import Strategy
 from grpo_ascend.distributed.deepspeed import DeepSpeedStrategy
 from grpo_ascend.distributed.fsdp import FSDPStrategy
@@ -56,6 +56,8 @@ def make_accelerator(args: BaseRLConfig) -> tuple[Any, str]:
         "cpu": on_cpu and not (compat_accelerate.deepspeed_requested() and launched_distributed(on_cpu)),
         "kwargs_handlers": [group],
     }
+    if compat_accelerate.deepspeed_requested():
+        compat_deepspeed.skip_shared_memory_allreduce_build()
     accelerator = Accelerator(**kwargs)
     if dev.device_type(accelerator.device) != dev.device_type(requested):
         raise ConfigError(

@@ -26,14 +26,15 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # GRPO_INSTALLER=pip, or no uv on the package index, falls back to pip. uv does not read pip's configuration,
 # so the find-links, extra index and constraint files pip is configured with are handed to it, and like pip it
 # takes the best version found on any index.
-pip_setting() { python -m pip config get "global.$1" 2>/dev/null | tr '\n' ' ' || true; }
+pip_setting() { python -m pip config get "global.$1" 2>/dev/null | xargs || true; }
 install() {
   if [ "${GRPO_INSTALLER:-uv}" = uv ] && { [ -x "$VENV/bin/uv" ] || python -m pip install -q uv >/dev/null 2>&1; }; then
     UV_FIND_LINKS="${UV_FIND_LINKS:-$(pip_setting find-links)}" \
     UV_EXTRA_INDEX_URL="${UV_EXTRA_INDEX_URL:-$(pip_setting extra-index-url)}" \
     UV_CONSTRAINT="${UV_CONSTRAINT:-$(pip_setting constraint)}" \
     UV_INDEX_STRATEGY="${UV_INDEX_STRATEGY:-unsafe-best-match}" \
-      "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "$@"
+      "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "$@" \
+      || { echo "[env] uv could not install $*; trying pip"; python -m pip install -q "$@"; }
   else
     python -m pip install -q "$@"
   fi

@@ -99,7 +99,7 @@ def run_round(trainer, exp, values=None, advantages=None, returns=None):
     if trainer.tracker is None:
         trainer._begin(None)
     trainer._train_round()
-    return trainer._last_record
+    return trainer.run.last_record
 
 
 def one_round_gradients(trainer, exp, **ppo_fixed):

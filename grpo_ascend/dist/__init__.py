@@ -6,7 +6,6 @@ which engine runs. Each engine's private internals live in its ``compat_*`` modu
 """
 
 from grpo_ascend.dist.base import SaveState, Strategy
-from grpo_ascend.dist.compat_deepspeed import full_numel
 from grpo_ascend.dist.launch import make_accelerator, select_strategy
 
-__all__ = ["SaveState", "Strategy", "full_numel", "make_accelerator", "select_strategy"]
+__all__ = ["SaveState", "Strategy", "make_accelerator", "select_strategy"]

@@ -28,10 +28,6 @@ from typing import Any
 import torch
 
 
-class Preempted(Exception):
-    """Raised right after a checkpoint save to simulate a job killed between two steps."""
-
-
 def even_token_fraction(prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
                         **kwargs: Any) -> list[float]:
     """A reward that varies within every group, even for the random tiny model: the share of even token ids."""
@@ -346,6 +342,8 @@ def sharded(trainer: Any) -> dict[str, Any]:
 
 
 def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
+    from helpers import Preempted, preempt_after_save
+
     from grpo_ascend import GRPOConfig
 
     settings = {
@@ -360,14 +358,7 @@ def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
     trainer = make_trainer(spec["model_dir"], cfg, dataset_size=12, lora=spec.get("lora", True))
     stop_after = spec.get("stop_after_step")
     if stop_after is not None:
-        original_save = trainer._save
-
-        def save_then_stop() -> None:
-            original_save()
-            if trainer.step == stop_after:
-                raise Preempted(f"preempted after the save at step {trainer.step}")
-
-        trainer._save = save_then_stop
+        preempt_after_save(trainer, stop_after)  # raises Preempted right after that save
     status = "finished"
     try:
         trainer.train(resume_from_checkpoint=spec.get("resume"))

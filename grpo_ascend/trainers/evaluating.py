@@ -129,8 +129,8 @@ class Evaluator:
     def _eval_sums(self, dataset: Any) -> tuple[dict[str, float], list[str], int]:
         """This rank's additive statistics over its chunks of ``dataset`` (see :func:`eval_chunks`)."""
         args, ranks = self.args, self.ranks
-        n = args.num_generations_eval or args.num_generations
         base = self.engine.params
+        n = args.num_generations_eval or base.num_generations
         temperature = args.eval_temperature if args.eval_temperature is not None else base.temperature
         sampled_params = dataclasses.replace(base, num_generations=n, temperature=temperature)
         greedy_params = dataclasses.replace(base, num_generations=1, temperature=0.0)

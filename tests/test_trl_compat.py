@@ -229,6 +229,7 @@ def test_chat_template_kwargs_reach_the_prompts(tiny_model):
     model, tokenizer = tiny_model
     tokenizer.chat_template = "{% if greeting is defined %}{{ greeting }}|{% endif %}" + tokenizer.chat_template
     chat = [[{"role": "user", "content": "2 + 2?"}]]
-    engine = build_engine(model, tokenizer, GRPOConfig(chat_template_kwargs={"greeting": "HELLO"}), torch.device("cpu"))
+    cfg = GRPOConfig(chat_template_kwargs={"greeting": "HELLO"})
+    engine = build_engine(model, tokenizer, cfg, cfg.batch_plan().num_generations, torch.device("cpu"))
     assert engine._render(chat)[0].startswith("HELLO|<|im_start|>user")
     assert not RolloutEngine(model, tokenizer)._render(chat)[0].startswith("HELLO")

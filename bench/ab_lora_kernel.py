@@ -1,8 +1,8 @@
 """peft's LoRA forward vs grpo_ascend's fused kernel on one training micro-batch, alternated in one process.
 
 Loads a model (default ``random-25m`` from bench_random_model.py), wraps it with LoRA r=16
-all-linear, makes a copy with :func:`grpo_ascend.lora_kernel.install`, and times the forward +
-backward of :class:`~grpo_ascend.models.CompletionLogprobs` on one GRPO group (a shared prompt,
+all-linear, makes a copy with :func:`grpo_ascend.models.lora_kernel.install`, and times the forward +
+backward of :class:`~grpo_ascend.models.policy.CompletionLogprobs` on one GRPO group (a shared prompt,
 G completions) for each, alternating, so the machine's noise hits both alike. Prints min and
 median seconds and the ratio.
 
@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     from grpo_ascend import device as dev
-    from grpo_ascend import lora_kernel
-    from grpo_ascend.models import CompletionLogprobs
+    from grpo_ascend.models import lora_kernel
+    from grpo_ascend.models.policy import CompletionLogprobs
 
     torch.set_num_threads(args.threads)
     dev.resolve_device("cpu")  # the trainer's host-allocator setting

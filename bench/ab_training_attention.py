@@ -2,10 +2,10 @@
 
 Loads a model (default ``random-25m`` from bench_random_model.py; ``qwen2.5-0.5b-<n>l`` from
 bench_real_shape.py), wraps it with LoRA r=16 all-linear and the fused LoRA kernel, as the trainer
-does, and times :class:`~grpo_ascend.models.CompletionLogprobs` on one GRPO group (a shared,
+does, and times :class:`~grpo_ascend.models.policy.CompletionLogprobs` on one GRPO group (a shared,
 left-padded prompt and G completions): forward + backward (the training phase) and a forward under
 ``no_grad`` with the adapters off (the reference phase), once with the device's grouped-attention
-budget (grpo_ascend/grouped_attention.py) and once with it set to 0 (transformers' SDPA),
+budget (grpo_ascend/models/grouped_attention.py) and once with it set to 0 (transformers' SDPA),
 alternating so the machine's noise hits both alike. Prints min and median seconds, the ratios, and
 whether the grouped path ran (blocks over the budget stay on SDPA).
 
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     from peft import LoraConfig, get_peft_model
 
     from grpo_ascend import device as dev
-    from grpo_ascend import grouped_attention, lora_kernel
-    from grpo_ascend.models import CompletionLogprobs, adapters_disabled
+    from grpo_ascend.models import grouped_attention, lora_kernel
+    from grpo_ascend.models.policy import CompletionLogprobs, adapters_disabled
 
     torch.set_num_threads(args.threads)
     dev.resolve_device("cpu")  # the trainer's host-allocator setting

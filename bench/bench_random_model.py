@@ -45,7 +45,7 @@ def build_random_model(name: str) -> Path:
     """Directory of the random-weight model ``name`` (see RANDOM_MODELS) with the built-in tokenizer."""
     from transformers import AutoTokenizer, Qwen2Config
 
-    from grpo_ascend.tiny_model import build_tiny_model, cache_dir
+    from grpo_ascend.models.tiny_model import build_tiny_model, cache_dir
 
     if name not in RANDOM_MODELS:
         raise SystemExit(f"unknown random model {name!r}; expected one of {', '.join(RANDOM_MODELS)}")

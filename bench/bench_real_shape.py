@@ -40,7 +40,7 @@ def build_real_shape_model(name: str) -> Path:
     """Directory of a random-weight model named ``qwen2.5-0.5b-<layers>l`` with the built-in tokenizer."""
     from transformers import AutoTokenizer, Qwen2Config
 
-    from grpo_ascend.tiny_model import build_tiny_model, cache_dir
+    from grpo_ascend.models.tiny_model import build_tiny_model, cache_dir
 
     if not (name.startswith(PREFIX) and name.endswith("l") and name[len(PREFIX):-1].isdigit()):
         raise SystemExit(f"real-shape model names look like {PREFIX}2l (the layer count before 'l'), got {name!r}")

@@ -54,9 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo_ascend import device as devmod  # noqa: E402
+from grpo_ascend.models.tiny_model import _WORDS, build_tiny_model  # noqa: E402
 from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
 from grpo_ascend.rollout.sampling import SamplingParams  # noqa: E402
-from grpo_ascend.tiny_model import _WORDS, build_tiny_model  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

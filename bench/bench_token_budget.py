@@ -65,8 +65,8 @@ def worker(args: argparse.Namespace) -> None:
 
     from grpo_ascend import GRPOConfig, GRPOTrainer
     from grpo_ascend import device as dev
-    from grpo_ascend.models import default_lora_config
-    from grpo_ascend.synthetic import arithmetic_dataset
+    from grpo_ascend.data.synthetic import arithmetic_dataset
+    from grpo_ascend.models.policy import default_lora_config
     from grpo_ascend.trainers.micro_batches import TokenCost
 
     torch.set_num_threads(args.threads)

@@ -132,7 +132,7 @@ def lora_config(s: Settings) -> Any:
 
 def dataset(s: Settings) -> Any:
     """The built-in arithmetic task: conversational prompts of nearly equal length, an ``answer`` column."""
-    from grpo_ascend.synthetic import arithmetic_dataset
+    from grpo_ascend.data.synthetic import arithmetic_dataset
 
     return arithmetic_dataset(n=s.dataset_size, seed=s.seed, max_operand=s.max_operand)
 
@@ -213,7 +213,7 @@ def _setup(s: Settings, impl: str) -> tuple[Any, Any, Any]:
 
     from grpo_ascend import device as dev
     from grpo_ascend import host_allocator
-    from grpo_ascend.tiny_model import build_tiny_model
+    from grpo_ascend.models.tiny_model import build_tiny_model
 
     torch.set_num_threads(s.threads)
     if impl == "trl" or s.host_malloc == "adaptive":  # glibc's adaptive mmap threshold, as TRL runs
@@ -331,7 +331,7 @@ def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from grpo_ascend import GRPOConfig, GRPOTrainer
-    from grpo_ascend.tracking import read_jsonl
+    from grpo_ascend.tracking.run_tracker import read_jsonl
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ds = dataset(s)

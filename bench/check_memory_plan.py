@@ -1,4 +1,4 @@
-"""The memory plan (grpo_ascend/memory_plan.py) against the peak memory a real run measures, per phase, on the CPU.
+"""The memory plan (grpo_ascend/planning/memory_plan.py) against the peak memory a real run measures, per phase, on the CPU.
 
 Each configuration trains 2 rounds (1 optimizer step each) of a random-weight Qwen2 of small hidden size
 and a chosen vocabulary with the built-in tokenizer, and reads ``memory/peak_gb/<phase>`` from the
@@ -86,13 +86,13 @@ def measure(case: Case, out_dir: str) -> dict[str, tuple[float, float]]:
     from transformers import AutoTokenizer
 
     from grpo_ascend import device as dev
-    from grpo_ascend.config import GRPOConfig
-    from grpo_ascend.data import load_prompt_dataset
-    from grpo_ascend.dist.memory_layout import plain_layout
-    from grpo_ascend.memory_plan import ModelShape, plan_memory, settings_from_config
-    from grpo_ascend.models import default_lora_config
-    from grpo_ascend.recipe import RecipeConfig
-    from grpo_ascend.tiny_model import build_tiny_model
+    from grpo_ascend.config.configs import GRPOConfig
+    from grpo_ascend.config.recipe import RecipeConfig
+    from grpo_ascend.data.prompts import load_prompt_dataset
+    from grpo_ascend.distributed.memory_layout import plain_layout
+    from grpo_ascend.models.policy import default_lora_config
+    from grpo_ascend.models.tiny_model import build_tiny_model
+    from grpo_ascend.planning.memory_plan import ModelShape, plan_memory, settings_from_config
     from grpo_ascend.trainers.grpo import GRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model("tiny"))

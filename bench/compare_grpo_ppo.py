@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _round_size(ns: argparse.Namespace) -> int:
     """Completions per round (from the GRPO run's config: per-device batch × steps_per_generation)."""
-    from grpo_ascend.recipe import load_recipe, parse_overrides
+    from grpo_ascend.config.recipe import load_recipe, parse_overrides
 
     _, cfg = load_recipe(ns.recipe, parse_overrides(_overrides("grpo", ns)))
     return cfg.batch_plan().completions_per_generation

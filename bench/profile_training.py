@@ -32,7 +32,7 @@ def _phase_labels() -> None:
     """Label every PhaseTimer phase with a profiler range named ``##<phase>``."""
     from torch.profiler import record_function
 
-    from grpo_ascend import phases
+    from grpo_ascend.tracking import phases
 
     plain = phases.PhaseTimer.phase
 

@@ -11,9 +11,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "GRPOConfig": "grpo_ascend.config",
-    "PPOConfig": "grpo_ascend.config",
-    "RecipeConfig": "grpo_ascend.recipe",
+    "GRPOConfig": "grpo_ascend.config.configs",
+    "PPOConfig": "grpo_ascend.config.configs",
+    "RecipeConfig": "grpo_ascend.config.recipe",
     "GRPOTrainer": "grpo_ascend.trainers.grpo",
     "PPOTrainer": "grpo_ascend.trainers.ppo",
 }

@@ -63,14 +63,14 @@ def _version(dist_name: str) -> str | None:
 COMMANDS: dict[str, Command] = {
     "train": Command("train with GRPO or PPO from a YAML recipe, e.g. train recipes/default.yaml --max_steps 20",
                      lazy("grpo_ascend.run:add_train_arguments"), lazy("grpo_ascend.run:run_train")),
-    "export": Command("export a checkpoint's LoRA adapter (PEFT format), or with --merge a full model", lazy("grpo_ascend.export:add_export_arguments"), lazy("grpo_ascend.export:run_export")),
+    "export": Command("export a checkpoint's LoRA adapter (PEFT format), or with --merge a full model", lazy("grpo_ascend.checkpoints.export:add_export_arguments"), lazy("grpo_ascend.checkpoints.export:run_export")),
     "plot": Command("plot reward, KL, completion length and step time of one or more runs to a PNG",
-                    lazy("grpo_ascend.plot:add_plot_arguments"), lazy("grpo_ascend.plot:run_plot")),
+                    lazy("grpo_ascend.tracking.plot:add_plot_arguments"), lazy("grpo_ascend.tracking.plot:run_plot")),
     "build-tiny-model": Command("build the offline tiny/small Qwen2 model + tokenizer (cached) and print its folder",
-                                lazy("grpo_ascend.tiny_model:add_build_arguments"), lazy("grpo_ascend.tiny_model:run_build")),
+                                lazy("grpo_ascend.models.tiny_model:add_build_arguments"), lazy("grpo_ascend.models.tiny_model:run_build")),
     "plan": Command("the memory a recipe needs per device, per phase, before launch (no weights loaded), e.g. plan "
                     "recipes/gsm8k_qwen.yaml --model-config recipes/model_configs/qwen2.5-7b.json --device-memory 64GiB",
-                    lazy("grpo_ascend.plan_cli:add_plan_arguments"), lazy("grpo_ascend.plan_cli:run_plan")),
+                    lazy("grpo_ascend.planning.cli:add_plan_arguments"), lazy("grpo_ascend.planning.cli:run_plan")),
     "doctor": Command("report versions, the accelerator and its chip, bf16 support, collective timeouts, runtime env "
                       "vars and free memory", lazy("grpo_ascend.doctor:add_arguments"), lazy("grpo_ascend.doctor:run")),
 }

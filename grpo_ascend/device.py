@@ -390,7 +390,7 @@ def default_shared_prefix_decode(device: torch.device | str) -> bool:
 
 def grouped_attention_max_bytes(device: torch.device | str) -> int:
     """Largest per-layer score block (bytes of ``[rows, heads, queries, keys]`` probabilities) that the
-    log-prob forwards compute as two batched matmuls (grpo_ascend/grouped_attention.py) instead of SDPA.
+    log-prob forwards compute as two batched matmuls (grpo_ascend/models/grouped_attention.py) instead of SDPA.
 
     CPU: 8 MiB -- SDPA's flash kernel runs a GRPO micro-batch's short masked blocks at about half
     the batched matmuls' rate, but keeps no probabilities for backward, so long sequences stay on

@@ -28,10 +28,10 @@ from grpo_ascend.algorithms.importance_sampling import (
     importance_sampling_weights,
     reduce_stats,
 )
-from grpo_ascend.data import PromptSampler, is_conversational
+from grpo_ascend.data.prompts import PromptSampler, is_conversational
+from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import DataError
-from grpo_ascend.phases import PhaseTimer
-from grpo_ascend.ranks import Ranks
+from grpo_ascend.tracking.phases import PhaseTimer
 
 #: ``fn(prompt_ids, prompt_mask, completion_ids, completion_mask) -> [rows, Lc]`` log-probs.
 LogprobFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]

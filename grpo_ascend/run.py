@@ -9,17 +9,17 @@ import subprocess
 import sys
 from typing import Any
 
-from grpo_ascend.config import BaseRLConfig
+from grpo_ascend.config.configs import BaseRLConfig
+from grpo_ascend.config.recipe import RecipeConfig, load_recipe, parse_overrides
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.recipe import RecipeConfig, load_recipe, parse_overrides
 
 logger = logging.getLogger(__name__)
 
 
 def build_trainer(recipe: RecipeConfig, args: BaseRLConfig) -> Any:
     """Dataset, rewards, LoRA and the trainer a recipe describes (nothing runs yet)."""
-    from grpo_ascend.data import load_prompt_dataset
-    from grpo_ascend.models import default_lora_config, load_causal_lm
+    from grpo_ascend.data.prompts import load_prompt_dataset
+    from grpo_ascend.models.policy import default_lora_config, load_causal_lm
 
     dataset = load_prompt_dataset(
         recipe.dataset,
@@ -63,7 +63,7 @@ def build_trainer(recipe: RecipeConfig, args: BaseRLConfig) -> Any:
 
 def _eval_dataset(recipe: RecipeConfig, dataset: Any, seed: int) -> tuple[Any, Any]:
     """(train prompts, eval prompts or None) from eval_dataset / eval_split / eval_fraction."""
-    from grpo_ascend.data import load_prompt_dataset
+    from grpo_ascend.data.prompts import load_prompt_dataset
 
     if recipe.eval_fraction is not None:
         n_eval = max(1, round(len(dataset) * recipe.eval_fraction))
@@ -91,7 +91,7 @@ def _eval_dataset(recipe: RecipeConfig, dataset: Any, seed: int) -> tuple[Any, A
 
 
 def _model_path(name: str) -> str:
-    from grpo_ascend.models import resolve_model_path
+    from grpo_ascend.models.policy import resolve_model_path
 
     return resolve_model_path(name)
 

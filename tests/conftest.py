@@ -17,7 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(scope="session")
 def tiny_model_dir():
     """Directory of the random-init ``tiny`` Qwen2 model and its tokenizer."""
-    from grpo_ascend.tiny_model import build_tiny_model
+    from grpo_ascend.models.tiny_model import build_tiny_model
 
     return build_tiny_model("tiny")
 
@@ -29,7 +29,7 @@ def tiny_warm_model_dir():
     ``GRPO_ASCEND_WARM_SEED=N`` builds the warm start from another seed: a stand-in for another
     machine, whose float reduction order gives a slightly different warm model.
     """
-    from grpo_ascend.tiny_model import build_tiny_model
+    from grpo_ascend.models.tiny_model import build_tiny_model
 
     return build_tiny_model("tiny", warm=True, seed=int(os.environ.get("GRPO_ASCEND_WARM_SEED", "0")))
 
@@ -38,7 +38,7 @@ def tiny_warm_model_dir():
 def tiny_tool_model_dir():
     """Directory of ``builtin:tiny-tool-warm`` (the warm model after calculator transcripts); the
     warm seed as for :func:`tiny_warm_model_dir`."""
-    from grpo_ascend.tiny_model import build_tiny_model
+    from grpo_ascend.models.tiny_model import build_tiny_model
 
     return build_tiny_model("tiny", warm=True, tools=True, seed=int(os.environ.get("GRPO_ASCEND_WARM_SEED", "0")))
 

@@ -212,7 +212,7 @@ def unsynced_micro_batch(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict
 def contract_evaluation(trainer: Any) -> dict[str, float]:
     """``evaluate()`` on 5 prompts in chunks of 2 (2 generations each): rank 0 makes 2 engine calls, rank 1
     one (ZeRO-3 and FSDP2 gather the whole weights once for all of them)."""
-    from grpo_ascend.synthetic import arithmetic_dataset
+    from grpo_ascend.data.synthetic import arithmetic_dataset
 
     trainer.args.per_device_eval_batch_size = 4
     trainer.args.eval_pass_threshold = 0.5
@@ -287,8 +287,8 @@ def grads_config(output_dir: str, world_size: int) -> Any:
 def make_trainer(model_dir: str, cfg: Any, dataset_size: int = 8, dataset_seed: int = 3, lora: bool = True) -> Any:
     """A GRPO trainer on the tiny model: LoRA rank 4, or full fine-tuning with ``lora=False``."""
     from grpo_ascend import GRPOTrainer
-    from grpo_ascend.models import default_lora_config
-    from grpo_ascend.synthetic import arithmetic_dataset
+    from grpo_ascend.data.synthetic import arithmetic_dataset
+    from grpo_ascend.models.policy import default_lora_config
 
     return GRPOTrainer(model_dir, even_token_fraction, cfg, arithmetic_dataset(dataset_size, seed=dataset_seed),
                        peft_config=default_lora_config(r=4) if lora else None)
@@ -381,8 +381,8 @@ def recording_trainer(model_dir: str, algorithm: str, output_dir: str, world: in
     """A GRPO or PPO trainer over 10 numbered prompts (4 per round in total, whatever ``world``) whose
     reward records the row ids it scores, one list per round."""
     from grpo_ascend import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
-    from grpo_ascend.models import default_lora_config
-    from grpo_ascend.synthetic import arithmetic_dataset
+    from grpo_ascend.data.synthetic import arithmetic_dataset
+    from grpo_ascend.models.policy import default_lora_config
 
     seen: list[list[int]] = []
 

@@ -45,8 +45,8 @@ def eval_trainer(model_dir: str, cfg: Any) -> Any:
     from dist_worker import even_token_fraction
 
     from grpo_ascend import GRPOTrainer
-    from grpo_ascend.models import default_lora_config
-    from grpo_ascend.synthetic import arithmetic_dataset
+    from grpo_ascend.data.synthetic import arithmetic_dataset
+    from grpo_ascend.models.policy import default_lora_config
 
     eval_dataset = arithmetic_dataset(EVAL_SIZE, seed=EVAL_SEED) if cfg.eval_strategy != "no" else None
     return GRPOTrainer(model_dir, even_token_fraction, cfg, arithmetic_dataset(12, seed=3), eval_dataset=eval_dataset,
@@ -60,7 +60,7 @@ def trainable(trainer: Any) -> dict[str, torch.Tensor]:
 def run(out: Path, spec: dict[str, Any], rank: int) -> None:
     from dist_worker import WriteAudit
 
-    from grpo_ascend.synthetic import arithmetic_dataset
+    from grpo_ascend.data.synthetic import arithmetic_dataset
 
     cfg = eval_config(str(out / "run"))
     audit = WriteAudit(Path(cfg.output_dir))

@@ -21,7 +21,7 @@ def main() -> int:
     from test_multiturn_trainer import PROMPT, AddEnv, _scripted
 
     from grpo_ascend import GRPOConfig, GRPOTrainer
-    from grpo_ascend.models import default_lora_config
+    from grpo_ascend.models.policy import default_lora_config
 
     model, tok, call, suffix, seq = _scripted(spec["model_dir"])
     model.script = dict(list(model.script.items())[: len(call)])  # the answer after the tool is sampled

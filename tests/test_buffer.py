@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_ascend.errors import ConfigError, DataError
-from grpo_ascend.rollout.buffer import FieldSpec, RolloutBuffer
+from grpo_ascend.rl.buffer import FieldSpec, RolloutBuffer
 
 
 def make(capacity: int = 5) -> RolloutBuffer:

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_ascend import checkpoint as ckpt
-from grpo_ascend import checkpoint_io
+from grpo_ascend.checkpoints import checkpoint as ckpt
+from grpo_ascend.checkpoints import files as checkpoint_io
 from grpo_ascend.errors import CheckpointError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def _base(model_dir):
 def _lora(model_dir, r=4, alpha=8, dropout=0.1, seed=0, targets="all-linear"):
     from peft import LoraConfig
 
-    from grpo_ascend.models import apply_peft
+    from grpo_ascend.models.policy import apply_peft
 
     torch.manual_seed(seed)  # LoRA B starts at zero; A's init depends on this seed
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
@@ -295,8 +295,8 @@ _CRASH_SCRIPT = textwrap.dedent(
     from transformers import AutoModelForCausalLM
     from peft import LoraConfig
 
-    from grpo_ascend.models import apply_peft
-    from grpo_ascend.checkpoint import CheckpointContents, save_checkpoint
+    from grpo_ascend.models.policy import apply_peft
+    from grpo_ascend.checkpoints.checkpoint import CheckpointContents, save_checkpoint
     model = apply_peft(AutoModelForCausalLM.from_pretrained(sys.argv[1]),
                            LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear", task_type="CAUSAL_LM"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from grpo_ascend import checkpoint_io as io
-from grpo_ascend.adapters import (
+from grpo_ascend.checkpoints import files as io
+from grpo_ascend.checkpoints.adapters import (
     adapter_names,
     adapter_state_dict,
     is_peft,
@@ -162,7 +162,7 @@ def _lora(tiny_model_dir):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    from grpo_ascend.models import apply_peft
+    from grpo_ascend.models.policy import apply_peft
 
     torch.manual_seed(0)
     config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM")

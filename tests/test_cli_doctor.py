@@ -225,7 +225,7 @@ def test_doctor_explains_import_torch_failing_on_an_autoloaded_backend(tmp_path)
 
 def test_doctor_ddp_timeout_default_is_the_config_default():
     from grpo_ascend import doctor
-    from grpo_ascend.config import GRPOConfig
+    from grpo_ascend.config.configs import GRPOConfig
 
     parser = argparse.ArgumentParser()
     doctor.add_arguments(parser)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from grpo_ascend.cli import main
-from grpo_ascend.recipe import load_recipe
+from grpo_ascend.config.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,10 +27,10 @@ def test_every_recipe_loads_and_validates(recipe):
 
 
 def test_config_reference_page_is_current():
-    from grpo_ascend.config_docs import DEFAULT_PATH, update_config_reference
+    from grpo_ascend.config.docs import DEFAULT_PATH, update_config_reference
 
     assert DEFAULT_PATH == ROOT / "docs" / "configuration.md"
-    assert update_config_reference(DEFAULT_PATH, check=True), "run: python -m grpo_ascend.config_docs"
+    assert update_config_reference(DEFAULT_PATH, check=True), "run: python -m grpo_ascend.config.docs"
 
 
 def _write(tmp_path, name, text):
@@ -131,7 +131,7 @@ def test_wrapping_a_model_with_lora_warns_nothing(tiny_model_dir):
     """peft's read of transformers' deprecated is_gradient_checkpointing does not reach the user."""
     import warnings
 
-    from grpo_ascend.models import apply_peft, default_lora_config, load_causal_lm
+    from grpo_ascend.models.policy import apply_peft, default_lora_config, load_causal_lm
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,6 +1,6 @@
 """One check per pinned private internal of torch FSDP2, DeepSpeed, accelerate and peft.
 
-Each compat module (grpo_ascend/dist/compat_*.py, grpo_ascend/compat_peft.py) lists the internals
+Each compat module (grpo_ascend/distributed/compat_*.py, grpo_ascend/models/compat_peft.py) lists the internals
 it relies on; a library version that changes one fails here with a CompatError naming it.
 """
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from grpo_ascend import compat_peft
-from grpo_ascend.dist import compat_accelerate, compat_deepspeed, compat_fsdp2
+from grpo_ascend.distributed import compat_accelerate, compat_deepspeed, compat_fsdp2
 from grpo_ascend.errors import CompatError
+from grpo_ascend.models import compat_peft
 
 
 @pytest.mark.parametrize("name", sorted(compat_peft.PINNED_INTERNALS))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_ascend.config import GRPOConfig, PPOConfig
+from grpo_ascend.config.configs import GRPOConfig, PPOConfig
+from grpo_ascend.config.recipe import RecipeConfig, load_recipe, parse_overrides
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.recipe import RecipeConfig, load_recipe, parse_overrides
 
 
 @pytest.mark.parametrize(
@@ -91,10 +91,14 @@ def test_ppo_validation():
 
 
 def test_recipe_names_still_import_from_config():
-    """The recipe layer moved to grpo_ascend.recipe; ``from grpo_ascend.config import ...`` keeps working."""
+    """``from grpo_ascend.config import GRPOConfig, RecipeConfig, ...`` keeps working: the package re-exports the
+    config classes and the recipe layer from the modules that define them."""
     import grpo_ascend
-    from grpo_ascend import config, recipe
+    import grpo_ascend.config as config
+    from grpo_ascend.config import configs, recipe
 
+    for name in ("GRPOConfig", "PPOConfig", "BatchPlan", "BaseRLConfig"):
+        assert getattr(config, name) is getattr(configs, name)
     for name in ("RecipeConfig", "load_recipe", "parse_overrides"):
         assert getattr(config, name) is getattr(recipe, name)
     assert grpo_ascend.RecipeConfig is recipe.RecipeConfig

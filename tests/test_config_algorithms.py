@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_ascend.config import GRPOConfig
+from grpo_ascend.config.configs import GRPOConfig
+from grpo_ascend.config.recipe import load_recipe
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.recipe import load_recipe
 
 
 def test_defaults_keep_todays_loss_and_follow_trl():

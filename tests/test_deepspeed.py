@@ -183,7 +183,7 @@ def test_zero3_checkpoints_have_the_plain_format_and_export(zero3_run, zero2_run
     the export command works on the checkpoint unchanged."""
     from safetensors.torch import load_file
 
-    from grpo_ascend.export import export_checkpoint
+    from grpo_ascend.checkpoints.export import export_checkpoint
 
     run = zero3_run / "run"
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
@@ -239,8 +239,8 @@ def test_zero0_is_refused_clearly(monkeypatch, tmp_path, tiny_model_dir):
 
 def test_full_fine_tuning_under_zero3_is_refused_clearly(monkeypatch, tmp_path, tiny_model_dir):
     from grpo_ascend import GRPOTrainer
+    from grpo_ascend.data.synthetic import arithmetic_dataset
     from grpo_ascend.errors import ConfigError
-    from grpo_ascend.synthetic import arithmetic_dataset
 
     _fake_accelerator(monkeypatch, zero_stage=3)
     cfg = dist_worker.grads_config(str(tmp_path / "run"), 1)
@@ -250,8 +250,8 @@ def test_full_fine_tuning_under_zero3_is_refused_clearly(monkeypatch, tmp_path, 
 
 def test_ppo_under_deepspeed_is_refused_clearly(monkeypatch, tmp_path, tiny_model_dir):
     from grpo_ascend import PPOConfig, PPOTrainer
+    from grpo_ascend.data.synthetic import arithmetic_dataset
     from grpo_ascend.errors import ConfigError
-    from grpo_ascend.synthetic import arithmetic_dataset
 
     _fake_accelerator(monkeypatch, zero_stage=2)
     cfg = PPOConfig(output_dir=str(tmp_path / "run"), max_completion_length=4, max_steps=1)
@@ -274,8 +274,8 @@ def test_deepspeed_launch_does_not_force_accelerate_onto_cpu_mode(monkeypatch, t
 
 
 def test_deepspeed_config_is_filled_from_the_run_config(caplog):
-    from grpo_ascend.config import GRPOConfig
-    from grpo_ascend.dist.deepspeed import fill_config
+    from grpo_ascend.config.configs import GRPOConfig
+    from grpo_ascend.distributed.deepspeed import fill_config
     from grpo_ascend.errors import ConfigError
 
     args = GRPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=3, steps_per_generation=3, num_generations=2,
@@ -295,7 +295,7 @@ def test_deepspeed_config_is_filled_from_the_run_config(caplog):
 
 
 def test_optimizer_shards_round_trip_and_refuse_another_world_size(tmp_path, tiny_model):
-    from grpo_ascend import checkpoint as ckpt
+    from grpo_ascend.checkpoints import checkpoint as ckpt
     from grpo_ascend.errors import CheckpointError
 
     model, _ = tiny_model

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_ascend.recipe import load_recipe
+from grpo_ascend.config.recipe import load_recipe
 from grpo_ascend.run import build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]

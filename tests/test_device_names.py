@@ -115,7 +115,7 @@ def test_package_import_does_not_import_torch_npu(tmp_path):
     code = (
         "import grpo_ascend, reward_models; import sys; assert 'torch_npu' not in sys.modules; "
         "import grpo_ascend.device, grpo_ascend.npu_patches, grpo_ascend.cli, grpo_ascend.doctor; "
-        "import grpo_ascend.trainers.grpo, grpo_ascend.trl_compat, grpo_ascend.hub; "
+        "import grpo_ascend.trainers.grpo, grpo_ascend.config.trl_compat, grpo_ascend.checkpoints.hub; "
         "assert 'torch_npu' not in sys.modules, 'torch_npu imported'; "
         "assert 'trl' not in sys.modules, 'trl imported (it is optional: TRL configs are recognised by class)'"
     )
@@ -132,7 +132,7 @@ def test_cli_imports_without_torch(tmp_path):
 
 
 # Distributed engines (DeepSpeed, FSDP2, ...) are named only by their strategy modules in
-# grpo_ascend/dist/: the trainer calls a strategy and never asks which engine runs. Unlike device
+# grpo_ascend/distributed/: the trainer calls a strategy and never asks which engine runs. Unlike device
 # names this covers prose too (docstrings, comments, help texts), as the pre-commit hook greps.
 ENGINE_NAME = re.compile(r"deepspeed|DeepSpeed|FSDP|fully_shard|DTensor|DistributedType")
 ENGINE_PACKAGE = Path("grpo_ascend/dist")
@@ -147,7 +147,7 @@ def test_only_strategy_modules_name_distributed_engines():
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             problems += [f"{relative}:{number}: {m.group(0)}" for m in ENGINE_NAME.finditer(line)]
     assert not problems, (
-        "only grpo_ascend/dist/ may name a distributed engine; call the run's strategy instead:\n"
+        "only grpo_ascend/distributed/ may name a distributed engine; call the run's strategy instead:\n"
         + "\n".join(problems)
     )
 

@@ -15,10 +15,10 @@ from transformers import TrainerCallback
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.cli import main as cli_main
+from grpo_ascend.data.synthetic import arithmetic_dataset
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.evaluation import eval_ks, eval_sums, finish_eval_metrics, pass_at_k
-from grpo_ascend.models import default_lora_config
-from grpo_ascend.synthetic import arithmetic_dataset
+from grpo_ascend.models.policy import default_lora_config
 from grpo_ascend.trainers.evaluating import eval_chunks
 
 
@@ -197,7 +197,7 @@ def test_evaluation_settings_are_checked(tmp_path, capsys):
 
 
 def test_recipe_eval_fraction_holds_out_prompts():
-    from grpo_ascend.recipe import RecipeConfig
+    from grpo_ascend.config.recipe import RecipeConfig
     from grpo_ascend.run import _eval_dataset
 
     data = arithmetic_dataset(20, seed=0)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE))
 import eval_dist_worker  # noqa: E402
 import test_distributed  # noqa: E402
 
-from grpo_ascend.synthetic import arithmetic_dataset  # noqa: E402
+from grpo_ascend.data.synthetic import arithmetic_dataset  # noqa: E402
 
 WORLD = test_distributed.WORLD
 

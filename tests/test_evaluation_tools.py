@@ -16,7 +16,7 @@ from test_multiturn_trainer import PROMPT, _scripted
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.errors import DataError
-from grpo_ascend.models import default_lora_config
+from grpo_ascend.models.policy import default_lora_config
 
 
 class LuckyEnv:

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_ascend import checkpoint as ckpt
+from grpo_ascend.checkpoints import checkpoint as ckpt
+from grpo_ascend.checkpoints.export import export_checkpoint, parse_dtype
 from grpo_ascend.cli import main
 from grpo_ascend.errors import CheckpointError, ConfigError
-from grpo_ascend.export import export_checkpoint, parse_dtype
 
 
 def _base(model_dir):
@@ -29,7 +29,7 @@ def trained(tiny_model_dir, tmp_path_factory):
     from peft import LoraConfig
     from transformers import AutoTokenizer
 
-    from grpo_ascend.models import apply_peft
+    from grpo_ascend.models.policy import apply_peft
 
     torch.manual_seed(0)
     model = apply_peft(

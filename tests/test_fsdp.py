@@ -3,7 +3,7 @@
 The multi-process tests start tests/dist_worker.py once per rank with the environment
 ``accelerate launch --config_file recipes/accelerate/fsdp2_1node_8cards.yaml`` sets
 (ACCELERATE_USE_FSDP, FSDP_VERSION=2, FSDP_AUTO_WRAP_POLICY=TRANSFORMER_BASED_WRAP). accelerate
-1.15 enables its FSDP plugin only for accelerator processes; grpo_ascend.dist.compat_accelerate switches the
+1.15 enables its FSDP plugin only for accelerator processes; grpo_ascend.distributed.compat_accelerate switches the
 CPU processes' accelerate state to FSDP, so the same fully_shard wrapping runs here.
 """
 
@@ -167,9 +167,9 @@ def test_unsupported_fsdp_settings_are_refused(monkeypatch, tmp_path, tiny_model
 
 def test_ppo_under_fsdp_is_refused(monkeypatch, tmp_path, tiny_model_dir):
     from grpo_ascend import PPOConfig, PPOTrainer
+    from grpo_ascend.data.synthetic import arithmetic_dataset
     from grpo_ascend.errors import ConfigError
-    from grpo_ascend.models import default_lora_config
-    from grpo_ascend.synthetic import arithmetic_dataset
+    from grpo_ascend.models.policy import default_lora_config
 
     _fake_fsdp_accelerator(monkeypatch)
     cfg = PPOConfig(output_dir=str(tmp_path / "run"), max_steps=1, disable_tqdm=True)
@@ -181,7 +181,7 @@ def test_ppo_under_fsdp_is_refused(monkeypatch, tmp_path, tiny_model_dir):
 def test_fsdp_on_the_cpu_is_switched_on_only_when_requested(monkeypatch):
     from accelerate.utils import DistributedType
 
-    from grpo_ascend.dist.compat_accelerate import switch_cpu_processes_to_fsdp as enable_on_cpu
+    from grpo_ascend.distributed.compat_accelerate import switch_cpu_processes_to_fsdp as enable_on_cpu
 
     accelerator = SimpleNamespace(state=SimpleNamespace(distributed_type=DistributedType.MULTI_CPU,
                                                         mixed_precision="no"))

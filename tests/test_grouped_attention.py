@@ -8,9 +8,9 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from grpo_ascend import device as dev
-from grpo_ascend import grouped_attention
-from grpo_ascend.grouped_attention import IMPLEMENTATION, grouped_attention_forward
-from grpo_ascend.models import CompletionLogprobs
+from grpo_ascend.models import grouped_attention
+from grpo_ascend.models.grouped_attention import IMPLEMENTATION, grouped_attention_forward
+from grpo_ascend.models.policy import CompletionLogprobs
 
 
 class _Module(nn.Module):
@@ -133,10 +133,10 @@ def test_no_switch_under_activation_checkpointing_or_other_implementations(chaot
         assert switched and model.config._attn_implementation == IMPLEMENTATION
     assert model.config._attn_implementation == "sdpa"
     monkeypatch.setattr(grouped_attention, "_register", lambda: None)
-    monkeypatch.setattr("grpo_ascend.models.activation_checkpointing_on", lambda m: True)
+    monkeypatch.setattr("grpo_ascend.models.policy.activation_checkpointing_on", lambda m: True)
     with grouped_attention.grouped_attention(model) as switched:
         assert not switched and model.config._attn_implementation == "sdpa"
-    monkeypatch.setattr("grpo_ascend.models.activation_checkpointing_on", lambda m: False)
+    monkeypatch.setattr("grpo_ascend.models.policy.activation_checkpointing_on", lambda m: False)
     monkeypatch.setattr(model.config, "_attn_implementation", "eager")
     with grouped_attention.grouped_attention(model) as switched:
         assert not switched and model.config._attn_implementation == "eager"

@@ -16,14 +16,14 @@ from helpers import (
 )
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
-from grpo_ascend.models import (
+from grpo_ascend.data.synthetic import arithmetic_dataset
+from grpo_ascend.models.policy import (
     CompletionLogprobs,
     adapters_disabled,
     apply_peft,
     default_lora_config,
     load_causal_lm,
 )
-from grpo_ascend.synthetic import arithmetic_dataset
 
 
 def _config(tmp_path, **kw):

@@ -9,8 +9,8 @@ from helpers import SMALL_RUN, first_digit_is_one, one_round_gradients
 from test_grpo_trainer import fixed_experience
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
-from grpo_ascend.models import default_lora_config
-from grpo_ascend.synthetic import arithmetic_dataset
+from grpo_ascend.data.synthetic import arithmetic_dataset
+from grpo_ascend.models.policy import default_lora_config
 
 CASES = [
     {"loss_type": "cispo", "epsilon_high": 5.0, "kl_estimator": "k1", "use_bias_correction_kl": True},

@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.algorithms.reward_aggregation import GroupedRewards, aggregate_advantages
+from grpo_ascend.data.synthetic import arithmetic_dataset
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models import cast_head_to_fp32, default_lora_config, mix_into_reference
-from grpo_ascend.synthetic import arithmetic_dataset
+from grpo_ascend.models.policy import cast_head_to_fp32, default_lora_config, mix_into_reference
 
 
 def _config(tmp_path, **kw):

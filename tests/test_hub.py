@@ -10,9 +10,10 @@ import pytest
 import torch
 from helpers import SMALL_RUN, index_in_group
 
-from grpo_ascend import GRPOConfig, GRPOTrainer, hub
-from grpo_ascend.models import default_lora_config
-from grpo_ascend.synthetic import arithmetic_dataset
+from grpo_ascend import GRPOConfig, GRPOTrainer
+from grpo_ascend.checkpoints import hub
+from grpo_ascend.data.synthetic import arithmetic_dataset
+from grpo_ascend.models.policy import default_lora_config
 
 
 class FakeHub:
@@ -87,7 +88,7 @@ def test_push_uploads_the_saved_model_to_the_repo(tmp_path, tiny_model_dir, monk
     from huggingface_hub import constants
     from safetensors.torch import load
 
-    from grpo_ascend.adapters import adapter_state_dict
+    from grpo_ascend.checkpoints.adapters import adapter_state_dict
 
     fake = FakeHub()
     monkeypatch.setattr(hub, "hf_api", lambda: fake)

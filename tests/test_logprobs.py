@@ -7,7 +7,11 @@ import torch
 from torch import nn
 
 from grpo_ascend.errors import ConfigError, DataError
-from grpo_ascend.logprobs import logits_to_logprobs, token_logprobs_from_hidden, token_logprobs_from_logits
+from grpo_ascend.models.logprobs import (
+    logits_to_logprobs,
+    token_logprobs_from_hidden,
+    token_logprobs_from_logits,
+)
 
 
 def naive(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):

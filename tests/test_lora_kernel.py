@@ -1,4 +1,4 @@
-"""The fused LoRA linear kernel (grpo_ascend/lora_kernel.py): peft's numbers, fewer passes, fallbacks."""
+"""The fused LoRA linear kernel (grpo_ascend/models/lora_kernel.py): peft's numbers, fewer passes, fallbacks."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
-from grpo_ascend import compat_peft, lora_kernel
-from grpo_ascend.models import lora_merged
+from grpo_ascend.models import compat_peft, lora_kernel
+from grpo_ascend.models.policy import lora_merged
 
 
 class Net(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_ascend.models import apply_peft, default_lora_config, lora_merge_bytes, lora_merged
+from grpo_ascend.models.policy import apply_peft, default_lora_config, lora_merge_bytes, lora_merged
 from grpo_ascend.rollout.engine import RolloutEngine
 from grpo_ascend.rollout.sampling import SamplingParams
 
@@ -44,8 +44,8 @@ def test_merged_forward_equals_adapter_forward_and_weights_come_back_exactly(tin
 def test_merged_copy_is_stored_in_the_decode_layout(tiny_model, monkeypatch):
     """On the CPU the merged weight is W + delta stored [in, out] (a transposed view, the layout MKL's
     small-row sgemm runs fastest); where the device keeps its own layout it stays row-major."""
-    from grpo_ascend import compat_peft
     from grpo_ascend import device as dev
+    from grpo_ascend.models import compat_peft
 
     model, _ = tiny_model
     policy = _adapted(model)
@@ -109,7 +109,7 @@ def _trainer(tmp_path, model_dir, peft=True, **kw):
     from helpers import SMALL_RUN, index_in_group
 
     from grpo_ascend import GRPOConfig, GRPOTrainer
-    from grpo_ascend.synthetic import arithmetic_dataset
+    from grpo_ascend.data.synthetic import arithmetic_dataset
 
     cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), **kw})
     return GRPOTrainer(str(model_dir), index_in_group(cfg.num_generations), cfg, arithmetic_dataset(8),

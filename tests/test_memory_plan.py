@@ -1,4 +1,4 @@
-"""The memory plan (grpo_ascend/memory_plan.py, ``grpo-ascend plan``): shapes, terms, layouts, the token
+"""The memory plan (grpo_ascend/planning/memory_plan.py, ``grpo-ascend plan``): shapes, terms, layouts, the token
 budget it picks, and the plan against the peak memory real runs measure per phase on the CPU."""
 
 from __future__ import annotations
@@ -12,10 +12,14 @@ from pathlib import Path
 import pytest
 
 from grpo_ascend.cli import main
-from grpo_ascend.config import GRPOConfig
-from grpo_ascend.dist.memory_layout import deepspeed_layout, layout_from_accelerate_config, plain_layout
+from grpo_ascend.config.configs import GRPOConfig
+from grpo_ascend.distributed.memory_layout import (
+    deepspeed_layout,
+    layout_from_accelerate_config,
+    plain_layout,
+)
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.memory_plan import (
+from grpo_ascend.planning.memory_plan import (
     GiB,
     RunSettings,
     auto_token_budget,
@@ -173,8 +177,8 @@ def test_plan_is_within_tolerance_of_measured_peaks_per_phase():
 def _auto_trainer(tiny_model_dir, monkeypatch, free_bytes: int):
     """A GRPO trainer on builtin:tiny with max_tokens_per_micro_batch: auto on a device reporting ``free_bytes``."""
     from grpo_ascend import device as dev
-    from grpo_ascend.data import load_prompt_dataset
-    from grpo_ascend.models import default_lora_config
+    from grpo_ascend.data.prompts import load_prompt_dataset
+    from grpo_ascend.models.policy import default_lora_config
     from grpo_ascend.trainers.grpo import GRPOTrainer
 
     monkeypatch.setattr(dev, "free_memory", lambda device: (free_bytes, free_bytes))
@@ -189,7 +193,7 @@ def _auto_trainer(tiny_model_dir, monkeypatch, free_bytes: int):
 
 def test_trainer_resolves_auto_budget_through_the_plan(tiny_model_dir, monkeypatch):
     """The budget the trainer picks is the plan's for 90 % of the reported memory; too little memory is refused."""
-    from grpo_ascend.memory_plan import AUTO_FRACTION, lora_targets, run_settings
+    from grpo_ascend.planning.memory_plan import AUTO_FRACTION, lora_targets, run_settings
 
     shape = load_model_shape("x", Path(tiny_model_dir) / "config.json")
     config = GRPOConfig(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=4,

@@ -13,9 +13,9 @@ import torch
 from helpers import SMALL_RUN, first_digit_is_one, make_experience, run_round
 
 from grpo_ascend import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
+from grpo_ascend.data.synthetic import arithmetic_dataset
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models import default_lora_config
-from grpo_ascend.synthetic import arithmetic_dataset
+from grpo_ascend.models.policy import default_lora_config
 from grpo_ascend.trainers.micro_batches import (
     TokenCost,
     _next_fit,

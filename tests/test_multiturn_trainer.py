@@ -140,7 +140,7 @@ def test_tool_surface_errors(tiny_model_dir):
 
 
 def test_recipe_tools_and_environment_keys(tmp_path, tiny_model_dir):
-    from grpo_ascend.recipe import RecipeConfig
+    from grpo_ascend.config.recipe import RecipeConfig
     from grpo_ascend.rollout.row_rollouts import ToolRollout
     from grpo_ascend.run import build_trainer
 
@@ -195,7 +195,7 @@ def test_rollout_observations_that_differ_within_a_group_get_their_own_prompts(t
 
 
 def test_resume_with_tools_and_environments_is_exact(tmp_path, tiny_model_dir):
-    from grpo_ascend.models import default_lora_config
+    from grpo_ascend.models.policy import default_lora_config
 
     def reward(prompts, completions, **kwargs):
         return [float(len(c[-1]["content"]) % 3 == 0) for c in completions]

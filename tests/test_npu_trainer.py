@@ -13,8 +13,8 @@ from helpers import SMALL_RUN, first_digit_is_one
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend import device as dev
-from grpo_ascend.models import default_lora_config, load_causal_lm, load_tokenizer
-from grpo_ascend.synthetic import arithmetic_dataset
+from grpo_ascend.data.synthetic import arithmetic_dataset
+from grpo_ascend.models.policy import default_lora_config, load_causal_lm, load_tokenizer
 from grpo_ascend.trainers import base as trainer_base
 from grpo_ascend.trainers.base import RLTrainerBase
 

@@ -25,16 +25,16 @@ from grpo_ascend.algorithms.kl_control import (
     make_kl_controller,
     token_rewards,
 )
-from grpo_ascend.critic import CRITIC_ADAPTER, active_adapter, build_critic, enable_critic_grads
+from grpo_ascend.data.synthetic import arithmetic_dataset
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models import (
+from grpo_ascend.models.critic import CRITIC_ADAPTER, active_adapter, build_critic, enable_critic_grads
+from grpo_ascend.models.policy import (
     CompletionLogprobs,
     apply_peft,
     backbone_and_head,
     default_lora_config,
     load_causal_lm,
 )
-from grpo_ascend.synthetic import arithmetic_dataset
 
 
 @pytest.fixture(autouse=True)

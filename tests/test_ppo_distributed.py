@@ -45,8 +45,8 @@ def step_gradients(model_dir: str, out: str, rank: int, world: int) -> dict[str,
     from helpers import make_experience, one_round_gradients
 
     from grpo_ascend import PPOConfig, PPOTrainer
-    from grpo_ascend.models import default_lora_config
-    from grpo_ascend.synthetic import arithmetic_dataset
+    from grpo_ascend.data.synthetic import arithmetic_dataset
+    from grpo_ascend.models.policy import default_lora_config
 
     accum = 4 // world
     cfg = PPOConfig(output_dir=out, num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=accum,

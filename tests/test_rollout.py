@@ -371,7 +371,7 @@ def test_chat_prompts_and_batch_layout(chaotic):
 def test_works_with_lora_and_inference_mode(chaotic):
     from peft import LoraConfig
 
-    from grpo_ascend.models import apply_peft
+    from grpo_ascend.models.policy import apply_peft
 
     model, tok = chaotic
     ref = hf_greedy(model, tok, PROMPTS, 12)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_ascend.models import CompletionLogprobs, apply_peft, default_lora_config, shared_prompt_rows
+from grpo_ascend.models.policy import CompletionLogprobs, apply_peft, default_lora_config, shared_prompt_rows
 
 
 def _batch(tokenizer, prompts: list[str], repeats: list[int], completion_len: int = 7, seed: int = 0):
@@ -72,7 +72,7 @@ def test_shared_forward_matches_plain_forward_and_gradients(tiny_model, repeats,
 
 def test_shared_forward_with_adapters_disabled_matches_base(tiny_model):
     """The reference pass (adapters off) also shares prompts and equals the base model's log-probs."""
-    from grpo_ascend.models import adapters_disabled
+    from grpo_ascend.models.policy import adapters_disabled
 
     model, tok = tiny_model
     inputs = _batch(tok, PROMPTS[:2], [4, 4])
@@ -99,7 +99,7 @@ def test_gradient_checkpointing_uses_the_plain_forward(tiny_model, monkeypatch):
     except TypeError:
         enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     calls = []
-    import grpo_ascend.models as models
+    import grpo_ascend.models.policy as models
 
     monkeypatch.setattr(models, "shared_prompt_rows", lambda *a, **k: calls.append(1))
     inputs = _batch(tok, PROMPTS[:2], [4, 4])
@@ -149,7 +149,7 @@ def test_shared_forward_under_bf16_autocast(tiny_model):
 
 
 def test_critic_values_share_prompts_with_the_same_result(tiny_model):
-    from grpo_ascend.critic import active_adapter, build_critic, enable_critic_grads
+    from grpo_ascend.models.critic import active_adapter, build_critic, enable_critic_grads
 
     model, tok = tiny_model
     policy = apply_peft(model, default_lora_config(r=4))
@@ -180,7 +180,7 @@ def test_critic_values_share_prompts_with_the_same_result(tiny_model):
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_completions_cut_after_the_longest_give_the_uncut_logprobs_and_gradients(tiny_model, with_entropy):
     """Columns that are padding in every row are dropped before the forward and come back as zeros."""
-    from grpo_ascend.models import used_completion_width
+    from grpo_ascend.models.policy import used_completion_width
 
     model, tok = tiny_model
     torch.manual_seed(0)

@@ -10,8 +10,8 @@ import torch
 from helpers import SMALL_RUN, first_digit_is_one, uninterrupted_and_resumed
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
-from grpo_ascend.models import default_lora_config
-from grpo_ascend.synthetic import arithmetic_dataset
+from grpo_ascend.data.synthetic import arithmetic_dataset
+from grpo_ascend.models.policy import default_lora_config
 from grpo_ascend.trainers.base import RoundLog
 from grpo_ascend.trainers.step_segments import Segment, step_log, step_parts
 
@@ -64,7 +64,7 @@ def test_steps_straddle_generation_batches_in_trls_order(tmp_path, tiny_model_di
 
 def test_a_straddling_step_normalises_each_micro_batch_by_its_own_batch(tmp_path, tiny_model_dir):
     """dapo: Σ_micro Σ tokens L / (tokens of its generation batch × GA / spg), as TRL's num_items_in_batch rule."""
-    from grpo_ascend.ranks import Ranks
+    from grpo_ascend.distributed.ranks import Ranks
     from grpo_ascend.trainers.step_segments import straddling_normalisers
 
     cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), "num_generations": 2,

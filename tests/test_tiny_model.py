@@ -7,9 +7,14 @@ import os
 import pytest
 import torch
 
+from grpo_ascend.data.synthetic import arithmetic_dataset, arithmetic_problems
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.synthetic import arithmetic_dataset, arithmetic_problems
-from grpo_ascend.tiny_model import COMPACT_TOOLS_CHAT_TEMPLATE, build_model, build_tokenizer, resolve_builtin
+from grpo_ascend.models.tiny_model import (
+    COMPACT_TOOLS_CHAT_TEMPLATE,
+    build_model,
+    build_tokenizer,
+    resolve_builtin,
+)
 
 
 def test_tokenizer_is_deterministic_and_has_chat_template():
@@ -61,7 +66,7 @@ def test_a_second_builder_waits_for_the_first(tmp_path):
     import subprocess
     import sys
 
-    from grpo_ascend.tiny_model import _build_lock
+    from grpo_ascend.models.tiny_model import _build_lock
 
     target = tmp_path / "model"
     probe = ("import fcntl, sys; f = open(sys.argv[1], 'w')\n"
@@ -86,8 +91,8 @@ def test_shipped_warm_start_is_installed_exactly(tmp_path, tools, name):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_ascend import builtin_weights
-    from grpo_ascend.tiny_model import build_name, build_tiny_model
+    from grpo_ascend.models import builtin_weights
+    from grpo_ascend.models.tiny_model import build_name, build_tiny_model
 
     assert build_name("tiny", warm=True, tools=tools) == name
     shipped = builtin_weights.shipped(name)
@@ -106,7 +111,7 @@ def test_shipped_warm_start_is_installed_exactly(tmp_path, tools, name):
 
 
 def test_other_seeds_are_not_shipped():
-    from grpo_ascend import builtin_weights
+    from grpo_ascend.models import builtin_weights
 
     assert builtin_weights.shipped("tiny-warm-s1-v3") is None
     assert set(builtin_weights.manifest()) == {name for _, name in WARM_BUILDS}
@@ -118,7 +123,7 @@ def test_a_corrupt_or_stale_shipped_file_is_refused(tmp_path, monkeypatch):
     import json
     import shutil
 
-    from grpo_ascend import builtin_weights
+    from grpo_ascend.models import builtin_weights
 
     name = "tiny-warm-s0-v3"
     shutil.copy(builtin_weights.shipped(name), tmp_path / f"{name}.safetensors")
@@ -127,7 +132,7 @@ def test_a_corrupt_or_stale_shipped_file_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(builtin_weights, "MANIFEST", tmp_path / "manifest.json")
     tok = build_tokenizer()
     (tmp_path / "manifest.json").write_text(json.dumps({name: {**entry, "sha256": "0" * 64}}))
-    with pytest.raises(RuntimeError, match="corrupt.*python -m grpo_ascend.builtin_weights"):
+    with pytest.raises(RuntimeError, match="corrupt.*python -m grpo_ascend.models.builtin_weights"):
         builtin_weights.verify(name, tok)
     (tmp_path / "manifest.json").write_text(json.dumps({name: {**entry, "tokenizer": "f" * 64}}))
     with pytest.raises(RuntimeError, match="tokenizer built here.*BUILD_VERSION"):
@@ -140,11 +145,11 @@ def test_a_corrupt_or_stale_shipped_file_is_refused(tmp_path, monkeypatch):
 def test_the_warm_start_code_still_builds_the_shipped_weights(tools, name):
     """The first steps of each warm start (8; 3 of the calculator one), rerun here from its real start, reproduce the losses recorded
     when the shipped weights were trained: a change to the data, tokenizer, init, optimizer or schedule
-    that was not followed by `python -m grpo_ascend.builtin_weights` fails here. Tolerance 1e-4 relative:
+    that was not followed by `python -m grpo_ascend.models.builtin_weights` fails here. Tolerance 1e-4 relative:
     an AVX2 CPU and the same code at ATen's default capability with MKL limited to SSE4.2 agree to
     ~1e-6 over these steps, while the losses fall by ~0.2-1.3 per step."""
-    from grpo_ascend import builtin_weights
-    from grpo_ascend.tiny_model import first_warm_start_losses
+    from grpo_ascend.models import builtin_weights
+    from grpo_ascend.models.tiny_model import first_warm_start_losses
 
     recorded = builtin_weights.manifest()[name]["first_losses"][: 3 if tools else 8]  # tool steps cost seconds each
     assert first_warm_start_losses("tiny", tools=tools, steps=len(recorded)) == pytest.approx(recorded, rel=1e-4)
@@ -158,7 +163,7 @@ def test_a_full_rebuild_matches_the_shipped_warm_start(tmp_path):
     on the CPU kind that built it, at 1 thread; training amplifies float-order differences, so another
     instruction set ends ~20 % away in weight space: measured 0.107 vs 0.123 NLL and 0.62 vs 0.64 accuracy
     with ATen's default capability and MKL limited to SSE4.2.)"""
-    from grpo_ascend.tiny_model import build_tiny_model
+    from grpo_ascend.models.tiny_model import build_tiny_model
 
     shipped = _task_scores(build_tiny_model("tiny", warm=True, out_dir=tmp_path / "shipped"))
     rebuilt = _task_scores(build_tiny_model("tiny", warm=True, from_scratch=True, out_dir=tmp_path / "rebuilt"))
@@ -169,7 +174,7 @@ def _task_scores(model_dir) -> tuple[float, float]:
     """(mean completion NLL per token, greedy accuracy) on 128 held-out arithmetic problems."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_ascend.synthetic import conversation
+    from grpo_ascend.data.synthetic import conversation
 
     model, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
     nll, tokens, correct = 0.0, 0, 0

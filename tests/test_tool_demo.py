@@ -7,11 +7,16 @@ import pytest
 from helpers import SMALL_RUN, late_rewards_vs_control
 from transformers import AutoTokenizer
 
-from grpo_ascend.data import load_prompt_dataset
+from grpo_ascend.data.prompts import load_prompt_dataset
+from grpo_ascend.data.synthetic import product_problems
 from grpo_ascend.errors import ConfigError, DataError
-from grpo_ascend.synthetic import product_problems
-from grpo_ascend.tiny_model import CHAT_TEMPLATE, COMPACT_TOOLS_CHAT_TEMPLATE, FLAVOURS, resolve_builtin
-from grpo_ascend.tiny_tool_warm import tool_transcript
+from grpo_ascend.models.tiny_model import (
+    CHAT_TEMPLATE,
+    COMPACT_TOOLS_CHAT_TEMPLATE,
+    FLAVOURS,
+    resolve_builtin,
+)
+from grpo_ascend.models.tiny_tool_warm import tool_transcript
 from grpo_ascend.tools import Toolset, calculator, check_tool_chat_template, load_toolset, render_tool_suffix
 from grpo_ascend.tools.execution import ToolResult
 
@@ -97,8 +102,8 @@ def test_warm_start_transcripts_are_what_a_rollout_generates(tiny_model_dir):
 def _calculator_run(tmp_path, model_dir, name, learning_rate, tools=("calculator",), steps=16):
     """A short GRPO run of the demo's setting (products, the calculator, accuracy); its output folder."""
     from grpo_ascend import GRPOConfig, GRPOTrainer
-    from grpo_ascend.models import default_lora_config
-    from grpo_ascend.synthetic import products_dataset
+    from grpo_ascend.data.synthetic import products_dataset
+    from grpo_ascend.models.policy import default_lora_config
     from reward_models import load_reward_function
 
     cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / name), "max_steps": steps, "num_generations": 8,

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import grpo_ascend.trackers as trackers
-from grpo_ascend.config import GRPOConfig
+import grpo_ascend.tracking.trackers as trackers
+from grpo_ascend.config.configs import GRPOConfig
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.tracking import RunTracker
+from grpo_ascend.tracking.run_tracker import RunTracker
 
 CONFIG = {"beta": 0.04, "loss_type": "sapo", "report_to": ["jsonl"]}
 ROWS = [{"prompt": "What is 1+1?", "completion": "<answer>2</answer>", "reward": 1.0},

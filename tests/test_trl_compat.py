@@ -8,15 +8,15 @@ import warnings
 import pytest
 import torch
 
-from grpo_ascend.errors import ConfigError
-from grpo_ascend.trl_compat import (
+from grpo_ascend.config.trl_compat import (
     TRAINER_SURFACE,
     TRLConfigWarning,
     from_trl_config,
     is_trl_grpo_config,
     update_doc,
 )
-from grpo_ascend.trl_fields import TRL_FIELDS
+from grpo_ascend.config.trl_fields import TRL_FIELDS
+from grpo_ascend.errors import ConfigError
 
 
 def _trl():
@@ -39,10 +39,10 @@ def test_every_trl_field_is_classified():
     """A TRL upgrade that adds (or drops) a field fails here until trl_fields.py classifies it."""
     trl = _trl()
     names = [f.name for f in dataclasses.fields(trl.GRPOConfig)]
-    assert [n for n in names if n not in TRL_FIELDS] == [], "classify these in grpo_ascend/trl_fields.py"
+    assert [n for n in names if n not in TRL_FIELDS] == [], "classify these in grpo_ascend/config/trl_fields.py"
     assert [n for n in TRL_FIELDS if n not in names] == [], "these are no longer TRL fields"
     assert list(TRL_FIELDS) == names  # the table (and the doc) follow TRL's order
-    from grpo_ascend.config import GRPOConfig
+    from grpo_ascend.config.configs import GRPOConfig
 
     ours = set(GRPOConfig.field_names())
     for name, entry in TRL_FIELDS.items():
@@ -52,7 +52,7 @@ def test_every_trl_field_is_classified():
 
 def test_detection_matches_only_trl_configs(tmp_path):
     """(That grpo_ascend never imports trl is checked by tests/test_device_names.py's import test.)"""
-    from grpo_ascend.config import GRPOConfig
+    from grpo_ascend.config.configs import GRPOConfig
 
     assert not is_trl_grpo_config(GRPOConfig())
     assert is_trl_grpo_config(_config(tmp_path))
@@ -164,7 +164,7 @@ def test_trainer_takes_a_trl_config_and_has_the_trl_surface(tmp_path, tiny_model
     from datasets import Dataset
 
     from grpo_ascend import GRPOTrainer
-    from grpo_ascend.config import GRPOConfig
+    from grpo_ascend.config.configs import GRPOConfig
 
     cfg = _config(tmp_path, num_generations=4, per_device_train_batch_size=4, max_completion_length=4, max_steps=1,
                   learning_rate=1e-3, save_steps=100, logging_steps=1, disable_tqdm=True, report_to="none",
@@ -193,11 +193,11 @@ def test_trainer_takes_a_trl_config_and_has_the_trl_surface(tmp_path, tiny_model
 
 
 def test_compatibility_doc_is_fresh():
-    assert update_doc(check=True), "run: python -m grpo_ascend.trl_compat"
+    assert update_doc(check=True), "run: python -m grpo_ascend.config.trl_compat"
 
 
 def test_model_init_kwargs_reach_from_pretrained(tiny_model_dir):
-    from grpo_ascend.models import load_causal_lm, load_tokenizer
+    from grpo_ascend.models.policy import load_causal_lm, load_tokenizer
 
     model = load_causal_lm(str(tiny_model_dir), init_kwargs={"dtype": "bfloat16", "attn_implementation": "eager"})
     assert next(model.parameters()).dtype == torch.bfloat16 and model.config._attn_implementation == "eager"
@@ -211,7 +211,7 @@ def test_model_init_kwargs_reach_from_pretrained(tiny_model_dir):
 def test_disable_dropout_zeroes_every_dropout_lora_included(tiny_model_dir, disable):
     from peft import LoraConfig
 
-    from grpo_ascend.config import GRPOConfig
+    from grpo_ascend.config.configs import GRPOConfig
     from grpo_ascend.trainers.components import build_policy
 
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -222,7 +222,7 @@ def test_disable_dropout_zeroes_every_dropout_lora_included(tiny_model_dir, disa
 
 def test_chat_template_kwargs_reach_the_prompts(tiny_model):
     """TRL's chat_template_kwargs (e.g. enable_thinking) render chat prompts; the config carries them to the engine."""
-    from grpo_ascend.config import GRPOConfig
+    from grpo_ascend.config.configs import GRPOConfig
     from grpo_ascend.rollout.engine import RolloutEngine
     from grpo_ascend.trainers.components import build_engine
 

@@ -7,11 +7,11 @@ import warnings
 
 import pytest
 
-from grpo_ascend.config import GRPOConfig
+from grpo_ascend.config.configs import GRPOConfig
+from grpo_ascend.config.trl_compat import TRLConfigWarning, from_trl_config
+from grpo_ascend.config.trl_defaults import TRL_DEFAULTS
+from grpo_ascend.config.trl_fields import TRL_FIELDS
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.trl_compat import TRLConfigWarning, from_trl_config
-from grpo_ascend.trl_defaults import TRL_DEFAULTS
-from grpo_ascend.trl_fields import TRL_FIELDS
 
 OURS = set(GRPOConfig.field_names())
 TRL_ONLY = [name for name in TRL_FIELDS if name not in OURS]

@@ -1,7 +1,7 @@
 """Rollout: grouped sampling of completions and the on-device rollout buffer.
 
 ``RolloutEngine``, ``RolloutBatch`` and ``SamplingParams`` are re-exported lazily, so importing
-``grpo_ascend.rollout.buffer`` does not pull in transformers.
+``grpo_ascend.rl.buffer`` does not pull in transformers.
 """
 
 from __future__ import annotations

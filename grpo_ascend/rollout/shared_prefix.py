@@ -31,8 +31,8 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from grpo_ascend.attention_switch import attention_implementation, register
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.models.attention_switch import attention_implementation, register
 from grpo_ascend.rollout.kv_cache import BucketedKVCache
 
 IMPLEMENTATION = "grpo_ascend_shared_prefix"

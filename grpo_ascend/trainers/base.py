@@ -31,21 +31,22 @@ from torch import Tensor, nn
 from grpo_ascend import device as dev
 from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSettings
 from grpo_ascend.algorithms.losses import LossNormaliser
-from grpo_ascend.checkpoint import resolve_checkpoint
-from grpo_ascend.config import BaseRLConfig, BatchPlan
-from grpo_ascend.data import is_stream, make_prompt_sampler
-from grpo_ascend.dist import make_accelerator, select_strategy
+from grpo_ascend.checkpoints.checkpoint import resolve_checkpoint
+from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
+from grpo_ascend.data.prompts import is_stream, make_prompt_sampler
+from grpo_ascend.distributed import make_accelerator, select_strategy
+from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, ExperienceMaker
-from grpo_ascend.models import (
+from grpo_ascend.models import lora_kernel
+from grpo_ascend.models.policy import (
     CompletionLogprobs,
     adapters_disabled,
     is_peft,
     lora_merged,
     trainable_parameters,
 )
-from grpo_ascend.ranks import Ranks
-from grpo_ascend.tracking import RunTracker
+from grpo_ascend.tracking.run_tracker import RunTracker
 from grpo_ascend.trainers.best_tracking import BestCheckpointTracker
 from grpo_ascend.trainers.checkpointing import Checkpointer
 from grpo_ascend.trainers.components import (
@@ -137,8 +138,6 @@ class RLTrainerBase:
         self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
         self.strategy.configure(self.policy, plan)
         if args.fused_lora and self.is_peft and self.strategy.may_fuse_lora():
-            from grpo_ascend import lora_kernel
-
             logger.info("fused LoRA kernel on %d layers", lora_kernel.install(self.policy))
         unsharded_reference = self.strategy.unsharded_reference(
             self.policy, self.is_peft, wants_reference=args.needs_reference_model)
@@ -492,7 +491,7 @@ class RLTrainerBase:
                     tags: str | list[str] | None = None) -> Any:
         """Save the model into output_dir, write a model card (README.md) and upload output_dir (without
         its checkpoint-* folders) to ``hub_model_id``. Every rank must call it; the main rank uploads and
-        gets the CommitInfo (a Future when not ``blocking``). Raises :class:`~grpo_ascend.hub.HubError`
+        gets the CommitInfo (a Future when not ``blocking``). Raises :class:`~grpo_ascend.checkpoints.hub.HubError`
         with what to do when the Hub can't be reached (offline, no token, no write access)."""
         return self.publisher.push_to_hub(commit_message, blocking, token, revision, private, model_name,
                                           dataset_name, tags)

@@ -1,5 +1,5 @@
 """What a trainer saves and restores: the checkpoint contents, every rank's random streams, and
-the run's counters (the file format and its atomic writing are grpo_ascend/checkpoint.py's)."""
+the run's counters (the file format and its atomic writing are grpo_ascend/checkpoints/checkpoint.py's)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from grpo_ascend import checkpoint as ckpt
 from grpo_ascend import device as dev
-from grpo_ascend.config import BaseRLConfig
-from grpo_ascend.data import PromptSampler, StreamSampler
-from grpo_ascend.dist import Strategy
-from grpo_ascend.models import trainable_parameters
+from grpo_ascend.checkpoints import checkpoint as ckpt
+from grpo_ascend.config.configs import BaseRLConfig
+from grpo_ascend.data.prompts import PromptSampler, StreamSampler
+from grpo_ascend.distributed import Strategy
+from grpo_ascend.models.policy import trainable_parameters
 from grpo_ascend.trainers.best_tracking import BestCheckpointTracker
 from grpo_ascend.trainers.run_state import RunState
 

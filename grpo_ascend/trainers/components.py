@@ -13,11 +13,10 @@ import torch
 from torch import nn
 
 from grpo_ascend import device as dev
-from grpo_ascend.config import BaseRLConfig, BatchPlan
-from grpo_ascend.data import is_stream
+from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
+from grpo_ascend.data.prompts import is_stream
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.memory_plan import AUTO_FRACTION, ModelShape, auto_token_budget, lora_targets, run_settings
-from grpo_ascend.models import (
+from grpo_ascend.models.policy import (
     CompletionLogprobs,
     activation_checkpointing_on,
     apply_peft,
@@ -31,6 +30,15 @@ from grpo_ascend.models import (
     load_tokenizer,
     lora_merge_bytes,
 )
+from grpo_ascend.planning.memory_plan import (
+    AUTO_FRACTION,
+    ModelShape,
+    auto_token_budget,
+    lora_targets,
+    run_settings,
+)
+from grpo_ascend.rollout.engine import RolloutEngine
+from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.trainers.micro_batches import MicroBatcher
 
 logger = logging.getLogger(__name__)
@@ -120,9 +128,6 @@ def build_engine(policy: nn.Module, tokenizer: Any, args: BaseRLConfig, num_gene
                  device: torch.device) -> Any:
     """The rollout engine over ``policy`` with the run's sampling settings (length bucket per device);
     ``num_generations``: the batch plan's G."""
-    from grpo_ascend.rollout.engine import RolloutEngine
-    from grpo_ascend.rollout.sampling import SamplingParams
-
     bucket = args.length_bucket if args.length_bucket is not None else dev.default_length_bucket(device)
     sampling = SamplingParams(
         num_generations=num_generations,

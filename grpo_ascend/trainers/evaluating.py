@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from grpo_ascend import device as dev
-from grpo_ascend.config import BaseRLConfig
-from grpo_ascend.data import check_prompt_dataset, eval_prompt_rows, is_conversational
+from grpo_ascend.config.configs import BaseRLConfig
+from grpo_ascend.data.prompts import check_prompt_dataset, eval_prompt_rows, is_conversational
+from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.evaluation import TOOL_SUMS, eval_sums, finish_eval_metrics, resolved_eval_steps
 from grpo_ascend.experience import completions_for_rewards, tool_counts
-from grpo_ascend.ranks import Ranks
 from grpo_ascend.trainers.run_state import RunState
 
 logger = logging.getLogger(__name__)

@@ -30,16 +30,16 @@ from grpo_ascend.algorithms.losses import (
 )
 from grpo_ascend.algorithms.reward_aggregation import GroupedRewards, aggregate_advantages
 from grpo_ascend.algorithms.token_selection import high_entropy_mask
-from grpo_ascend.config import GRPOConfig
+from grpo_ascend.config.configs import GRPOConfig
+from grpo_ascend.config.trl_compat import from_trl_config, is_trl_grpo_config
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, experience_metrics
-from grpo_ascend.models import mix_into_reference
-from grpo_ascend.phases import PhaseTimer
+from grpo_ascend.models.policy import mix_into_reference
 from grpo_ascend.rollout.row_rollouts import RolloutFuncRollout, build_tool_rollout, prepare_tools
+from grpo_ascend.tracking.phases import PhaseTimer
 from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
 from grpo_ascend.trainers.step_metrics import accumulate, policy_metrics
 from grpo_ascend.trainers.step_segments import Segment, step_log, step_parts, straddling_normalisers
-from grpo_ascend.trl_compat import from_trl_config, is_trl_grpo_config
 
 logger = logging.getLogger(__name__)
 #: Loss types that sum per-token terms, so sequence-level ratios weigh each sequence by its length.

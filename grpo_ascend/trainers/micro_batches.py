@@ -5,7 +5,7 @@ The loss needs nothing from the split: every loss divides by totals of the whole
 in any number, and the step's gradient is still the one-batch gradient. Only the split changes.
 
 What a micro-batch costs is what its log-prob forward runs through the decoder
-(:class:`~grpo_ascend.models.CompletionLogprobs`): every row's completion cut to the micro-batch's
+(:class:`~grpo_ascend.models.policy.CompletionLogprobs`): every row's completion cut to the micro-batch's
 longest (rounded up to the device's length bucket), plus the round's padded prompt width ``P`` --
 once per group when a group's prompt runs once (``share_prompt_prefill``, no gradient
 checkpointing), else once per row::
@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_ascend.config import BatchPlan
+from grpo_ascend.config.configs import BatchPlan
+from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.ranks import Ranks
 
 logger = logging.getLogger(__name__)
 

@@ -42,11 +42,11 @@ from grpo_ascend.algorithms.losses import (
     ppo_value_loss,
 )
 from grpo_ascend.algorithms.token_advantages import gae_token_advantages
-from grpo_ascend.config import PPOConfig
-from grpo_ascend.critic import active_adapter, build_critic, enable_critic_grads
+from grpo_ascend.config.configs import PPOConfig
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, experience_metrics
-from grpo_ascend.phases import PhaseTimer
+from grpo_ascend.models.critic import active_adapter, build_critic, enable_critic_grads
+from grpo_ascend.tracking.phases import PhaseTimer
 from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
 from grpo_ascend.trainers.step_metrics import accumulate, policy_metrics
 

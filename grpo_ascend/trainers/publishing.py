@@ -12,8 +12,10 @@ from typing import Any
 
 from torch import nn
 
-from grpo_ascend.config import BaseRLConfig
-from grpo_ascend.dist import Strategy
+from grpo_ascend.checkpoints import hub
+from grpo_ascend.checkpoints.export import export_checkpoint
+from grpo_ascend.config.configs import BaseRLConfig
+from grpo_ascend.distributed import Strategy
 from grpo_ascend.trainers.run_state import RunState
 
 
@@ -45,8 +47,6 @@ class ModelPublisher:
 
     def export_adapter(self, destination: Path) -> str | None:
         """``export_adapter_at_end``: the adapter (or whole model) in PEFT's format; its folder on the main rank."""
-        from grpo_ascend.export import export_checkpoint
-
         source, out = self._source(), None
         with self.gathered():  # every rank gathers (if partitioned), the main rank writes
             if self.accelerator.is_main_process:
@@ -55,8 +55,6 @@ class ModelPublisher:
 
     def save_model(self, output_dir: str | os.PathLike | None = None, push: bool = True) -> None:
         """See :meth:`~grpo_ascend.trainers.base.RLTrainerBase.save_model`; ``push``: push after it per ``push_to_hub``."""
-        from grpo_ascend.export import export_checkpoint
-
         out = Path(output_dir if output_dir is not None else self.args.output_dir)
         source = self._source()
         with self.gathered():  # every rank gathers (if partitioned), the main rank writes
@@ -76,8 +74,6 @@ class ModelPublisher:
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
         """Create (or find) the Hub repo ``hub_model_id`` (default: output_dir's name); sets ``hub_model_id``."""
-        from grpo_ascend import hub
-
         if not self.accelerator.is_main_process:
             return
         args = self.args
@@ -90,8 +86,6 @@ class ModelPublisher:
                     model_name: str | None = None, dataset_name: str | None = None,
                     tags: str | list[str] | None = None) -> Any:
         """See :meth:`~grpo_ascend.trainers.base.RLTrainerBase.push_to_hub`."""
-        from grpo_ascend import hub
-
         args = self.args
         token = token if token is not None else args.hub_token
         if self.hub_model_id is None:
@@ -108,8 +102,6 @@ class ModelPublisher:
 
     def push_checkpoint(self, checkpoint: Path) -> None:
         """After a checkpoint save, per ``hub_strategy``: the model in output_dir, and the checkpoint folder."""
-        from grpo_ascend import hub
-
         args = self.args
         if not args.push_to_hub or args.hub_strategy == "end":
             return

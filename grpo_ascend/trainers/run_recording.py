@@ -11,11 +11,11 @@ from typing import Any
 from torch import nn
 
 from grpo_ascend import device as dev
-from grpo_ascend.config import BaseRLConfig, BatchPlan
+from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
+from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.experience import Experience
-from grpo_ascend.phases import PhaseTimer
-from grpo_ascend.ranks import Ranks
-from grpo_ascend.tracking import RunTracker, truncate_metrics
+from grpo_ascend.tracking.phases import PhaseTimer
+from grpo_ascend.tracking.run_tracker import RunTracker, truncate_metrics
 from grpo_ascend.trainers.run_state import RunState
 from grpo_ascend.trainers.surface import EventHub
 from grpo_ascend.trainers.trl_logs import TRLLogHistory, training_flops_per_token

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from grpo_ascend.algorithms.losses import LossNormaliser
+from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.experience import Experience
-from grpo_ascend.ranks import Ranks
 from grpo_ascend.trainers.base import RoundLog
 
 

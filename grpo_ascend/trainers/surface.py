@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from grpo_ascend.config import BaseRLConfig
+from grpo_ascend.config.configs import BaseRLConfig
 from grpo_ascend.trainers.run_state import RunState
 
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.experience import Experience
-from grpo_ascend.ranks import Ranks
 
 #: Our metric -> TRL 1.16's name for the same quantity (metrics with the same name in both are kept as they are).
 TRL_NAMES = {

@@ -1,0 +1,1 @@
+"""Run tracking: metrics and samples files, the ``report_to`` trackers, per-phase time and memory, plots."""

@@ -38,7 +38,6 @@ from grpo_ascend.distributed import make_accelerator, select_strategy
 from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, ExperienceMaker
-from grpo_ascend.models import lora_kernel
 from grpo_ascend.models.policy import (
     CompletionLogprobs,
     adapters_disabled,
@@ -138,6 +137,9 @@ class RLTrainerBase:
         self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
         self.strategy.configure(self.policy, plan)
         if args.fused_lora and self.is_peft and self.strategy.may_fuse_lora():
+            # Imported here: the kernel subclasses peft's LoRA layer when imported (peft loads only when used).
+            from grpo_ascend.models import lora_kernel
+
             logger.info("fused LoRA kernel on %d layers", lora_kernel.install(self.policy))
         unsharded_reference = self.strategy.unsharded_reference(
             self.policy, self.is_peft, wants_reference=args.needs_reference_model)

@@ -26,7 +26,7 @@ previous optimizer-step end) to its optimizer-step end (ours: the per-step metri
 optimizer and logging; the first (warm-up) step is not counted. Peak
 memory is that process's peak RSS during ``train()`` (VmHWM reset just before it) on the CPU, or
 the allocator's peak on an accelerator. On the CPU each runs as a user gets it: ours with the fixed
-glibc mmap threshold grpo_ascend sets (device.py; ``--host-malloc adaptive`` switches it off), TRL
+glibc mmap threshold grpo_ascend sets (grpo_ascend.device; ``--host-malloc adaptive`` switches it off), TRL
 with glibc's adaptive one.
 
 The CPU may be shared: each step also records its process CPU time, and a step counts as
@@ -212,7 +212,7 @@ def _setup(s: Settings, impl: str) -> tuple[Any, Any, Any]:
     import torch
 
     from grpo_ascend import device as dev
-    from grpo_ascend import host_allocator
+    from grpo_ascend.device import host_allocator
     from grpo_ascend.models.tiny_model import build_tiny_model
 
     torch.set_num_threads(s.threads)
@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> None:
                         "mmapped and returned on free, so peak RSS tracks live memory instead of heap retention")
     parser.add_argument("--host-malloc", default="tuned", choices=["tuned", "adaptive"],
                         help="ours only (TRL always runs with glibc's): tuned = the fixed glibc mmap threshold "
-                        "grpo_ascend sets on the CPU (device.py), adaptive = glibc's own adaptive one")
+                        "grpo_ascend sets on the CPU (grpo_ascend.device), adaptive = glibc's own adaptive one")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the workers (needs trl)")
     parser.add_argument("--keep-logs", default=None, help="folder for worker logs/results (default: a temp dir)")
     parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)

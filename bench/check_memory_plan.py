@@ -6,14 +6,18 @@ trainer's log. On the CPU that is the process's peak resident set in the phase (
 phase), so the baseline -- the resident set just before the model is built, with every library
 imported -- is subtracted. The plan gets the run's real prompt width (the longest prompt of the
 dataset under the chat template) and is computed from the same config objects the run used.
+``lora-zero3-2proc`` runs on 2 ranks under DeepSpeed ZeRO-3, one process each, and gives one row per
+rank (:func:`launch_ranks`).
 
-    python bench/check_memory_plan.py                # every configuration, one process, a table
-    python bench/check_memory_plan.py --only lora-long
+    python bench/check_memory_plan.py                # every configuration, a table
+    python bench/check_memory_plan.py --only lora-long-beta
+    python bench/check_memory_plan.py --only lora-zero3-2proc   # needs deepspeed
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -40,6 +44,10 @@ class Case:
     #: Key/value heads and head width: 4 x 128 makes the KV cache and attention activations weigh (long cases).
     kv_heads: int = 2
     head_dim: int = 16
+    hidden: int = 64
+    tied: bool = True
+    #: Processes; more than one runs DeepSpeed ZeRO-3 over gloo, one rank per process (see :func:`launch_ranks`).
+    processes: int = 1
 
 
 BASE = dict(num_generations=8, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=2,
@@ -53,6 +61,9 @@ CASES = [
     Case("full-short-beta", 32768, False, {"beta": 0.04}),
     Case("full-vocab152k", 151936, False, {"num_generations": 4, "per_device_train_batch_size": 4}),
     Case("lora-long-checkpointing", 8192, True, {**LONG, "gradient_checkpointing": True}, kv_heads=4, head_dim=128),
+    # Untied 65,536 x 128 embedding and head, 64 of the model's 65 MiB: ZeRO-3's shard and gathered copies weigh.
+    Case("lora-zero3-2proc", 65536, True, {"beta": 0.04, "logprob_chunk_size": 32}, hidden=128, tied=False,
+         processes=2),
 ]
 
 
@@ -65,9 +76,9 @@ def _model(case: Case, tokenizer: Any) -> Any:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=case.vocab, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=case.kv_heads, head_dim=case.head_dim,
-                         tie_word_embeddings=True,
+    config = Qwen2Config(vocab_size=case.vocab, hidden_size=case.hidden, intermediate_size=4 * case.hidden,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=case.kv_heads,
+                         head_dim=case.head_dim, tie_word_embeddings=case.tied,
                          max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     with torch.random.fork_rng(devices=[]):
@@ -81,15 +92,16 @@ def _prompt_width(dataset: Any, tokenizer: Any) -> int:
     return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
 
 
-def measure(case: Case, out_dir: str) -> dict[str, tuple[float, float]]:
-    """{phase: (measured GiB above the baseline, planned GiB)} for one configuration."""
+def measure(case: Case, out_dir: str, model_dir: str | None = None) -> dict[str, tuple[float, float]]:
+    """{phase: (measured GiB above the baseline, planned GiB)} for one configuration in this process (one rank
+    of it when ``case.processes`` > 1: then the model is read from ``model_dir``, see :func:`launch_ranks`)."""
     from transformers import AutoTokenizer
 
     from grpo_ascend import device as dev
     from grpo_ascend.config.configs import GRPOConfig
     from grpo_ascend.config.recipe import RecipeConfig
     from grpo_ascend.data.prompts import load_prompt_dataset
-    from grpo_ascend.distributed.memory_layout import plain_layout
+    from grpo_ascend.distributed.memory_layout import deepspeed_layout, plain_layout
     from grpo_ascend.models.policy import default_lora_config
     from grpo_ascend.models.tiny_model import build_tiny_model
     from grpo_ascend.planning.memory_plan import ModelShape, plan_memory, settings_from_config
@@ -102,7 +114,7 @@ def measure(case: Case, out_dir: str) -> dict[str, tuple[float, float]]:
     peft = default_lora_config(8, 16) if case.use_peft else None
     gc.collect()
     baseline = dev.memory_stats("cpu")["allocated"]
-    model = _model(case, tokenizer)
+    model = model_dir if model_dir is not None else _model(case, tokenizer)
     trainer = GRPOTrainer(model=model, reward_funcs=[_alternating_reward], args=args, train_dataset=dataset,
                           processing_class=tokenizer, peft_config=peft)
     trainer.train()
@@ -112,9 +124,10 @@ def measure(case: Case, out_dir: str) -> dict[str, tuple[float, float]]:
             if key.startswith("memory/peak_gb/"):
                 phase = key.rsplit("/", 1)[1]
                 measured[phase] = max(measured.get(phase, 0.0), value * GiB - baseline)
-    shape = ModelShape.from_config(model.config.to_dict())
-    settings = settings_from_config(recipe, args, "cpu", 1, _prompt_width(dataset, tokenizer))
-    plan = plan_memory(shape, settings, plain_layout(1))
+    world = trainer.accelerator.num_processes
+    shape = ModelShape.from_config(trainer.policy.config.to_dict())
+    settings = settings_from_config(recipe, args, "cpu", world, _prompt_width(dataset, tokenizer))
+    plan = plan_memory(shape, settings, deepspeed_layout(3, world) if case.processes > 1 else plain_layout(1))
     del trainer, model
     gc.collect()
     return {phase: (measured[phase] / GiB, plan.phase_bytes(phase) / GiB) for phase in plan.phases if phase in measured}
@@ -135,28 +148,99 @@ def warm_up() -> None:
         measure(WARM_UP, out)
 
 
+def launch_ranks(case: Case, out: str, timeout: float = 600) -> list[dict[str, tuple[float, float]]]:
+    """Measure ``case`` on ``case.processes`` ranks, one process each, under DeepSpeed ZeRO-3 as
+    recipes/accelerate/deepspeed_zero3.yaml launches it (the environment ``accelerate launch`` sets; the
+    model loads partitioned, zero3_init_flag) over gloo on loopback; one result per rank.
+
+    A process's resident set is its rank's memory alone (gloo exchanges over sockets, no shared tensors),
+    so each rank measures itself as a single process does, after its own warm-up run under ZeRO-3.
+    """
+    import socket
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    from grpo_ascend.models.tiny_model import build_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model("tiny"))
+    for model_case in (WARM_UP, case):  # saved once here, read by every rank
+        _model(model_case, tokenizer).save_pretrained(Path(out) / model_case.name)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+           "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true", "ACCELERATE_MIXED_PRECISION": "no",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(case.processes),
+           "LOCAL_WORLD_SIZE": str(case.processes), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    logs = [Path(out) / f"rank{rank}.log" for rank in range(case.processes)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank-of", case.name, "--dir", out],
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                              stdout=log.open("w"), stderr=subprocess.STDOUT)
+             for rank, log in enumerate(logs)]
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        codes = None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if codes != [0] * case.processes:
+        tails = "\n".join(f"--- rank {r} ---\n{log.read_text()[-3000:]}" for r, log in enumerate(logs))
+        raise SystemExit(f"{case.name}: ranks exited with {codes or 'a timeout'}\n{tails}")
+    return [json.loads((Path(out) / f"rank{rank}.json").read_text()) for rank in range(case.processes)]
+
+
+def run_rank(name: str, out: str) -> None:
+    """One rank of :func:`launch_ranks`: a warm-up run, then the measurement, written to ``out/rank<R>.json``."""
+    import torch
+
+    case = next(c for c in CASES if c.name == name)
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    measure(dataclasses.replace(WARM_UP, processes=case.processes), str(Path(out) / "warm-up-run"),
+            model_dir=str(Path(out) / WARM_UP.name))
+    result = measure(case, str(Path(out) / "run"), model_dir=str(Path(out) / case.name))
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def results_of(case: Case) -> dict[str, dict[str, tuple[float, float]]]:
+    """{row: {phase: (measured, planned)}}: one row for a single process, one per rank (``name/rank<R>``) else."""
+    with tempfile.TemporaryDirectory() as out:
+        if case.processes == 1:
+            return {case.name: measure(case, out)}
+        return {f"{case.name}/rank{rank}": phases for rank, phases in enumerate(launch_ranks(case, out))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="configuration names (default: all)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object {case: {phase: [measured, planned]}}")
+    parser.add_argument("--json", action="store_true", help="print one JSON object {row: {phase: [measured, planned]}}")
+    parser.add_argument("--rank-of", help=argparse.SUPPRESS)  # a rank started by launch_ranks
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
     ns = parser.parse_args()
-    warm_up()
+    if ns.rank_of:
+        run_rank(ns.rank_of, ns.dir)
+        return
+    cases = [case for case in CASES if not ns.only or case.name in ns.only]
+    if any(case.processes == 1 for case in cases):
+        warm_up()
     if ns.json:
         results = {}
-        for case in CASES:
-            if not ns.only or case.name in ns.only:
-                with tempfile.TemporaryDirectory() as out:
-                    results[case.name] = measure(case, out)
+        for case in cases:
+            results.update(results_of(case))
         print("MEMORY_PLAN_CHECK " + json.dumps(results))
         return
     print("| configuration | phase | measured GiB | planned GiB | planned / measured |")
     print("|---|---|---|---|---|")
-    for case in CASES:
-        if ns.only and case.name not in ns.only:
-            continue
-        with tempfile.TemporaryDirectory() as out:
-            for phase, (got, want) in measure(case, out).items():
-                print(f"| {case.name} | {phase} | {got:.3f} | {want:.3f} | {want / got:.2f} |", flush=True)
+    for case in cases:
+        for row, phases in results_of(case).items():
+            for phase, (got, want) in phases.items():
+                print(f"| {row} | {phase} | {got:.3f} | {want:.3f} | {want / got:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

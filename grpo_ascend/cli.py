@@ -72,7 +72,8 @@ COMMANDS: dict[str, Command] = {
                     "recipes/gsm8k_qwen.yaml --model-config recipes/model_configs/qwen2.5-7b.json --device-memory 64GiB",
                     lazy("grpo_ascend.planning.cli:add_plan_arguments"), lazy("grpo_ascend.planning.cli:run_plan")),
     "doctor": Command("report versions, the accelerator and its chip, bf16 support, collective timeouts, runtime env "
-                      "vars and free memory", lazy("grpo_ascend.doctor:add_arguments"), lazy("grpo_ascend.doctor:run")),
+                      "vars and free memory", lazy("grpo_ascend.device.doctor:add_arguments"),
+                      lazy("grpo_ascend.device.doctor:run")),
 }
 
 

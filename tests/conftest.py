@@ -1,4 +1,5 @@
-"""Shared fixtures: the offline tiny model (built once per machine, cached) and quiet logs."""
+"""Shared fixtures: the offline tiny model (built once per machine, cached), quiet logs, and no fake
+torch_npu outliving its test."""
 
 from __future__ import annotations
 
@@ -12,6 +13,16 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The test models are tiny: one thread is as fast as two for them, and it avoids OpenMP spin-wait
 # thrashing (tens of times slower) when the 2-core CI machine runs anything else at the same time.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _forget_torch_npu():
+    """After each test (and its monkeypatches' undo) the device layer imports torch_npu afresh, so a
+    fake from tests/fake_device.py never outlives the test that put it in."""
+    yield
+    from grpo_ascend.device import forget_torch_npu
+
+    forget_torch_npu()
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import importlib.machinery
 import json
 import os
 import re
@@ -12,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fake_device
 import pytest
 import torch
 
@@ -25,12 +24,8 @@ ROW = re.compile(r"^  (\S.*?)\s{2,}(\S.*)$")
 
 @pytest.fixture()
 def cpu_only(monkeypatch):
-    dev.load_torch_npu.cache_clear()
-    monkeypatch.setitem(sys.modules, "torch_npu", None)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake_device.cpu_only(monkeypatch)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    yield
-    dev.load_torch_npu.cache_clear()
 
 
 def test_doctor_prints_versions_device_and_env(cpu_only, capsys, monkeypatch):
@@ -122,46 +117,23 @@ def test_python_dash_m_doctor_subprocess():
     assert "transformers" in result.stdout and "dist backend" in result.stdout
 
 
-class _BrokenTorchNpu(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """`import torch_npu` fails like it does when the CANN libraries are not loadable."""
-
-    def find_spec(self, fullname, path, target=None):
-        return importlib.machinery.ModuleSpec(fullname, self) if fullname == "torch_npu" else None
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        raise OSError("libhccl.so: cannot open shared object file")
-
-
 def test_doctor_reports_broken_torch_npu(monkeypatch, capsys):
-    dev.load_torch_npu.cache_clear()
-    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
-    monkeypatch.setattr(sys, "meta_path", [_BrokenTorchNpu(), *sys.meta_path])
+    fake_device.broken_torch_npu(monkeypatch, "libhccl.so: cannot open shared object file")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    try:
-        assert cli.main(["doctor"]) == 0
-        out = capsys.readouterr().out
-        assert "import failed: OSError: libhccl.so" in out and "\nwarning: torch_npu is installed but unusable" in out
-        assert cli.main(["doctor", "--device", "npu"]) == 2
-        err = capsys.readouterr().err.splitlines()
-        assert len(err) == 1 and "set_env.sh" in err[0] and "libhccl.so" in err[0]
-    finally:
-        dev.load_torch_npu.cache_clear()
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "import failed: OSError: libhccl.so" in out and "\nwarning: torch_npu is installed but unusable" in out
+    assert cli.main(["doctor", "--device", "npu"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "set_env.sh" in err[0] and "libhccl.so" in err[0]
 
 
 def test_doctor_on_a_fake_npu_shows_chip_and_effective_timeouts(monkeypatch, capsys):
-    from fake_npu import install
-
-    install(monkeypatch, soc="Ascend910ProB")
+    fake_device.install(monkeypatch, soc="Ascend910ProB")
     for name in (*dev.NPU_RUNTIME_DEFAULTS, "HCCL_EXEC_TIMEOUT", "LOCAL_RANK"):
         monkeypatch.setenv(name, "placeholder")
         monkeypatch.delenv(name)
-    try:
-        assert cli.main(["doctor", "--ddp_timeout", "3600"]) == 0
-    finally:
-        dev.load_torch_npu.cache_clear()
+    assert cli.main(["doctor", "--ddp_timeout", "3600"]) == 0
     out = capsys.readouterr().out
     rows = {m.group(1): m.group(2) for m in map(ROW.match, out.splitlines()) if m}
     assert rows["device"] == "npu:0" and rows["device name"] == "Ascend910ProB"
@@ -169,18 +141,6 @@ def test_doctor_on_a_fake_npu_shows_chip_and_effective_timeouts(monkeypatch, cap
     assert rows["ddp_timeout"] == "3600 s (process-group timeout)"
     assert rows["HCCL exec timeout"] == "3540 s (derived from ddp_timeout, 3536 s on this chip)"  # 52 x 68 s
     assert rows["HCCL watchdog"] == "3600 s (torch_npu 2.5.1.post1)"
-
-
-def _autoloaded_broken_torch_npu(root: Path) -> None:
-    """A torch_npu registered as a torch device backend (as its wheel does) whose import fails without CANN."""
-    (root / "torch_npu").mkdir()
-    (root / "torch_npu" / "__init__.py").write_text(
-        "raise OSError('libascendcl.so: cannot open shared object file: No such file or directory')\n"
-    )
-    info = root / "torch_npu-2.5.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch-npu\nVersion: 2.5.1\n")
-    (info / "entry_points.txt").write_text("[torch.backends]\ntorch_npu = torch_npu:_autoload\n")
 
 
 def _doctor_subprocess(tmp_path: Path, *args: str, **env_extra: str) -> subprocess.CompletedProcess:
@@ -193,7 +153,7 @@ def _doctor_subprocess(tmp_path: Path, *args: str, **env_extra: str) -> subproce
 
 
 def test_doctor_explains_import_torch_failing_on_an_autoloaded_backend(tmp_path):
-    _autoloaded_broken_torch_npu(tmp_path)
+    fake_device.autoloaded_broken_torch_npu(tmp_path)
     probe = subprocess.run([sys.executable, "-c", "import torch"], env={**os.environ, "PYTHONPATH": str(tmp_path)},
                            capture_output=True, text=True, timeout=120)
     assert probe.returncode != 0 and "Failed to load the backend extension: torch_npu" in probe.stderr  # the fake works
@@ -224,8 +184,8 @@ def test_doctor_explains_import_torch_failing_on_an_autoloaded_backend(tmp_path)
 
 
 def test_doctor_ddp_timeout_default_is_the_config_default():
-    from grpo_ascend import doctor
     from grpo_ascend.config.configs import GRPOConfig
+    from grpo_ascend.device import doctor
 
     parser = argparse.ArgumentParser()
     doctor.add_arguments(parser)

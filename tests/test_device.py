@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import random
-import sys
-import types
 from datetime import timedelta
 
+import fake_device
 import numpy as np
 import pytest
 import torch
 
 from grpo_ascend import device as dev
+from grpo_ascend.device import doctor_facts
 from grpo_ascend.errors import ConfigError, DeviceError
 
 NPU_ENV = (*dev.NPU_RUNTIME_DEFAULTS, "HCCL_EXEC_TIMEOUT", "HCCL_OP_EXPANSION_MODE")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_npu_cache():
-    dev.load_torch_npu.cache_clear()
-    dev._warn_npu_import_failed.cache_clear()
-    yield
-    dev.load_torch_npu.cache_clear()
-    dev._warn_npu_import_failed.cache_clear()
 
 
 def _track_env(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
@@ -37,157 +26,40 @@ def _track_env(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# fakes
+# fakes (tests/fake_device.py)
 # --------------------------------------------------------------------------------------------
 
 
-class Recorder:
-    """Fake torch.npu / torch.cuda namespace whose functions record their calls."""
-
-    def __init__(self, count: int = 2, bf16: bool = True) -> None:
-        self.calls: list[tuple] = []
-        self.count = count
-        self.bf16 = bf16
-        self.rng = {i: torch.tensor([i], dtype=torch.uint8) for i in range(count)}
-
-    def _rec(self, *call):
-        self.calls.append(call)
-
-    def names(self) -> list[str]:
-        return [call[0] for call in self.calls]
-
-    def is_available(self):
-        return self.count > 0
-
-    def device_count(self):
-        return self.count
-
-    def current_device(self):
-        return 0
-
-    def set_device(self, index):
-        self._rec("set_device", index)
-
-    def synchronize(self, index=None):
-        self._rec("synchronize", index)
-
-    def empty_cache(self):
-        self._rec("empty_cache")
-
-    def memory_allocated(self, index=None):
-        self._rec("memory_allocated", index)
-        return 100
-
-    def memory_reserved(self, index=None):
-        self._rec("memory_reserved", index)
-        return 200
-
-    def max_memory_allocated(self, index=None):
-        self._rec("max_memory_allocated", index)
-        return 150
-
-    def reset_peak_memory_stats(self, index=None):
-        self._rec("reset_peak_memory_stats", index)
-
-    def mem_get_info(self, index=None):
-        self._rec("mem_get_info", index)
-        return (1000, 4000)
-
-    def is_bf16_supported(self):
-        return self.bf16
-
-    soc = "Ascend910B2"  # torch.npu.get_device_name() returns the SoC name (aclrtGetSocName)
-
-    def get_device_name(self, index=None):
-        return self.soc
-
-    def manual_seed_all(self, seed):
-        self._rec("manual_seed_all", seed)
-
-    def get_rng_state(self, index=None):
-        self._rec("get_rng_state", index)
-        return self.rng[index].clone()
-
-    def set_rng_state(self, state, index=None):
-        self._rec("set_rng_state", index)
-        self.rng[index] = state.clone()
-
-
-class FakeDevice:
-    """Stands in for torch.device('npu:N'), which only parses once the real torch_npu registers 'npu'."""
-
-    def __init__(self, spec: str) -> None:
-        kind, _, index = spec.partition(":")
-        self.type = kind
-        self.index = int(index) if index else None
-
-    def __str__(self) -> str:
-        return self.type if self.index is None else f"{self.type}:{self.index}"
-
-    def __eq__(self, other) -> bool:
-        return str(self) == str(other)
-
-    __hash__ = None
-
-
 @pytest.fixture()
-def fake_npu(monkeypatch: pytest.MonkeyPatch) -> Recorder:
-    """Insert a fake torch_npu module and torch.npu namespace; torch.device learns 'npu'."""
-    recorder = Recorder()
-    module = types.ModuleType("torch_npu")
-    module.__version__ = "2.5.1.post1"
-    module.npu = recorder
-    module.utils = types.SimpleNamespace(get_cann_version=lambda module="CANN": "8.0.RC3")
-    monkeypatch.setitem(sys.modules, "torch_npu", module)
-    monkeypatch.setattr(torch, "npu", recorder, raising=False)
-    real_device = torch.device
-
-    def device_factory(spec, index=None):
-        if isinstance(spec, str) and spec.split(":")[0] == "npu":
-            return FakeDevice(spec if index is None else f"npu:{index}")
-        return real_device(spec) if index is None else real_device(spec, index)
-
-    monkeypatch.setattr(torch, "device", device_factory)
+def fake_npu(monkeypatch: pytest.MonkeyPatch) -> fake_device.FakeRuntime:
+    """A fake torch_npu with two NPUs (its torch.npu runtime is returned); torch.device learns 'npu'."""
+    fake_device.install(monkeypatch, count=2)
     _track_env(monkeypatch, "LOCAL_RANK", *NPU_ENV)
-    return recorder
+    return torch.npu
 
 
 @pytest.fixture()
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> fake_device.FakeRuntime:
     """Make torch.cuda look available with two devices; record the calls made on it."""
-    recorder = Recorder()
-    monkeypatch.setitem(sys.modules, "torch_npu", None)  # torch_npu absent
-    for name in (
-        "is_available", "device_count", "current_device", "set_device", "synchronize", "empty_cache",
-        "memory_allocated", "memory_reserved", "max_memory_allocated", "reset_peak_memory_stats",
-        "mem_get_info", "is_bf16_supported", "get_device_name", "manual_seed_all", "get_rng_state",
-        "set_rng_state",
-    ):
-        monkeypatch.setattr(torch.cuda, name, getattr(recorder, name))
+    runtime = fake_device.fake_cuda(monkeypatch, count=2)
     _track_env(monkeypatch, "LOCAL_RANK")
-    return recorder
+    return runtime
 
 
 @pytest.fixture()
 def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "torch_npu", None)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake_device.cpu_only(monkeypatch)
     _track_env(monkeypatch, "LOCAL_RANK")
 
 
-class _BrokenTorchNpuFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Makes `import torch_npu` fail the way it does when the CANN libraries are not on the path."""
+def test_package_reexports_its_modules_names_on_first_use():
+    from grpo_ascend.device import core, memory, npu_patches
 
-    def find_spec(self, fullname, path, target=None):
-        if fullname == "torch_npu":
-            return importlib.machinery.ModuleSpec(fullname, self)
-        return None
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        raise OSError("libascendcl.so: cannot open shared object file: No such file or directory")
+    assert dev.resolve_device is core.resolve_device and dev.memory_stats is memory.memory_stats
+    assert dev.apply_npu_patches is npu_patches.apply_npu_patches
+    assert all(getattr(dev, name) is not None for name in dev.__all__) and set(dev.__all__) <= set(dir(dev))
+    with pytest.raises(AttributeError, match="'grpo_ascend.device' has no attribute 'resolve'"):
+        dev.resolve  # noqa: B018
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,7 +211,7 @@ def test_npu_calls_reach_torch_npu(fake_npu):
     dev.empty_cache(device)
     assert dev.memory_stats(device) == {"allocated": 100, "reserved": 200, "peak": 150}
     dev.reset_peak_memory(device)
-    assert dev.free_memory(device) == (1000, 4000)
+    assert dev.free_memory(device) == (2**30, 2**32)
     assert fake_npu.calls == [
         ("synchronize", 0),
         ("empty_cache",),
@@ -364,13 +236,13 @@ def test_npu_seed_and_rng_state(fake_npu):
 
 
 def test_npu_facts_report_versions_and_chip(fake_npu):
-    assert dev.software_versions()["torch_npu"] == "2.5.1.post1"
-    assert dev.software_versions()["CANN"] == "8.0.RC3"
-    facts = dev.device_facts()
+    assert doctor_facts.software_versions()["torch_npu"] == "2.5.1.post1"
+    assert doctor_facts.software_versions()["CANN"] == "8.0.RC3"
+    facts = doctor_facts.device_facts()
     assert facts["device_type"] == "npu" and facts["dist_backend"] == "hccl"
-    assert facts["free_memory"] == 1000 and facts["total_memory"] == 4000
+    assert facts["free_memory"] == 2**30 and facts["total_memory"] == 2**32
     assert facts["device_name"] == "Ascend910B2" and facts["chip_family"] == "Atlas A2 series"
-    assert dev.accelerator_warnings() == []
+    assert doctor_facts.accelerator_warnings() == []
 
 
 @pytest.mark.parametrize(("soc", "family"), [
@@ -397,7 +269,7 @@ def test_npu_present_but_no_device(fake_npu):
 
 
 def test_missing_torch_npu_message(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    fake_device.without_torch_npu(monkeypatch)
     with pytest.raises(DeviceError) as info:
         dev.resolve_device("npu")
     message = str(info.value)
@@ -407,8 +279,7 @@ def test_missing_torch_npu_message(monkeypatch):
 
 
 def test_torch_npu_import_failure_names_cann(monkeypatch, caplog):
-    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
-    monkeypatch.setattr(sys, "meta_path", [_BrokenTorchNpuFinder(), *sys.meta_path])
+    fake_device.broken_torch_npu(monkeypatch)
     with pytest.raises(DeviceError) as info:
         dev.resolve_device("npu:0")
     message = str(info.value)
@@ -416,12 +287,12 @@ def test_torch_npu_import_failure_names_cann(monkeypatch, caplog):
     assert "set_env.sh" in message and "TORCH_DEVICE_BACKEND_AUTOLOAD" in message
     # auto-detection falls back instead of failing, and says why once
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with caplog.at_level("WARNING", logger="grpo_ascend.device"):
+    with caplog.at_level("WARNING", logger="grpo_ascend.device.backends"):
         assert dev.detect_device_type() == "cpu"
         assert dev.detect_device_type() == "cpu"
     assert sum("libascendcl.so" in r.getMessage() for r in caplog.records) == 1
-    assert "import failed: OSError: libascendcl.so" in dev.software_versions()["torch_npu"]
-    assert "set_env.sh" in dev.accelerator_warnings()[0]
+    assert "import failed: OSError: libascendcl.so" in doctor_facts.software_versions()["torch_npu"]
+    assert "set_env.sh" in doctor_facts.accelerator_warnings()[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -454,7 +325,7 @@ def test_cuda_branch(fake_cuda, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# fused NPU kernels (npu_patches) through the fake torch_npu of tests/fake_npu.py
+# fused NPU kernels (npu_patches) through the fake torch_npu of tests/fake_device.py
 # --------------------------------------------------------------------------------------------
 
 
@@ -486,9 +357,7 @@ def rotary_restored(monkeypatch):
 def test_npu_patches_match_eager_outputs(tiny_qwen2, monkeypatch, rotary_restored):
     import copy
 
-    from fake_npu import install
-
-    from grpo_ascend.npu_patches import apply_npu_patches
+    from grpo_ascend.device.npu_patches import apply_npu_patches
 
     model = copy.deepcopy(tiny_qwen2)
     ids = torch.randint(0, 64, (2, 7))
@@ -496,7 +365,7 @@ def test_npu_patches_match_eager_outputs(tiny_qwen2, monkeypatch, rotary_restore
         expected = model(ids).logits
 
     assert apply_npu_patches(model) == []  # parameters on the CPU: no-op
-    counts = install(monkeypatch, soc="Ascend910B2")
+    counts = fake_device.install(monkeypatch, soc="Ascend910B2")
     patched = apply_npu_patches(model, device="npu")
     assert patched == ["npu_rms_norm: 5 x Qwen2RMSNorm", "npu_swiglu: 2 x Qwen2MLP", "npu_rotary_mul: 2 x Qwen2Attention"]
     with torch.no_grad():
@@ -529,12 +398,10 @@ def test_npu_patches_match_eager_outputs(tiny_qwen2, monkeypatch, rotary_restore
 def test_kernels_follow_the_chip(tiny_qwen2, monkeypatch, rotary_restored, soc, expected):
     import copy
 
-    from fake_npu import install
-
-    from grpo_ascend.npu_patches import apply_npu_patches
+    from grpo_ascend.device.npu_patches import apply_npu_patches
 
     model = copy.deepcopy(tiny_qwen2)
-    counts = install(monkeypatch, soc=soc)
+    counts = fake_device.install(monkeypatch, soc=soc)
     apply_npu_patches(model, device="npu")
     with torch.no_grad():
         model(torch.randint(0, 64, (2, 7)))  # the fake raises if a kernel the chip lacks is called
@@ -544,28 +411,24 @@ def test_kernels_follow_the_chip(tiny_qwen2, monkeypatch, rotary_restored, soc, 
 def test_unknown_chip_keeps_eager_code(tiny_qwen2, monkeypatch, rotary_restored, caplog):
     import copy
 
-    from fake_npu import install
+    from grpo_ascend.device.npu_patches import apply_npu_patches
 
-    from grpo_ascend.npu_patches import apply_npu_patches
-
-    install(monkeypatch, soc="Ascend910B2")
+    fake_device.install(monkeypatch, soc="Ascend910B2")
     monkeypatch.setattr(torch.npu, "soc", "Ascend950PR")
-    with caplog.at_level("INFO", logger="grpo_ascend.npu_patches"):
+    with caplog.at_level("INFO", logger="grpo_ascend.device.npu_patches"):
         assert apply_npu_patches(copy.deepcopy(tiny_qwen2), device="npu") == []
     assert "Ascend950PR is not a documented chip" in caplog.text
 
 
 def test_training_series_rotary_needs_head_dim_128_and_shared_positions(monkeypatch, rotary_restored):
-    from fake_npu import install
-
-    from grpo_ascend.npu_patches import apply_npu_patches
+    from grpo_ascend.device.npu_patches import apply_npu_patches
 
     model = _qwen2(head_dim=128)
     ids = torch.randint(0, 64, (2, 7))
     rows = torch.tensor([[0, 0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6]])  # left padding: positions differ per row
     with torch.no_grad():
         expected_shared, expected_rows = model(ids).logits, model(ids, position_ids=rows).logits
-    counts = install(monkeypatch, soc="Ascend910ProB")
+    counts = fake_device.install(monkeypatch, soc="Ascend910ProB")
     assert apply_npu_patches(model, device="npu") == ["npu_rms_norm: 5 x Qwen2RMSNorm", "npu_rotary_mul: 2 x Qwen2Attention"]
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected_shared, rtol=1e-5, atol=1e-5)
@@ -575,16 +438,14 @@ def test_training_series_rotary_needs_head_dim_128_and_shared_positions(monkeypa
 
 
 def test_rotary_kernel_is_skipped_for_scaled_rope(monkeypatch, rotary_restored):
-    from fake_npu import install
-
-    from grpo_ascend.npu_patches import apply_npu_patches, rotary_scaling
+    from grpo_ascend.device.npu_patches import apply_npu_patches, rotary_scaling
 
     model = _qwen2(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
     assert rotary_scaling(model) > 1.0  # transformers multiplies cos/sin by it
     ids = torch.randint(0, 64, (2, 7))
     with torch.no_grad():
         expected = model(ids).logits
-    counts = install(monkeypatch, soc="Ascend910B2")
+    counts = fake_device.install(monkeypatch, soc="Ascend910B2")
     assert apply_npu_patches(model, device="npu") == ["npu_rms_norm: 5 x Qwen2RMSNorm", "npu_swiglu: 2 x Qwen2MLP"]
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
@@ -671,11 +532,11 @@ def test_npu_run_exports_the_derived_exec_timeout(fake_npu, monkeypatch):
     assert os.environ["HCCL_EXEC_TIMEOUT"] == "1000"
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1740")
     fake_npu.soc = "Ascend910ProB"
-    assert dev.timeout_facts("npu:0", 1800) == {
+    assert doctor_facts.timeout_facts("npu:0", 1800) == {
         "ddp_timeout": "1800 s (process-group timeout)",
         "HCCL exec timeout": "1740 s (exported, 1700 s on this chip)",
         "HCCL watchdog": "1800 s (torch_npu 2.5.1.post1)",
     }
     monkeypatch.delenv("HCCL_EXEC_TIMEOUT")
-    assert dev.timeout_facts("npu:0", 600)["HCCL exec timeout"] == "540 s (derived from ddp_timeout, 476 s on this chip)"
-    assert dev.pending_runtime_defaults(600, {})["HCCL_EXEC_TIMEOUT"] == "540"
+    assert doctor_facts.timeout_facts("npu:0", 600)["HCCL exec timeout"] == "540 s (derived from ddp_timeout, 476 s on this chip)"
+    assert doctor_facts.pending_runtime_defaults(600, {})["HCCL_EXEC_TIMEOUT"] == "540"

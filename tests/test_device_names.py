@@ -1,4 +1,4 @@
-"""Only grpo_ascend/device.py and npu_patches.py may name a device type or collective backend.
+"""Only the device layer, the package grpo_ascend/device/, may name a device type or collective backend.
 
 Code is checked, prose is not: identifiers, attribute names, imports and string literals
 (f-strings included) are matched; comments and docstrings may mention Ascend NPUs or CUDA.
@@ -14,9 +14,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from fake_device import autoloaded_broken_torch_npu
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("grpo_ascend", "reward_models")
-ALLOWED = {Path("grpo_ascend/device.py"), Path("grpo_ascend/npu_patches.py")}
+DEVICE_LAYER = Path("grpo_ascend/device")
 DEVICE_NAME = re.compile(r"(?i)\b(torch_npu|npu|cuda|hccl|nccl)\b")
 
 
@@ -76,30 +78,25 @@ npu_patches = apply_npu_patches(model)
     assert offending_lines(source) == [(2, "torch_npu"), (3, "cuda"), (4, "hccl"), (7, "nccl")]
 
 
-def test_only_device_module_names_devices():
+def test_only_the_device_layer_names_devices():
     problems = []
     for package in PACKAGES:
         for path in sorted((REPO / package).rglob("*.py")):
             relative = path.relative_to(REPO)
-            if relative in ALLOWED:
+            if DEVICE_LAYER in relative.parents:
                 continue
             source = path.read_text(encoding="utf-8")
             problems += [f"{relative}:{line}: {word}" for line, word in offending_lines(source, str(relative))]
     assert not problems, (
-        "only grpo_ascend/device.py and npu_patches.py may name a device type or backend; "
+        "only the device layer (grpo_ascend/device/) may name a device type or backend; "
         "call grpo_ascend.device instead:\n" + "\n".join(problems)
     )
 
 
-def _registered_exploding_torch_npu(root: Path) -> None:
-    """A torch_npu that raises on import (a machine without CANN libraries), registered like its wheel
-    as a torch device backend, so torch >= 2.5 loads it at ``import torch`` unless autoload is off."""
-    (root / "torch_npu").mkdir()
-    (root / "torch_npu" / "__init__.py").write_text("raise OSError('torch_npu imported')\n")
-    info = root / "torch_npu-2.5.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch-npu\nVersion: 2.5.1\n")
-    (info / "entry_points.txt").write_text("[torch.backends]\ntorch_npu = torch_npu:_autoload\n")
+#: Imports every module of the device layer (they import torch, never torch_npu).
+_IMPORT_DEVICE_LAYER = "import " + ", ".join(
+    f"grpo_ascend.device.{path.stem}" for path in sorted((REPO / DEVICE_LAYER).glob("*.py")) if path.stem != "__init__"
+)
 
 
 def _run(code: str, tmp_path: Path, autoload: str) -> subprocess.CompletedProcess:
@@ -111,10 +108,10 @@ def test_package_import_does_not_import_torch_npu(tmp_path):
     # As on an NPU host where torch_npu is installed: with torch's autoload off (otherwise torch, not
     # grpo_ascend, imports it), importing every grpo_ascend module must leave torch_npu unimported.
     # trl is optional too: the trainer recognises TRL's GRPOConfig without importing trl.
-    _registered_exploding_torch_npu(tmp_path)
+    autoloaded_broken_torch_npu(tmp_path)
     code = (
         "import grpo_ascend, reward_models; import sys; assert 'torch_npu' not in sys.modules; "
-        "import grpo_ascend.device, grpo_ascend.npu_patches, grpo_ascend.cli, grpo_ascend.doctor; "
+        f"import grpo_ascend.cli; {_IMPORT_DEVICE_LAYER}; "
         "import grpo_ascend.trainers.grpo, grpo_ascend.config.trl_compat, grpo_ascend.checkpoints.hub; "
         "assert 'torch_npu' not in sys.modules, 'torch_npu imported'; "
         "assert 'trl' not in sys.modules, 'trl imported (it is optional: TRL configs are recognised by class)'"
@@ -125,8 +122,8 @@ def test_package_import_does_not_import_torch_npu(tmp_path):
 
 def test_cli_imports_without_torch(tmp_path):
     # With autoload on, a broken torch_npu makes `import torch` fail; the CLI and doctor must still import.
-    _registered_exploding_torch_npu(tmp_path)
-    code = "import sys, grpo_ascend, grpo_ascend.cli, grpo_ascend.doctor; assert 'torch' not in sys.modules"
+    autoloaded_broken_torch_npu(tmp_path)
+    code = "import sys, grpo_ascend, grpo_ascend.cli, grpo_ascend.device, grpo_ascend.device.doctor; assert 'torch' not in sys.modules"
     assert _run(code, tmp_path, autoload="1").returncode == 0
     assert _run("import torch", tmp_path, autoload="1").returncode != 0  # the fake really breaks torch
 
@@ -135,7 +132,7 @@ def test_cli_imports_without_torch(tmp_path):
 # grpo_ascend/distributed/: the trainer calls a strategy and never asks which engine runs. Unlike device
 # names this covers prose too (docstrings, comments, help texts), as the pre-commit hook greps.
 ENGINE_NAME = re.compile(r"deepspeed|DeepSpeed|FSDP|fully_shard|DTensor|DistributedType")
-ENGINE_PACKAGE = Path("grpo_ascend/dist")
+ENGINE_PACKAGE = Path("grpo_ascend/distributed")
 
 
 def test_only_strategy_modules_name_distributed_engines():

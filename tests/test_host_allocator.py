@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from grpo_ascend import device as dev
-from grpo_ascend import host_allocator as ha
+from grpo_ascend.device import host_allocator as ha
 
 
 class FakeLibc:
@@ -70,7 +70,7 @@ def test_only_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 _PROBE = r"""
 import ctypes, json, sys
-from grpo_ascend import host_allocator
+from grpo_ascend.device import host_allocator
 
 def rss_kib():
     with open("/proc/self/status") as f:

@@ -1,6 +1,6 @@
 """Through the trainer: fused Ascend kernels go into the model that trains, on the device it was placed on.
 
-The NPU is the fake of tests/fake_npu.py (kernels computed with torch on CPU tensors); the
+The NPU is the fake of tests/fake_device.py (kernels computed with torch on CPU tensors); the
 trainer's accelerator reports the resolved fake device, and placement onto it is recorded.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_npu import FakeDevice, install
+from fake_device import FakeDevice, fake_npu_devices, install
 from helpers import SMALL_RUN, first_digit_is_one
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
@@ -24,13 +24,10 @@ class _OptimizerBuilt(Exception):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_npu_cache(monkeypatch):
+def _restored_npu_env(monkeypatch):
     for name in dev.NPU_RUNTIME_DEFAULTS:  # restored afterwards, whatever resolve_device sets
         monkeypatch.setenv(name, "placeholder")
         monkeypatch.delenv(name)
-    dev.load_torch_npu.cache_clear()
-    yield
-    dev.load_torch_npu.cache_clear()
 
 
 class _AcceleratorOnDevice:
@@ -49,11 +46,10 @@ def _trainer_until_optimizer(monkeypatch, tmp_path, model, tokenizer):
     from accelerate import Accelerator
 
     built = {}
-    real_device = torch.device
 
     def make_accelerator(args):
         with monkeypatch.context() as scoped:  # torch.device('npu:0') parses only while resolving
-            scoped.setattr(torch, "device", lambda spec: FakeDevice(spec) if spec.startswith("npu") else real_device(spec))
+            fake_npu_devices(scoped)
             requested = dev.resolve_device("npu")  # through the fake torch.npu: set_device, runtime defaults
         return _AcceleratorOnDevice(Accelerator(cpu=True), FakeDevice(str(requested))), "fp32"
 
@@ -95,7 +91,7 @@ def test_kernels_go_into_the_placed_policy_and_not_into_a_cpu_model(monkeypatch,
         expected = cpu_model(ids).logits
 
     calls = install(monkeypatch, soc="Ascend910B2", npu_devices=False)
-    with caplog.at_level("INFO", logger="grpo_ascend.npu_patches"):
+    with caplog.at_level("INFO", logger="grpo_ascend.device.npu_patches"):
         trainer, params = _trainer_until_optimizer(monkeypatch, tmp_path, model, tokenizer)
     layers = len(cpu_model.model.layers)
     assert (f"fused kernels on Ascend910B2 (A2): npu_rms_norm: {2 * layers + 1} x Qwen2RMSNorm; "

@@ -317,7 +317,7 @@ TRL_FIELDS: dict[str, TRLField] = {
     "ddp_bucket_cap_mb": ignored(_DDP),
     "ddp_broadcast_buffers": ignored(_DDP),
     "ddp_static_graph": ignored(_DDP),
-    "ddp_backend": ignored("the collective backend follows the device (grpo_ascend/device.py)"),
+    "ddp_backend": ignored("the collective backend follows the device (grpo_ascend/device/)"),
     "ddp_timeout": same("on Ascend HCCL_EXEC_TIMEOUT is derived from it"),
     "debug": ignored("transformers' debug modes (underflow / TPU metrics)"),
     "skip_memory_metrics": ignored("memory/peak_gb metrics are always logged"),

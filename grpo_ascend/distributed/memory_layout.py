@@ -4,7 +4,7 @@
 optimizer state are split over the ranks and what extra copies the engine holds. It comes from
 an accelerate config file (:func:`layout_from_accelerate_config`, for ``grpo-ascend plan``) or
 from a running strategy (:meth:`grpo_ascend.distributed.base.Strategy.memory_layout`, for
-``max_tokens_per_micro_batch: auto``); :mod:`grpo_ascend.planning.memory_plan` turns it into bytes.
+``max_tokens_per_micro_batch: auto``); :mod:`grpo_ascend.planning.terms` turns it into bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from grpo_ascend.errors import ConfigError
 
 #: DeepSpeed's default reduce_bucket_size (elements): the most a ZeRO-2/3 gradient reduction buffer holds.
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
+#: DeepSpeed's default stage3_max_live_parameters and stage3_max_reuse_distance (elements): ZeRO-3 keeps a
+#: gathered parameter whole while it is used again within this many elements of the forward/backward order.
+DEEPSPEED_LIVE_PARAMETERS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,10 @@ class MemoryLayout:
     gradient_buckets: bool = False
     #: DeepSpeed: the gradient reduction buffer holds up to this many elements (0: none).
     reduce_bucket_elements: int = 0
-    #: ZeRO-3: the output head (and a tied embedding) is gathered whole from the forward to the step.
+    #: ZeRO-3: the output head (and a tied embedding) is gathered whole in each forward (in training, to the step).
     whole_head_in_training: bool = False
+    #: ZeRO-3: besides the head, up to this many elements of other weights stay gathered in a forward (0: none).
+    live_gathered_elements: int = 0
     #: LoRA may be folded into the weights for generation (the engine owns them otherwise).
     may_merge_lora: bool = True
     #: Full fine-tuning is refused under this engine (ZeRO-3).
@@ -66,7 +71,8 @@ def deepspeed_layout(stage: int, world_size: int) -> MemoryLayout:
         engine=f"DeepSpeed ZeRO-{stage}", world_size=world_size, shards_weights=stage == 3,
         shards_gradients=stage >= 2, shards_optimizer=True, fp32_master_weights=True,
         reduce_bucket_elements=DEEPSPEED_REDUCE_BUCKET,
-        whole_head_in_training=stage == 3, may_merge_lora=stage < 3, refuses_full_fine_tuning=stage == 3,
+        whole_head_in_training=stage == 3, live_gathered_elements=DEEPSPEED_LIVE_PARAMETERS if stage == 3 else 0,
+        may_merge_lora=stage < 3, refuses_full_fine_tuning=stage == 3,
     )
 
 

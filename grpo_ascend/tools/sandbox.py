@@ -46,15 +46,13 @@ from pathlib import Path
 from typing import Any
 
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.tools import sandbox_processes as hygiene
 from grpo_ascend.tools.sandbox_cgroup import CallGroup, create_call_group
 from grpo_ascend.tools.sandbox_sweep import WORLD_WRITABLE_PLACES, sweep_uid_files
 
 logger = logging.getLogger(__name__)
 
 _LAUNCHER = str(Path(__file__).with_name("_sandbox_launcher.py"))
-#: Sandbox uids used when running as root: a block per trainer process, a slot per concurrent call.
-_UID_BASE = 2_000_000
-_UID_SLOTS = 64
 #: Seconds past the timeout after which the trainer kills the supervisor's group itself (the
 #: clean-up after it fits in the rest of the second the call may outlive its timeout by).
 _BACKSTOP_S = 0.5
@@ -127,7 +125,7 @@ class SandboxResult:
             "error": f"Error: the program exited with code {self.exit_code}.",
             "timeout": f"Error: the program did not finish within {self.limits.timeout:g} s and was killed.",
             "cpu_limit": f"Error: the program used more than {self.limits.cpu_seconds} s of CPU time and was killed.",
-            "killed": f"Error: the program was killed by signal {self.signal} ({_signal_name(self.signal)}).",
+            "killed": f"Error: the program was killed by signal {self.signal} ({hygiene.signal_name(self.signal)}).",
             "output_limit": (
                 f"Error: the program printed more than {self.limits.output_kill_bytes} bytes and was stopped."
             ),
@@ -143,96 +141,6 @@ class SandboxResult:
         if not out.strip() and not note:
             return "(no output)"
         return f"{out.rstrip()}\n{note}".strip() if note else out.rstrip()
-
-
-def _signal_name(number: int | None) -> str:
-    try:
-        return signal.Signals(number).name if number is not None else "?"
-    except ValueError:
-        return f"signal {number}"
-
-
-class _UidSlots:
-    """Sandbox uids of this process when running as root; blocks when all slots are busy."""
-
-    def __init__(self) -> None:
-        self._free = list(range(_UID_SLOTS))
-        self._cond = threading.Condition()
-
-    def acquire(self) -> int:
-        with self._cond:
-            while not self._free:
-                self._cond.wait()
-            slot = self._free.pop(0)  # least recently used: a slot's leftovers have longest to go
-        return _UID_BASE + (os.getpid() % 30_000) * _UID_SLOTS + slot
-
-    def release(self, uid: int) -> None:
-        with self._cond:
-            self._free.append((uid - _UID_BASE) % _UID_SLOTS)
-            self._cond.notify()
-
-
-_SLOTS = _UidSlots()
-
-
-def _clean_env(workdir: str) -> dict[str, str]:
-    return {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "HOME": workdir,
-        "TMPDIR": workdir,
-        "LANG": "C.UTF-8",
-        "PYTHONIOENCODING": "utf-8",
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    }
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _terminate(proc: subprocess.Popen) -> None:
-    """Ask the supervisor to kill the program, sweep and report (it then exits on its own)."""
-    try:
-        proc.send_signal(signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _kill_leftovers(uid: int | None, mount_namespace: int | None, grace: float = 0.3) -> None:
-    """Kill every process of the sandbox ``uid`` (as root) or in the call's own ``mount_namespace``,
-    for when the supervisor could not do it (it was killed or stopped by the program)."""
-    if uid is None and mount_namespace is None:
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        found = False
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                if uid is not None:
-                    match = os.stat(f"/proc/{entry}").st_uid == uid
-                else:
-                    match = os.stat(f"/proc/{entry}/ns/mnt").st_ino == mount_namespace
-                if match and not _is_zombie(entry):
-                    os.kill(int(entry), signal.SIGKILL)
-                    found = True
-            except OSError:
-                pass
-        if not found:
-            return
-        time.sleep(0.005)
-
-
-def _is_zombie(pid: str) -> bool:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"Z"
 
 
 _USABLE: dict[str, bool] = {}
@@ -286,10 +194,10 @@ def run_python(code: str, limits: SandboxLimits | None = None, stdin: str | None
     """Run ``code`` in a fresh sandboxed interpreter and report the outcome (never raises for bad code)."""
     limits = limits or SandboxLimits()
     as_root = os.geteuid() == 0
-    uid = _SLOTS.acquire() if as_root else None
+    uid = hygiene.SLOTS.acquire() if as_root else None
     interpreter = _interpreter(limits.interpreter, uid)
     if interpreter is None:
-        _SLOTS.release(uid)
+        hygiene.SLOTS.release(uid)
         uid = None
         interpreter = limits.interpreter or sys.executable
     workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
@@ -323,7 +231,7 @@ def run_python(code: str, limits: SandboxLimits | None = None, stdin: str | None
                 isolation["scratch_note"] += (
                     f"; files of uid {uid} in {', '.join(WORLD_WRITABLE_PLACES)} removed after the call"
                 )
-            _SLOTS.release(uid)
+            hygiene.SLOTS.release(uid)
         elif as_root:
             isolation["uid"] = "not dropped: no interpreter executable by an unprivileged uid"
     return result
@@ -389,7 +297,7 @@ def _supervise(
     config = {
         "python": interpreter,
         "workdir": workdir,
-        "env": _clean_env(workdir),
+        "env": hygiene.clean_env(workdir),
         "uid": uid,
         "gid": uid,
         "network": limits.network,
@@ -420,7 +328,7 @@ def _supervise(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=workdir,
-            env=_clean_env(workdir),
+            env=hygiene.clean_env(workdir),
             start_new_session=True,
             pass_fds=(status_w,),
         )
@@ -448,7 +356,7 @@ def _supervise(
                 break
             if exited_at is None and proc.poll() is not None:
                 exited_at = now
-                _kill_group(proc.pid)  # anything left in the group once the supervisor is gone
+                hygiene.kill_group(proc.pid)  # anything left in the group once the supervisor is gone
             if exited_at is not None and now - exited_at > 0.5:
                 break  # a process outside the group holds the pipes open
             for key, _ in selector.select(timeout=0.05):
@@ -469,10 +377,10 @@ def _supervise(
                 kept[name] += data[: max(room, 0)]
             if printed > limits.output_kill_bytes and stopped is None:
                 stopped = "output_limit"
-                _terminate(proc)
+                hygiene.terminate(proc)
     finally:
         selector.close()
-        _kill_group(proc.pid)
+        hygiene.kill_group(proc.pid)
         if group is not None:
             group.kill()  # the fastest way to end everything the call started
         proc.wait()
@@ -487,9 +395,9 @@ def _supervise(
     child = next((r["child"] for r in reports if "child" in r), None)
     finished = next((r for r in reports if {"exit_code", "signal", "stopped"} & set(r)), None)
     if finished is None and child is not None:
-        _kill_group(child)  # the supervisor died before killing the program's group
+        hygiene.kill_group(child)  # the supervisor died before killing the program's group
     if finished is None:  # the supervisor died or hung before it could kill the program's leftovers
-        _kill_leftovers(uid, isolation.get("mount_namespace"))
+        hygiene.kill_leftovers(uid, isolation.get("mount_namespace"))
     exit_code = finished.get("exit_code") if finished else None
     sig = finished.get("signal") if finished else None
     if stopped is None and finished is not None and "stopped" in finished:

@@ -52,7 +52,7 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
     Fused device kernels are chosen after placement: they depend on the device the model runs on.
     ``parameter_numel``: a parameter's whole size (the strategy's; for the parameter count logged).
     """
-    from grpo_ascend.npu_patches import apply_npu_patches
+    from grpo_ascend.device.npu_patches import apply_npu_patches
 
     if args.model_init_kwargs and not isinstance(model, str):
         logger.warning("model_init_kwargs are ignored: the model was passed already loaded")

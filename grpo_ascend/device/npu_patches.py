@@ -30,14 +30,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from grpo_ascend.device import chip_family, device_type, import_torch_npu, soc_name
+from grpo_ascend.device.ascend import chip_family, soc_name
+from grpo_ascend.device.backends import device_type, import_torch_npu
 from grpo_ascend.errors import ConfigError, closest
 
 logger = logging.getLogger(__name__)
 
 PATCH_KINDS = ("rms_norm", "swiglu", "rotary")
 
-#: Chip families (grpo_ascend.device.chip_family) on which each kernel is documented to work.
+#: Chip families (grpo_ascend.device.ascend.chip_family) on which each kernel is documented to work.
 #: npu_rms_norm: Atlas training, A2, A3 and inference series (torch_npu 7.0 API reference).
 #: npu_swiglu: Atlas A2/A3 only. npu_rotary_mul: Atlas training series with head_dim 128 and
 #: cos/sin shaped 11SD; A2/A3 with head_dim even and < 896, B and N < 1000, cos/sin 11SD or B1SD.

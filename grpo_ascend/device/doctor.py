@@ -1,9 +1,10 @@
 """``grpo-ascend doctor``: versions, the device, collective timeouts and runtime environment, as text or JSON.
 
-The facts come from :mod:`grpo_ascend.device`; this module builds the report and lays it out.
-torch is imported inside :func:`run`, in a try: from torch 2.5 on, ``import torch`` loads every
-device backend extension registered under the ``torch.backends`` entry point, and one whose
-libraries cannot load makes ``import torch`` itself fail, which is exactly what doctor must explain.
+The facts come from :mod:`grpo_ascend.device.doctor_facts`; this module builds the report and lays
+it out. It imports torch only inside :func:`run`, in a try, and the facts (which need torch) only
+inside :func:`doctor_report`: from torch 2.5 on, ``import torch`` loads every device backend
+extension registered under the ``torch.backends`` entry point, and one whose libraries cannot
+load makes ``import torch`` itself fail, which is exactly what doctor must explain.
 """
 
 from __future__ import annotations
@@ -102,18 +103,18 @@ def doctor_report(device: str | None = None, ddp_timeout: int = 1800) -> dict[st
 
     Raises DeviceError if ``device`` is given and unusable. torch must import (see :func:`run`).
     """
-    from grpo_ascend import device as dev
+    from grpo_ascend.device import core, doctor_facts  # these import torch (see the module docstring)
 
-    resolved = dev.resolve_device(device) if device is not None else None
-    facts = dev.device_facts(resolved)
+    resolved = core.resolve_device(device) if device is not None else None
+    facts = doctor_facts.device_facts(resolved)
     report = _base_report(device)
     report.update({
-        "software": dev.software_versions(),
+        "software": doctor_facts.software_versions(),
         **facts,
-        "timeouts": dev.timeout_facts(facts["device"], ddp_timeout),
-        "env": dev.runtime_environment(),
-        "defaults_pending": dev.pending_runtime_defaults(ddp_timeout),
-        "warnings": dev.accelerator_warnings(),
+        "timeouts": doctor_facts.timeout_facts(facts["device"], ddp_timeout),
+        "env": doctor_facts.runtime_environment(),
+        "defaults_pending": doctor_facts.pending_runtime_defaults(ddp_timeout),
+        "warnings": doctor_facts.accelerator_warnings(),
     })
     return report
 

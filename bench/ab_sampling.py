@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_rollout import load_model, make_prompts  # noqa: E402
 
-from grpo_ascend.rollout import engine as engine_mod  # noqa: E402
+from grpo_ascend.rollout import decoding  # noqa: E402
 from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
 from grpo_ascend.rollout.sampling import SamplingParams, next_tokens  # noqa: E402
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
           f"load {os.getloadavg()[0]:.2f}")
     for rep in range(args.repeats + 1):
         for name, fn in variants.items():
-            engine_mod.next_tokens = fn
+            decoding.next_tokens = fn
             t0, c0 = time.perf_counter(), time.process_time()
             engine.generate(prompts, params, torch.Generator().manual_seed(rep))
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
                 times[name].append((wall, cpu))
             print(f"  [{'warm-up' if rep == 0 else f'run {rep}'}] {name}: wall {wall:.2f} s, CPU {cpu:.2f} s, "
                   f"load {os.getloadavg()[0]:.2f}", flush=True)
-    engine_mod.next_tokens = next_tokens
+    decoding.next_tokens = next_tokens
     for name, runs in times.items():
         cpus = [c for _, c in runs]
         walls = [w for w, _ in runs]

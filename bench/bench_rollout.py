@@ -19,6 +19,11 @@ Each call's wall time and process CPU time are recorded (other jobs on a shared 
 wall time well above CPU time × threads); the table gives medians and per-repeat ranges, and the
 load average before and after.
 
+``--vllm`` adds vLLM's in-process engine (grpo_ascend.rollout.vllm, the colocated backend) on the
+same weights, loaded from the model's folder (a model built in memory is saved to a temporary one);
+its KV cache is sized by ``--vllm-kv-mib``. vLLM reports tokens through its own sampler, so the
+count is the same rule (up to and including the first stop token).
+
 ``--plain-cache`` adds a third engine, ours with the plain KV cache (``shared_prefix=False``: every
 completion holds and reads its own copy of the prompt), so one run shows what the shared-prefix
 decode attention (``rollout/shared_prefix.py``, the CPU default) gains.
@@ -57,6 +62,7 @@ from grpo_ascend import device as devmod  # noqa: E402
 from grpo_ascend.models.tiny_model import _WORDS, build_tiny_model  # noqa: E402
 from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
 from grpo_ascend.rollout.sampling import SamplingParams  # noqa: E402
+from grpo_ascend.rollout.vllm import VLLMColocatedRollout  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -141,6 +147,19 @@ def run_ours(engine, prompts, params, dev, seed):
     return int(batch.completion_lengths.sum()), elapsed, peak, cpu
 
 
+def vllm_engine(model, tokenizer, args, dev):
+    """The colocated vLLM backend on ``model``'s weights (saved to a temporary folder first)."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="bench-vllm-")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return VLLMColocatedRollout(folder, tokenizer, SamplingParams(), device=dev,
+                                dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype],
+                                kv_cache_memory_bytes=args.vllm_kv_mib * 2**20,
+                                max_model_length=args.prompt_len + args.new_tokens + 64)
+
+
 def run_generate(model, tokenizer, prompts, args, stops, dev, seed):
     enc = tokenizer(
         prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt"
@@ -189,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--length-bucket", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    parser.add_argument("--vllm", action="store_true", help="also time vLLM's in-process engine (needs vLLM)")
+    parser.add_argument("--vllm-kv-mib", type=int, default=256, help="vLLM's KV cache in MiB (with --vllm)")
     parser.add_argument("--plain-cache", action="store_true",
                         help="also time our engine with the plain KV cache (shared_prefix=False)")
     args = parser.parse_args(argv)
@@ -216,6 +237,10 @@ def main(argv: list[str] | None = None) -> None:
     extra = rng.sample([i for i in range(vocab) if i not in special], max(1, round(args.stop_prob * vocab)))
 
     engines = ["ours", "ours-plain", "generate"] if args.plain_cache else ["ours", "generate"]
+    engines_by_name = {"ours": engine, "ours-plain": engine}
+    if args.vllm:
+        engines.insert(-1, "vllm")
+        engines_by_name["vllm"] = vllm_engine(model, tokenizer, args, dev)
     rows = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode not in ("eos-off", "natural"):
@@ -239,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
                     timed[name] = run_generate(model, tokenizer, prompts, args, stops, dev, seed=rep)
                 else:
                     own = replace(params, shared_prefix=False) if name == "ours-plain" else params
-                    timed[name] = run_ours(engine, prompts, own, dev, seed=rep)
+                    timed[name] = run_ours(engines_by_name[name], prompts, own, dev, seed=rep)
             if rep:  # the first round is a warm-up
                 for name, run in timed.items():
                     results[name].append(run)

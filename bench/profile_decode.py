@@ -34,8 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_rollout import load_model, make_prompts  # noqa: E402
 
-from grpo_ascend.rollout import engine as engine_mod  # noqa: E402
-from grpo_ascend.rollout import kv_cache  # noqa: E402
+from grpo_ascend.rollout import (
+    decoding,  # noqa: E402
+    kv_cache,  # noqa: E402
+)
 from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
 from grpo_ascend.rollout.sampling import SamplingParams  # noqa: E402
 
@@ -100,12 +102,12 @@ def main(argv: list[str] | None = None) -> None:
         num_generations=args.G, max_completion_length=args.new_tokens, ignore_eos=True,
         max_prompt_length=None, length_bucket=args.length_bucket,
     )
-    engine_mod.next_tokens = labelled(engine_mod.next_tokens, "##sampling")
+    decoding.next_tokens = labelled(decoding.next_tokens, "##sampling")
     kv_cache.BucketedLayer.update = labelled(kv_cache.BucketedLayer.update, "##cache_update")
     head = model.get_output_embeddings()
     head.forward = labelled(head.forward, "##lm_head")
     first_decode = {}
-    original_forward = engine.__class__._forward
+    original_forward = engine.__class__.forward
 
     def forward(self, input_ids, *a, **k):
         if input_ids.shape[1] == 1 and "t" not in first_decode:
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
                 pass
         return original_forward(self, input_ids, *a, **k)
 
-    engine.__class__._forward = forward
+    engine.__class__.forward = forward
     generator = torch.Generator().manual_seed(0)
     engine.generate(prompts, params, generator)  # warm-up
     first_decode.clear()

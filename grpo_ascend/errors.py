@@ -37,4 +37,4 @@ def closest(name: str, candidates: Iterable[str]) -> str:
 
 
 class CompatError(GrpoAscendError, RuntimeError):
-    """An installed library changed an internal grpo-ascend relies on (see the dist/compat_* modules)."""
+    """An installed library changed an internal grpo-ascend relies on (see the distributed/compat_* and models/compat_peft modules)."""

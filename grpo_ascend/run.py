@@ -11,16 +11,18 @@ from typing import Any
 
 from grpo_ascend.config.configs import BaseRLConfig
 from grpo_ascend.config.recipe import RecipeConfig, load_recipe, parse_overrides
+from grpo_ascend.data.prompts import load_prompt_dataset
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.models.policy import default_lora_config, load_causal_lm, resolve_model_path
+from grpo_ascend.tools import load_environment_factory, load_toolset
+from grpo_ascend.trainers.grpo import GRPOTrainer
+from grpo_ascend.trainers.ppo import PPOTrainer
 
 logger = logging.getLogger(__name__)
 
 
 def build_trainer(recipe: RecipeConfig, args: BaseRLConfig) -> Any:
     """Dataset, rewards, LoRA and the trainer a recipe describes (nothing runs yet)."""
-    from grpo_ascend.data.prompts import load_prompt_dataset
-    from grpo_ascend.models.policy import default_lora_config, load_causal_lm
-
     dataset = load_prompt_dataset(
         recipe.dataset,
         split=recipe.dataset_split,
@@ -42,19 +44,15 @@ def build_trainer(recipe: RecipeConfig, args: BaseRLConfig) -> Any:
     if recipe.algorithm == "ppo":
         if recipe.tools or recipe.environment is not None:
             raise ConfigError("tools and environment are supported with algorithm: grpo only; remove them or use grpo")
-        from grpo_ascend.trainers.ppo import PPOTrainer
 
         return PPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                           eval_dataset=eval_dataset, peft_config=peft_config)
-    from grpo_ascend.trainers.grpo import GRPOTrainer
 
     tool_options: dict[str, Any] = {}
     if recipe.tools:
-        from grpo_ascend.tools import load_toolset
 
         tool_options["tools"] = load_toolset(recipe.tools)
     if recipe.environment is not None:
-        from grpo_ascend.tools import load_environment_factory
 
         tool_options["environment_factory"] = load_environment_factory(recipe.environment)
     return GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
@@ -63,7 +61,6 @@ def build_trainer(recipe: RecipeConfig, args: BaseRLConfig) -> Any:
 
 def _eval_dataset(recipe: RecipeConfig, dataset: Any, seed: int) -> tuple[Any, Any]:
     """(train prompts, eval prompts or None) from eval_dataset / eval_split / eval_fraction."""
-    from grpo_ascend.data.prompts import load_prompt_dataset
 
     if recipe.eval_fraction is not None:
         n_eval = max(1, round(len(dataset) * recipe.eval_fraction))
@@ -91,7 +88,6 @@ def _eval_dataset(recipe: RecipeConfig, dataset: Any, seed: int) -> tuple[Any, A
 
 
 def _model_path(name: str) -> str:
-    from grpo_ascend.models.policy import resolve_model_path
 
     return resolve_model_path(name)
 

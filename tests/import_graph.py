@@ -57,8 +57,14 @@ def edges(root: Path = PACKAGE) -> list[Edge]:
                 targets = [f"{base}.{alias.name}" for alias in node.names]
             for target in targets:
                 resolved = _resolve(target, modules)
-                if resolved is not None and resolved != source:
-                    found.append(Edge(source, resolved, node.lineno, local))
+                if resolved is None or resolved == source:
+                    continue
+                found.append(Edge(source, resolved, node.lineno, local))
+                # Importing a.b.c runs a/__init__ and a/b/__init__ first, unless the importer is inside them.
+                parent = resolved.rpartition(".")[0]
+                while parent in modules and not (source + ".").startswith(parent + "."):
+                    found.append(Edge(source, parent, node.lineno, local))
+                    parent = parent.rpartition(".")[0]
     return found
 
 

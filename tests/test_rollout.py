@@ -465,7 +465,7 @@ def test_left_truncation_warns_and_keeps_the_end(chaotic, caplog):
     params = SamplingParams(
         max_prompt_length=16, prompt_truncation="left", num_generations=1, max_completion_length=2
     )
-    with caplog.at_level(logging.WARNING, logger="grpo_ascend.rollout.engine"):
+    with caplog.at_level(logging.WARNING, logger="grpo_ascend.rollout.prompts"):
         batch = RolloutEngine(model, tok).generate(["short", long], params)
     assert "truncated 1 prompt" in caplog.text and "[1]" in caplog.text
     ids = tok(long, add_special_tokens=False)["input_ids"]

@@ -109,12 +109,12 @@ def test_constant_schedule_has_no_warmup_and_default_loss_metric_becomes_ours(tm
 
 
 def test_one_warning_lists_every_ignored_field_and_nothing_else(tmp_path):
-    cfg = _config(tmp_path, torch_compile=True, dataloader_num_workers=2, run_name="x", vllm_server_port=9000,
+    cfg = _config(tmp_path, torch_compile=True, dataloader_num_workers=2, run_name="x", vllm_group_port=9000,
                   learning_rate=1e-4)
     ours, caught = _convert(cfg)
     assert len(caught) == 1
     message = str(caught[0].message)
-    for name in ("torch_compile=True", "dataloader_num_workers=2", "run_name='x'", "vllm_server_port=9000"):
+    for name in ("torch_compile=True", "dataloader_num_workers=2", "run_name='x'", "vllm_group_port=9000"):
         assert name in message
     # transformers derives torch_compile_backend from torch_compile: also not at its default, also listed
     assert "5 setting(s)" in message and "torch_compile_backend='inductor'" in message
@@ -123,7 +123,7 @@ def test_one_warning_lists_every_ignored_field_and_nothing_else(tmp_path):
 
 
 @pytest.mark.parametrize("changes, expected", [
-    ({"use_vllm": True}, "use_vllm=True: there is no vLLM integration"),
+    ({"vllm_structured_outputs_regex": "[0-9]+"}, "regex-guided structured outputs are not passed to vLLM"),
     ({"loss_type": "gspo"}, "loss_type='gspo' is not supported by grpo-ascend: expected one of grpo, bnpo"),
     ({"optim": "sgd"}, "optim='sgd' is not supported by grpo-ascend: expected 'adamw_torch'"),
     ({"eval_strategy": "epoch"}, "eval_strategy='epoch' is not supported by grpo-ascend: expected 'no' or 'steps'"),
@@ -153,10 +153,10 @@ def test_trl_algorithm_options_map_onto_ours(tmp_path):
 
 def test_all_refusals_come_in_one_error(tmp_path):
     with pytest.raises(ConfigError) as info:
-        from_trl_config(_config(tmp_path, use_vllm=True, neftune_noise_alpha=5.0, lr_scheduler_type="polynomial",
-                                torch_compile=True))
+        from_trl_config(_config(tmp_path, vllm_structured_outputs_regex="x", neftune_noise_alpha=5.0,
+                                lr_scheduler_type="polynomial", torch_compile=True))
     text = str(info.value)
-    assert "3 setting(s)" in text and "use_vllm" in text and "neftune_noise_alpha" in text
+    assert "3 setting(s)" in text and "vllm_structured_outputs_regex" in text and "neftune_noise_alpha" in text
     assert "lr_scheduler_type='polynomial'" in text and "torch_compile" not in text  # ignored, not refused
 
 
@@ -229,7 +229,7 @@ def test_chat_template_kwargs_reach_the_prompts(tiny_model):
     model, tokenizer = tiny_model
     tokenizer.chat_template = "{% if greeting is defined %}{{ greeting }}|{% endif %}" + tokenizer.chat_template
     chat = [[{"role": "user", "content": "2 + 2?"}]]
-    cfg = GRPOConfig(chat_template_kwargs={"greeting": "HELLO"})
-    engine = build_engine(model, tokenizer, cfg, cfg.batch_plan().num_generations, torch.device("cpu"))
-    assert engine._render(chat)[0].startswith("HELLO|<|im_start|>user")
-    assert not RolloutEngine(model, tokenizer)._render(chat)[0].startswith("HELLO")
+    engine = build_engine(model, tokenizer, GRPOConfig(chat_template_kwargs={"greeting": "HELLO"}), torch.device("cpu"))
+    assert engine.prompts.encode(chat, engine.params).texts[0].startswith("HELLO|<|im_start|>user")
+    plain = RolloutEngine(model, tokenizer)
+    assert not plain.prompts.encode(chat, plain.params).texts[0].startswith("HELLO")

@@ -75,10 +75,11 @@ def test_refused_fields_fail_only_when_changed_and_say_why():
     cfg, caught = _build(use_vllm=False, neftune_noise_alpha=None, optim_args=None, lr_scheduler_kwargs={})
     assert caught == [] and cfg == GRPOConfig()
     with pytest.raises(ConfigError) as err:
-        GRPOConfig(use_vllm=True, neftune_noise_alpha=5.0, generation_kwargs={"max_tokens": 3}, optim="sgd")
+        GRPOConfig(vllm_structured_outputs_regex="[0-9]+", neftune_noise_alpha=5.0, generation_kwargs={"max_tokens": 3},
+                   optim="sgd")
     text = str(err.value)
     assert text.startswith("GRPOConfig: 4 setting(s) are not supported by grpo-ascend")
-    assert "use_vllm=True: there is no vLLM integration" in text
+    assert "vllm_structured_outputs_regex='[0-9]+': regex-guided" in text
     assert "neftune_noise_alpha=5.0: NEFTune adds noise" in text
     assert "generation_kwargs={'max_tokens': 3} is not supported by grpo-ascend: expected only the keys" in text
     assert "optim='sgd'" in text

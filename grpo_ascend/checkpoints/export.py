@@ -33,7 +33,10 @@ from grpo_ascend.checkpoints.adapters import (
     non_adapter_trainable,
     unwrap_model,
 )
+from grpo_ascend.checkpoints.best import best_checkpoint, resolve_best_path
 from grpo_ascend.errors import CheckpointError, ConfigError, closest
+from grpo_ascend.models.policy import apply_peft
+from grpo_ascend.models.tiny_model import resolve_builtin
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +65,6 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 def _resolve_base(name: str) -> str:
     """``builtin:*`` names to their offline folder; other paths / hub ids unchanged."""
-    from grpo_ascend.models.tiny_model import resolve_builtin
 
     built = resolve_builtin(name)
     return str(built) if built is not None else name
@@ -186,7 +188,6 @@ def _merge(out: Path, base: str, config: dict[str, Any], tensors: Mapping[str, t
     """Load ``base``, apply the adapter (checked tensor by tensor), fold it in and save the model."""
     from peft import PeftConfig
 
-    from grpo_ascend.models.policy import apply_peft
 
     model = _load_base(base)
     target_dtype = dtype or _stored_dtype(model)
@@ -374,7 +375,6 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """``grpo-ascend export CHECKPOINT --out DIR [--merge] [--dtype bf16] [--base-model PATH]``."""
-    from grpo_ascend.checkpoints.best import best_checkpoint, resolve_best_path
 
     source = best_checkpoint(args.checkpoint) if args.best else resolve_best_path(args.checkpoint)
     out = export_checkpoint(source, args.out, merge=args.merge, dtype=args.dtype, base_model=args.base_model)

@@ -16,8 +16,14 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from grpo_ascend.algorithms.reward_aggregation import REWARD_AGGREGATIONS
+from grpo_ascend.algorithms.token_selection import check_quantile
 from grpo_ascend.config.fields import _check_choice, _f, _positive, _Validated
+from grpo_ascend.config.trl_keywords import own_keywords
 from grpo_ascend.errors import ConfigError, closest
+from grpo_ascend.evaluation import check_eval_config
+from grpo_ascend.tools.parsing import TOOL_CALL_PARSERS
+from grpo_ascend.tracking.trackers import check_report_to, installed_trackers
 
 
 @dataclass
@@ -91,6 +97,40 @@ class BaseRLConfig(_Validated):
     length_bucket: int | None = _f(
         None, "Pad prompt/completion lengths to multiples of this so NPUs compile few shapes; null = 64 on NPUs, "
         "exact lengths (1) elsewhere, where padding only costs compute."
+    )
+    rollout_backend: str = _f(
+        "builtin", "What samples the completions: 'builtin' (grpo-ascend's engine, on the policy module itself) "
+        "or another registered rollout backend (grpo_ascend.rollout.backend; docs/trainer.md#rollout-backends)."
+    )
+    # --- vLLM rollouts (rollout_backend: vllm; TRL's names and meanings; docs/vllm.md) ---
+    use_vllm: bool = _f(False, "TRL's switch for vLLM rollouts: true = rollout_backend 'vllm'.")
+    vllm_mode: Literal["colocate", "server"] = _f(
+        "colocate", "colocate: an in-process vLLM engine beside the trainer on its device; server: a client of a "
+        "running vLLM / vllm-ascend OpenAI server (vllm_server_base_url or host + port)."
+    )
+    vllm_server_base_url: str | None = _f(None, "Server mode: the server's URL (overrides host and port).")
+    vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host when no base URL is given.")
+    vllm_server_port: int = _f(8000, "Server mode: the server's port when no base URL is given.")
+    vllm_server_timeout: float = _f(240.0, "Server mode: seconds to wait for the server to answer at start.")
+    vllm_gpu_memory_utilization: float = _f(
+        0.3, "Colocate: fraction of the device's memory vLLM takes for weights and KV cache (on the CPU build, "
+        "of the host's memory)."
+    )
+    vllm_tensor_parallel_size: int = _f(1, "Colocate: tensor-parallel size of the engine (only 1 here; use a "
+                                        "tensor-parallel server for more).")
+    vllm_max_model_length: int | None = _f(None, "vLLM's max_model_len (prompt + completion); null = the model's.")
+    vllm_enable_sleep_mode: bool = _f(
+        False, "Colocate: put the engine to sleep (weights offloaded, KV cache freed) while the trainer trains; "
+        "where the platform has it (not vLLM's CPU build)."
+    )
+    vllm_model_impl: Literal["auto", "vllm", "transformers"] = _f("vllm", "vLLM's model implementation.")
+    vllm_kv_cache_memory_bytes: int | None = _f(
+        None, "Colocate: the KV cache's size in bytes (overrides vllm_gpu_memory_utilization for the cache); not a "
+        "TRL setting."
+    )
+    vllm_sync_dir: str | None = _f(
+        None, "Server mode: the folder adapter versions (and full weights) are written to for the server to load; "
+        "the server must read it (same machine or shared storage). null = output_dir/vllm-sync. Not a TRL setting."
     )
     # --- rewards ---
     reward_weights: list[float] | None = _f(None, "Weight per reward function (default 1 each).")
@@ -171,6 +211,13 @@ class BaseRLConfig(_Validated):
     )
 
     def __post_init__(self) -> None:
+        if self.use_vllm:
+            if self.rollout_backend not in ("builtin", "vllm"):
+                raise ConfigError(f"use_vllm=True conflicts with rollout_backend={self.rollout_backend!r}; set only one")
+            self.rollout_backend = "vllm"
+        _check_choice("vllm_mode", self.vllm_mode, ("colocate", "server"))
+        _positive(self, "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+                  "vllm_max_model_length", "vllm_kv_cache_memory_bytes")
         # TRL's unset values (None) of fields typed more narrowly here: transformers' output folder, a visible
         # progress bar, and our number of printed completions (as a trl.GRPOConfig converts them).
         for name, unset in (("output_dir", "trainer_output"), ("disable_tqdm", False), ("num_completions_to_print", 4)):
@@ -219,10 +266,8 @@ class BaseRLConfig(_Validated):
             raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be >= 1 or null, got {self.save_total_limit}")
-        from grpo_ascend.evaluation import check_eval_config
 
         check_eval_config(self)
-        from grpo_ascend.tracking.trackers import check_report_to, installed_trackers
 
         if isinstance(self.report_to, str):  # TRL style: one name, "none" or "all"
             self.report_to = installed_trackers() if self.report_to == "all" else [self.report_to]
@@ -374,7 +419,6 @@ def _accepts_trl_keywords(cls: type) -> type:
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         if kwargs.keys() - own:  # imported here: trl_keywords' table imports grpo_ascend.distributed, which imports us
-            from grpo_ascend.config.trl_keywords import own_keywords
 
             kwargs = own_keywords(type(self), kwargs)
         init(self, *args, **kwargs)
@@ -503,6 +547,9 @@ class GRPOConfig(BaseRLConfig):
         return self.beta > 0
 
     def __post_init__(self) -> None:
+        if (self.use_vllm or self.rollout_backend == "vllm") and self.vllm_importance_sampling_correction is None:
+            # TRL's default with vLLM: correct the sampler/trainer mismatch (turn off with the TRL name).
+            self.importance_sampling_correction = True
         _apply_aliases(self)
         if self.loss_type == "gspo":  # our alias; TRL spells GSPO as sequence-level ratios under the grpo loss
             self.loss_type, self.importance_sampling_level = "grpo", "sequence"
@@ -528,7 +575,6 @@ class GRPOConfig(BaseRLConfig):
         _positive(self, "tool_timeout", "tool_max_output_chars")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             raise ConfigError(f"max_tool_calling_iterations must be null or >= 0, got {self.max_tool_calling_iterations}")
-        from grpo_ascend.tools.parsing import TOOL_CALL_PARSERS
 
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(f"tool_call_parser {self.tool_call_parser!r} is unknown; registered parsers: "
@@ -563,9 +609,6 @@ class GRPOConfig(BaseRLConfig):
 
     def _check_trl_algorithm_options(self) -> None:
         """VESPO, reward aggregation, token selection, adaptive entropy and reference-sync settings."""
-        from grpo_ascend.algorithms.reward_aggregation import REWARD_AGGREGATIONS
-        from grpo_ascend.algorithms.token_selection import check_quantile
-
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

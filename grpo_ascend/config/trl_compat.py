@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from grpo_ascend.config.configs import GRPOConfig
 from grpo_ascend.config.generated_docs import update_block
 from grpo_ascend.config.trl_fields import IMPLIED_SETTINGS, TRL_FIELDS
 from grpo_ascend.config.trl_keywords import DOC, TRLConfigWarning, classify, differs
@@ -59,7 +60,6 @@ def _defaults(cfg: Any) -> dict[str, Any]:
 
 def from_trl_config(cfg: Any) -> Any:
     """Our :class:`~grpo_ascend.config.configs.GRPOConfig` for TRL's ``cfg`` (see the module docstring)."""
-    from grpo_ascend.config.configs import GRPOConfig
 
     defaults = _defaults(cfg)
     names = [f.name for f in dataclasses.fields(cfg)]

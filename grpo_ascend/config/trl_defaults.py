@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from grpo_ascend.distributed.trl_config import AFTER, ENGINE_DEFAULTS
+
 TRL_DEFAULTS: dict[str, Any] = {
     "output_dir": None,
     "per_device_train_batch_size": 8,
@@ -202,7 +204,6 @@ TRL_DEFAULTS: dict[str, Any] = {
 
 def _with_engine_fields(table: dict[str, Any]) -> dict[str, Any]:
     """Insert the engine-choosing fields' defaults at their place in TRL's order."""
-    from grpo_ascend.distributed.trl_config import AFTER, ENGINE_DEFAULTS
 
     out: dict[str, Any] = {}
     for name, value in table.items():

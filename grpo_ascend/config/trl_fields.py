@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from grpo_ascend.distributed.trl_config import AFTER, ENGINE_FIELDS
 from grpo_ascend.errors import ConfigError
 
 Kind = Literal["mapped", "ignored", "refused"]
@@ -194,7 +195,14 @@ def _nothing(value: Any, cfg: Any) -> dict[str, Any]:
     return {}
 
 
-_VLLM = "applies only to vLLM generation (use_vllm=True, refused)"
+_VLLM = "applies only to vLLM generation (use_vllm=True)"
+
+
+def _with_vllm(target: str) -> Converter:
+    """TRL applies its vllm_importance_sampling_* settings only with use_vllm=True; so do we."""
+    def convert(value: Any, cfg: Any) -> dict[str, Any]:
+        return {target: value} if getattr(cfg, "use_vllm", False) else {}
+    return convert
 _EVAL_LOOP = "an option of transformers' evaluation loop; evaluation here generates and scores (docs/evaluation.md)"
 _LOADER = "there is no DataLoader: prompts are drawn by a seeded, resumable sampler"
 _DDP = "DDP tuning knob; data parallelism is accelerate's DDP with its defaults"
@@ -353,19 +361,21 @@ TRL_FIELDS: dict[str, TRLField] = {
     "chat_template_kwargs": same(),
     "repetition_penalty": same(),
     "cache_implementation": ignored("the rollout engine has its own bucketed KV cache"),
-    "use_vllm": refused("there is no vLLM integration; the built-in rollout engine samples"),
-    "vllm_mode": ignored(_VLLM),
-    "vllm_model_impl": ignored(_VLLM),
-    "vllm_enable_sleep_mode": ignored(_VLLM),
-    "vllm_structured_outputs_regex": ignored(_VLLM),
-    "vllm_server_base_url": ignored(_VLLM),
-    "vllm_server_host": ignored(_VLLM),
-    "vllm_server_port": ignored(_VLLM),
-    "vllm_server_timeout": ignored(_VLLM),
-    "vllm_group_port": ignored(_VLLM),
-    "vllm_gpu_memory_utilization": ignored(_VLLM),
-    "vllm_max_model_length": ignored(_VLLM),
-    "vllm_tensor_parallel_size": ignored(_VLLM),
+    "use_vllm": same("rollout_backend 'vllm' (docs/vllm.md)"),
+    "vllm_mode": same(),
+    "vllm_model_impl": same(),
+    "vllm_enable_sleep_mode": same("where the platform has a sleep mode (vLLM's CPU build has none: logged)"),
+    "vllm_structured_outputs_regex": refused("regex-guided structured outputs are not passed to vLLM"),
+    "vllm_server_base_url": same(),
+    "vllm_server_host": same(),
+    "vllm_server_port": same(),
+    "vllm_server_timeout": same(),
+    "vllm_group_port": ignored("weights reach a server as an adapter folder or a weights folder it loads, not "
+                               "through a collective communication group"),
+    "vllm_gpu_memory_utilization": same(),
+    "vllm_max_model_length": same(),
+    "vllm_tensor_parallel_size": same("colocated engines take 1 (a tensor-parallel engine is a server here)",
+                                      differs=True),
     "beta": same(),
     "num_iterations": same(),
     "epsilon": same(),
@@ -403,11 +413,14 @@ TRL_FIELDS: dict[str, TRLField] = {
     "entropy_coef_delta": same(),
     "entropy_target": same(),
     "max_tool_calling_iterations": same(),
-    "vllm_importance_sampling_correction": ignored(_VLLM + "; to correct our own engine's sampling set "
-                                                   "importance_sampling_correction"),
-    "vllm_importance_sampling_mode": ignored(_VLLM),
-    "vllm_importance_sampling_clip_max": ignored(_VLLM),
-    "vllm_importance_sampling_clip_min": ignored(_VLLM),
+    "vllm_importance_sampling_correction": to("importance_sampling_correction", "with use_vllm=True, as TRL",
+                                              _with_vllm("importance_sampling_correction")),
+    "vllm_importance_sampling_mode": to("importance_sampling_mode", "with use_vllm=True, as TRL",
+                                        _with_vllm("importance_sampling_mode")),
+    "vllm_importance_sampling_clip_max": to("importance_sampling_clip_max", "with use_vllm=True, as TRL",
+                                            _with_vllm("importance_sampling_clip_max")),
+    "vllm_importance_sampling_clip_min": to("importance_sampling_clip_min", "with use_vllm=True, as TRL",
+                                            _with_vllm("importance_sampling_clip_min")),
     "off_policy_mask_threshold": same("the KL is taken against the rollout engine's sampling log-probs (TRL: vLLM's, "
                                       "else the old policy's)", differs=True),
     "use_bias_correction_kl": same(),
@@ -421,12 +434,12 @@ TRL_FIELDS: dict[str, TRLField] = {
     "use_transformers_continuous_batching": ignored(_SPEED),
     "transformers_continuous_batching_config": ignored(_SPEED),
     "use_transformers_paged": ignored(_SPEED),
-    "vllm_importance_sampling_cap": ignored(_VLLM),
+    "vllm_importance_sampling_cap": to("importance_sampling_clip_max", "with use_vllm=True, as TRL",
+                                       _with_vllm("importance_sampling_clip_max")),
 }
 
 def _with_engine_fields(table: dict[str, TRLField]) -> dict[str, TRLField]:
     """Insert the engine-choosing fields (their classification is grpo_ascend/dist's) at their place in TRL's order."""
-    from grpo_ascend.distributed.trl_config import AFTER, ENGINE_FIELDS
 
     out: dict[str, TRLField] = {}
     for name, entry in table.items():

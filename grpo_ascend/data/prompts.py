@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from grpo_ascend.data.synthetic import SYNTHETIC_TASKS
 from grpo_ascend.errors import DataError, closest
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -31,7 +32,6 @@ def load_prompt_dataset(
     if spec.startswith("synthetic:"):
         import inspect
 
-        from grpo_ascend.data.synthetic import SYNTHETIC_TASKS
 
         task = spec.split(":", 1)[1]
         if task not in SYNTHETIC_TASKS:

@@ -1,4 +1,5 @@
-"""Our attention implementations as transformers ones: registration and a scoped switch of a model to one.
+"""Our attention implementations as transformers ones: registration, a scoped switch of a model to one, and
+whether a model recomputes activations (our kernels step aside then).
 
 Registration happens on first use: importing ``AttentionInterface`` loads ``modeling_utils``, which
 probes the accelerator libraries (torch_npu on an NPU host).
@@ -33,3 +34,11 @@ def attention_implementation(config: Any, name: str) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = previous
+
+
+def activation_checkpointing_on(model: Any) -> bool:
+    """Whether a transformers model recomputes activations in backward (the name changed in v5)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if name in dir(type(model)):
+            return bool(getattr(model, name))
+    return False

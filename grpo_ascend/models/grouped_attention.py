@@ -28,7 +28,12 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from grpo_ascend.models.attention_switch import attention_implementation, register
+from grpo_ascend import device as dev
+from grpo_ascend.models.attention_switch import (
+    activation_checkpointing_on,
+    attention_implementation,
+    register,
+)
 
 IMPLEMENTATION = "grpo_ascend_grouped_sdpa"
 #: Keyword arguments that only transformers' SDPA function implements.
@@ -46,13 +51,11 @@ def grouped_attention_forward(
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from grpo_ascend.device import grouped_attention_max_bytes
-
     rows, heads, queries, dim = query.shape
     scores_bytes = rows * heads * queries * key.shape[2] * 4
     if (dropout or any(kwargs.get(name) is not None for name in _DELEGATED)
             or {query.dtype, key.dtype, value.dtype} != {torch.float32}
-            or heads % key.shape[1] or scores_bytes > grouped_attention_max_bytes(query.device)):
+            or heads % key.shape[1] or scores_bytes > dev.grouped_attention_max_bytes(query.device)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -100,13 +103,10 @@ def grouped_attention(model: nn.Module) -> Iterator[bool]:
     """Inside the block ``model`` (a transformers model on SDPA) attends with :func:`grouped_attention_forward`;
     yields whether it switched. No switch for other implementations, on devices whose budget is 0,
     or under activation checkpointing."""
-    from grpo_ascend.device import grouped_attention_max_bytes
-    from grpo_ascend.models.policy import activation_checkpointing_on
-
     config = getattr(model, "config", None)
     parameter = next(model.parameters(), None)
     if (config is None or parameter is None or getattr(config, "_attn_implementation", None) != "sdpa"
-            or grouped_attention_max_bytes(parameter.device) == 0 or activation_checkpointing_on(model)):
+            or dev.grouped_attention_max_bytes(parameter.device) == 0 or activation_checkpointing_on(model)):
         yield False
         return
     _register()

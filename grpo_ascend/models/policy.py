@@ -14,10 +14,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from grpo_ascend import device as dev
 from grpo_ascend.checkpoints.adapters import is_peft
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.models import compat_peft
+from grpo_ascend.models.attention_switch import activation_checkpointing_on
+from grpo_ascend.models.compat_peft import base_weight, delta_weight, plain_lora_parts, set_adapter_path
 from grpo_ascend.models.grouped_attention import grouped_attention
 from grpo_ascend.models.logprobs import token_logprobs_from_hidden
+from grpo_ascend.models.tiny_model import resolve_builtin
+from grpo_ascend.rollout.kv_cache import round_up
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +32,6 @@ _DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
 
 def resolve_model_path(name: str) -> str:
     """Map ``builtin:*`` names to the offline tiny-model directory; pass other names through."""
-    from grpo_ascend.models.tiny_model import resolve_builtin
 
     built = resolve_builtin(name)
     return str(built) if built is not None else name
@@ -144,14 +149,6 @@ def _cache_kwarg(decoder_class: type) -> str:
     return "cache" if "cache" in inspect.signature(decoder_class.forward).parameters else "past_key_values"
 
 
-def activation_checkpointing_on(model: nn.Module) -> bool:
-    """Whether a transformers model recomputes activations in backward (the name changed in v5)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if name in dir(type(model)):
-            return bool(getattr(model, name))
-    return False
-
-
 def completion_hidden_states(
     backbone: nn.Module,
     prompt_ids: Tensor,
@@ -231,16 +228,13 @@ def used_completion_width(completion_mask: Tensor) -> int:
     Columns after it are padding in every row; causal attention never reads them for earlier
     positions, so dropping them changes no log-prob. One host sync.
     """
-    from grpo_ascend.device import default_length_bucket
-    from grpo_ascend.rollout.kv_cache import round_up
-
     width = completion_mask.shape[1]
     if width == 0:
         return 0
     used = completion_mask.ne(0).any(0)
     last = int(used.long().cumsum(0).argmax())  # first index of the maximum: the last used column
     needed = last + 1 if bool(used[last]) else 1
-    return min(width, round_up(needed, default_length_bucket(completion_mask.device)))
+    return min(width, round_up(needed, dev.default_length_bucket(completion_mask.device)))
 
 
 class CompletionLogprobs(nn.Module):
@@ -345,7 +339,6 @@ def _mergeable_lora_layers(model: nn.Module) -> list[tuple[nn.Module, list[str]]
     Only plain linear LoRA layers qualify: variants (DoRA, ...) and quantised or custom layer types
     compute more than ``W + B·A·scaling``.
     """
-    from grpo_ascend.models import compat_peft
 
     found = []
     for module in compat_peft.lora_layers(model):
@@ -362,7 +355,6 @@ def lora_merge_bytes(model: nn.Module) -> int | None:
     layers = _mergeable_lora_layers(model) if is_peft(model) else None
     if not layers:
         return None
-    from grpo_ascend.models.compat_peft import base_weight
 
     return sum(base_weight(m).nbytes for m, _ in layers)
 
@@ -375,7 +367,6 @@ def _fold_adapters(module: nn.Module, active: list[str], original: Tensor, out: 
     view runs about 5x slower (7 ms instead of 1.3 for a 1,376 x 512 weight on one core), and the
     full-size delta is never built. Anything else goes through peft's own ``get_delta_weight``.
     """
-    from grpo_ascend.models.compat_peft import delta_weight, plain_lora_parts
 
     parts = plain_lora_parts(module, original) if len(active) == 1 else None
     if parts is None or parts.lora_a.dtype != original.dtype or parts.lora_b.dtype != original.dtype:
@@ -407,8 +398,6 @@ def lora_merged(model: nn.Module) -> Iterator[bool]:
     if not layers:
         yield False
         return
-    from grpo_ascend.device import decode_weights_transposed
-    from grpo_ascend.models.compat_peft import base_weight, set_adapter_path
 
     swapped: list[tuple[nn.Module, Tensor]] = []
     try:
@@ -417,7 +406,7 @@ def lora_merged(model: nn.Module) -> Iterator[bool]:
                 weight = base_weight(module)
                 original = weight.data
                 merged = original.new_empty(original.shape[::-1]).t() if (
-                    original.dim() == 2 and decode_weights_transposed(original.device)) else torch.empty_like(original)
+                    original.dim() == 2 and dev.decode_weights_transposed(original.device)) else torch.empty_like(original)
                 _fold_adapters(module, active, original, merged)
                 weight.data = merged
                 swapped.append((module, original))

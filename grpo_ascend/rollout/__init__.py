@@ -1,7 +1,9 @@
-"""Rollout: grouped sampling of completions and the on-device rollout buffer.
+"""Rollout: grouped sampling of completions behind one backend seam.
 
-``RolloutEngine``, ``RolloutBatch`` and ``SamplingParams`` are re-exported lazily, so importing
-``grpo_ascend.rl.buffer`` does not pull in transformers.
+The seam (``RolloutBackend``, ``RolloutSession``, ``PolicyWeights``, ``build_backend``,
+``register_backend``; :mod:`grpo_ascend.rollout.backend`), the built-in ``RolloutEngine``,
+``RolloutBatch`` and ``SamplingParams`` are re-exported lazily, so importing one submodule
+(e.g. ``grpo_ascend.rollout.sampling``) does not pull in the others.
 """
 
 from __future__ import annotations
@@ -10,7 +12,12 @@ from typing import Any
 
 _LAZY = {
     "RolloutEngine": "grpo_ascend.rollout.engine",
-    "RolloutBatch": "grpo_ascend.rollout.engine",
+    "RolloutBatch": "grpo_ascend.rollout.backend",
+    "RolloutBackend": "grpo_ascend.rollout.backend",
+    "RolloutSession": "grpo_ascend.rollout.backend",
+    "PolicyWeights": "grpo_ascend.rollout.backend",
+    "build_backend": "grpo_ascend.rollout.backend",
+    "register_backend": "grpo_ascend.rollout.backend",
     "SamplingParams": "grpo_ascend.rollout.sampling",
 }
 

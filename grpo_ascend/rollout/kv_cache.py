@@ -172,6 +172,17 @@ class BucketedKVCache(Cache):
         """Keep only the rows ``indices`` (compaction of finished sequences)."""
         self.batch_select_indices(indices)
 
+    def grow(self, capacity: int) -> None:
+        """Reallocate every layer to ``capacity`` columns, keeping the filled ones (a copy)."""
+        for layer in self.layers:
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                new = old.new_zeros((old.shape[0], old.shape[1], capacity, old.shape[-1]))
+                new[:, :, : layer.length].copy_(old[:, :, : layer.length])
+                setattr(layer, name, new)
+            layer.capacity = capacity
+        self.capacity = capacity
+
     def decoding(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Around the decode steps: nothing to switch (the model's own attention reads this cache)."""
         return contextlib.nullcontext()

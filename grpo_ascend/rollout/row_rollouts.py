@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from grpo_ascend.errors import ConfigError, DataError
-from grpo_ascend.rollout.engine import RolloutBatch, RolloutEngine
+from grpo_ascend.rollout.backend import RolloutBackend, RolloutBatch
 from grpo_ascend.rollout.multiturn import MultiTurnBatch, MultiTurnEngine, ToolSettings
 from grpo_ascend.tools.environments import EnvironmentPool, append_observation
 from grpo_ascend.tools.execution import ToolExecutor
@@ -44,7 +44,12 @@ class ToolRollout:
 
     @property
     def params(self) -> Any:
-        return self.multiturn.engine.params
+        return self.multiturn.backend.params
+
+    @property
+    def backend(self) -> RolloutBackend:
+        """The backend the tool loop samples with."""
+        return self.multiturn.backend
 
     def close(self) -> None:
         """Stop the tool executor's threads (they start again at the next rollout)."""
@@ -102,16 +107,16 @@ def prepare_tools(tools: Any, environment_factory: Any) -> tuple[Toolset | None,
 
 
 def build_tool_rollout(
-    engine: RolloutEngine, tokenizer: Any, args: Any, toolset: Toolset, pool: EnvironmentPool | None
+    backend: RolloutBackend, tokenizer: Any, args: Any, toolset: Toolset, pool: EnvironmentPool | None
 ) -> ToolRollout:
-    """The multi-turn tool rollout over ``engine`` with the config's parser, timeout, output and
+    """The multi-turn tool rollout over ``backend`` with the config's parser, timeout, output and
     iteration limits; checks that the chat template renders tool conversations."""
     kwargs = getattr(args, "chat_template_kwargs", None)
     check_tool_chat_template(tokenizer, kwargs)
     executor = ToolExecutor(timeout=args.tool_timeout, max_output_chars=args.tool_max_output_chars)
     settings = ToolSettings(toolset, executor, parser=args.tool_call_parser,
                             max_tool_calling_iterations=args.max_tool_calling_iterations, chat_template_kwargs=kwargs)
-    return ToolRollout(MultiTurnEngine(engine, settings), pool)
+    return ToolRollout(MultiTurnEngine(backend, settings), pool)
 
 
 #: ``rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", ...extra}`` (TRL 1.16).
@@ -140,16 +145,16 @@ class RolloutFuncRollout:
     shared by all. A completion counts as truncated when it does not end with an EOS id.
     """
 
-    def __init__(self, rollout_func: RolloutFunc, trainer: Any, engine: RolloutEngine) -> None:
+    def __init__(self, rollout_func: RolloutFunc, trainer: Any, backend: RolloutBackend) -> None:
         if not callable(rollout_func):
             raise ConfigError(f"rollout_func must be callable (prompts, trainer) -> dict, got {rollout_func!r}")
         self.rollout_func = rollout_func
         self.trainer = trainer
-        self.engine = engine
+        self.backend = backend
 
     @property
     def params(self) -> Any:
-        return self.engine.params
+        return self.backend.params
 
     def generate_rows(self, rows: Sequence[Mapping[str, Any]], generator: torch.Generator | None = None,
                       params: Any = None) -> RolloutFuncBatch:
@@ -186,7 +191,7 @@ class RolloutFuncRollout:
     def _batch(self, prompts: list[Any], prompt_ids: list[list[int]], completion_ids: list[list[int]],
                logprobs: Sequence[Sequence[float]], env_mask: Sequence[Sequence[int]] | None,
                extra: dict[str, list[Any]], G: int) -> RolloutFuncBatch:
-        engine, dev, pad = self.engine, self.engine.device, self.engine.pad_token_id
+        backend, dev, pad = self.backend, self.backend.device, self.backend.pad_token_id
         lp_width = max(len(p) for p in prompt_ids)
         lc = max(1, max(len(c) for c in completion_ids))
         p_ids = torch.tensor([[pad] * (lp_width - len(p)) + p for p in prompt_ids], dtype=torch.long)
@@ -199,12 +204,12 @@ class RolloutFuncRollout:
         tool = None
         if env_mask is not None:
             tool = torch.tensor([list(map(int, m)) + [0] * (lc - len(m)) for m in env_mask], dtype=torch.long).to(dev)
-        eos = set(engine.eos_token_ids)
+        eos = set(backend.eos_token_ids)
         truncated = torch.tensor([not c or c[-1] not in eos for c in completion_ids])
         return RolloutFuncBatch(
             prompt_ids=p_ids.to(dev), prompt_mask=p_mask.to(dev), completion_ids=c_ids.to(dev),
             completion_mask=c_mask.to(dev), sampling_logprobs=c_lp.to(dev), truncated=truncated.to(dev),
-            prompt_texts=engine.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False),
-            completion_texts=engine.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            prompt_texts=backend.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False),
+            completion_texts=backend.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
             num_generations=G, completion_lengths=c_mask.sum(1).to(dev), tool_mask=tool, extra_columns=extra,
         )

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo_ascend.errors import ConfigError, closest
+from grpo_ascend.tools.calculator import make_calculator_tool
+from grpo_ascend.tools.sandbox import make_python_tool
 
 ToolFunction = Callable[..., Any]
 
@@ -130,13 +132,11 @@ class Toolset:
 
 
 def _python_tool(**options: Any) -> ToolFunction:
-    from grpo_ascend.tools.sandbox import make_python_tool
 
     return make_python_tool(**options)
 
 
 def _calculator_tool(**options: Any) -> ToolFunction:
-    from grpo_ascend.tools.calculator import make_calculator_tool
 
     return make_calculator_tool(**options)
 

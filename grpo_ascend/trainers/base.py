@@ -34,7 +34,7 @@ from grpo_ascend.algorithms.losses import LossNormaliser
 from grpo_ascend.checkpoints.checkpoint import resolve_checkpoint
 from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
 from grpo_ascend.data.prompts import is_stream, make_prompt_sampler
-from grpo_ascend.distributed import make_accelerator, select_strategy
+from grpo_ascend.distributed.launch import make_accelerator, select_strategy
 from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, ExperienceMaker
@@ -45,6 +45,7 @@ from grpo_ascend.models.policy import (
     lora_merged,
     trainable_parameters,
 )
+from grpo_ascend.rollout.backend import PolicyWeights, serving
 from grpo_ascend.tracking.run_tracker import RunTracker
 from grpo_ascend.trainers.best_tracking import BestCheckpointTracker
 from grpo_ascend.trainers.checkpointing import Checkpointer
@@ -144,8 +145,9 @@ class RLTrainerBase:
         unsharded_reference = self.strategy.unsharded_reference(
             self.policy, self.is_peft, wants_reference=args.needs_reference_model)
         self.logprob_model, self.optimizer = self.strategy.prepare(self.logprob_model, self.optimizer, self.policy)
-        self.engine = build_engine(self.policy, self.tokenizer, args, plan.num_generations, self.device)
-        self.merge_lora_for_rollout = merge_lora_for_rollout(
+        self.engine = build_engine(self.policy, self.tokenizer, args, self.device)
+        # Folding LoRA into the weights speeds up a backend that samples with the policy module itself.
+        self.merge_lora_for_rollout = self.engine.backend.samples_policy_module and merge_lora_for_rollout(
             self.policy, args.rollout_merge_lora, self.strategy.may_merge_lora(args.rollout_merge_lora, self.is_peft),
             self.is_peft, self.device)
         self.micro_batcher = build_micro_batcher(self.policy, args, plan, self.algorithm, self.strategy, self.ranks,
@@ -225,13 +227,15 @@ class RLTrainerBase:
         return dev.autocast(self.device, self.precision)
 
     def _rollout_context(self) -> contextlib.AbstractContextManager:
-        """Around generation: eval mode, autocast, the whole weights (sharded engines), LoRA folded in."""
+        """Around generation: eval mode, autocast, the whole weights (sharded engines), LoRA folded in, the
+        rollout backend serving the policy's current weights (rollout/backend.py: restore, sync, release)."""
         self.policy.eval()
         stack = contextlib.ExitStack()
         stack.enter_context(self._autocast())
         stack.enter_context(self.strategy.whole_weights(self.logprob_model))
         if self.merge_lora_for_rollout:
             stack.enter_context(lora_merged(self.policy))
+        stack.enter_context(serving(self.engine.backend, lambda: PolicyWeights(self.policy, self.step)))
         return stack
 
     def _make_experience_maker(self, mask_truncated_completions: bool = False,
@@ -244,7 +248,8 @@ class RLTrainerBase:
             micro_batch=self.plan.micro_batch, pad_token_id=self.tokenizer.pad_token_id,
             rollout_context=self._rollout_context, policy_logprobs=self._policy_logprobs,
             reference_logprobs=self._reference_logprobs if args.needs_reference_model else None,
-            exact_sampling_logps=self.precision == "fp32",  # the engine's log-probs are the training forward's
+            # the built-in engine's fp32 log-probs are the training forward's; an external sampler's are not
+            exact_sampling_logps=self.precision == "fp32" and self.engine.backend.samples_policy_module,
             mask_truncated_completions=mask_truncated_completions,
             importance_sampling=importance_sampling,
         )

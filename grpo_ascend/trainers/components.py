@@ -37,7 +37,7 @@ from grpo_ascend.planning.memory_plan import (
     lora_targets,
     run_settings,
 )
-from grpo_ascend.rollout.engine import RolloutEngine
+from grpo_ascend.rollout.backend import build_backend
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.trainers.micro_batches import MicroBatcher
 
@@ -124,13 +124,12 @@ def lr_factor(args: BaseRLConfig, total: int) -> Callable[[int], float]:
     return factor
 
 
-def build_engine(policy: nn.Module, tokenizer: Any, args: BaseRLConfig, num_generations: int,
-                 device: torch.device) -> Any:
-    """The rollout engine over ``policy`` with the run's sampling settings (length bucket per device);
-    ``num_generations``: the batch plan's G."""
+def build_engine(policy: nn.Module, tokenizer: Any, args: BaseRLConfig, device: torch.device) -> Any:
+    """The rollout backend ``args.rollout_backend`` over ``policy`` with the run's sampling settings
+    (length bucket per device)."""
     bucket = args.length_bucket if args.length_bucket is not None else dev.default_length_bucket(device)
     sampling = SamplingParams(
-        num_generations=num_generations,
+        num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -145,7 +144,7 @@ def build_engine(policy: nn.Module, tokenizer: Any, args: BaseRLConfig, num_gene
         shared_prefix=args.shared_prefix_decode,
         chat_template_kwargs=args.chat_template_kwargs,
     )
-    return RolloutEngine(policy, tokenizer, sampling)
+    return build_backend(args.rollout_backend, policy, tokenizer, sampling, args)
 
 
 def build_rewards(reward_funcs: Any, args: BaseRLConfig, device: torch.device, tokenizer: Any,

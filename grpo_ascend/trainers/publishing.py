@@ -15,7 +15,7 @@ from torch import nn
 from grpo_ascend.checkpoints import hub
 from grpo_ascend.checkpoints.export import export_checkpoint
 from grpo_ascend.config.configs import BaseRLConfig
-from grpo_ascend.distributed import Strategy
+from grpo_ascend.distributed.base import Strategy
 from grpo_ascend.trainers.run_state import RunState
 
 

@@ -1,0 +1,328 @@
+"""The rollout seam: what every sampler behind the trainer implements, and how one is chosen by name.
+
+A :class:`RolloutBackend` samples G completions per prompt with the sampler's own per-token
+log-probs, token ids in and out (a prompt is tokenized once, here, and never re-tokenised by the
+backend). The built-in engine (``"builtin"``, :mod:`grpo_ascend.rollout.engine`) and a serving
+engine such as vLLM implement it; the trainer, evaluation, multi-turn tool loops and a user's
+``rollout_func`` see only this interface:
+
+- :meth:`RolloutBackend.generate` / :meth:`RolloutBackend.generate_ids`: grouped completions
+  (prompts as text / chat messages, or as token ids) -> :class:`RolloutBatch`.
+- :meth:`RolloutBackend.start_session`: a :class:`RolloutSession` that continues a batch of
+  token-id contexts until each row stops, lets the caller append tokens the policy did not
+  generate (tool responses) and continue; the multi-turn tool loop drives it.
+- :meth:`RolloutBackend.sync_weights`: take the policy's current weights (:class:`PolicyWeights`:
+  LoRA adapter only, or full named tensors); a no-op for a backend that runs the policy module itself.
+- :meth:`RolloutBackend.release_memory` / :meth:`RolloutBackend.restore_memory`: give back the
+  device memory the backend holds between rollouts (KV cache, a weight copy) and take it again.
+
+:func:`serving` wraps one generation phase (restore, sync, release); :func:`build_backend` makes
+the backend a ``rollout_backend`` setting names, from a registry (:func:`register_backend`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from grpo_ascend.errors import ConfigError
+from grpo_ascend.rollout.prompts import Prompt, PromptEncoder
+from grpo_ascend.rollout.sampling import SamplingParams
+
+
+@dataclass
+class RolloutBatch:
+    """Sampled completions for a batch of prompts, every tensor on the trainer's device.
+
+    ``N = num_prompts * num_generations``; rows ``i*G .. i*G+G-1`` belong to prompt ``i``.
+    ``completion_mask`` is 1 up to and including the first EOS/stop token (or up to the length
+    limit) and 0 after; ``completion_ids`` hold the pad id and ``sampling_logprobs`` 0 where the
+    mask is 0. ``sampling_logprobs`` are ``log_softmax(logits / T)`` of the chosen tokens, before
+    any top-k/top-p/min-p/repetition-penalty filtering (T = 1 for greedy); see
+    :mod:`grpo_ascend.rollout.sampling`. ``prompt_texts`` are the rendered prompts (chat template
+    applied), one per row like ``completion_texts``. Extras: ``completion_lengths`` [N] (tokens
+    counted by the mask), ``timing`` (seconds per phase, steps, tokens) and ``decode_batch_sizes``
+    (the batch size after each compaction, starting with N).
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    sampling_logprobs: Tensor
+    truncated: Tensor
+    prompt_texts: list[str]
+    completion_texts: list[str]
+    num_generations: int
+    completion_lengths: Tensor | None = None
+    timing: dict[str, float] = field(default_factory=dict)
+    decode_batch_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompts(self) -> int:
+        """Number of distinct prompts."""
+        return self.prompt_ids.shape[0] // self.num_generations
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+
+@dataclass
+class TurnEnd:
+    """A session row that stopped at this :meth:`RolloutSession.advance`.
+
+    ``tokens``: the tokens it generated since it last (re)started, its stop token included;
+    ``stopped``: True when it ended on an EOS / stop token id, False when it reached the length
+    limit mid-turn; ``length``: completion tokens the row holds now (generated and appended).
+    """
+
+    row: int
+    tokens: list[int]
+    stopped: bool
+    length: int
+
+
+@dataclass
+class SessionOutput:
+    """What a finished :class:`RolloutSession` produced, rows as in :meth:`RolloutBackend.start_session`.
+
+    ``prompt_ids`` / ``prompt_mask`` [N, Lp]: each row's prompt, left-padded (mask long);
+    ``completion_ids`` / ``sampling_logprobs`` / ``generated`` are [N, W] (W a bucketed width
+    >= the longest row); ``generated`` is True on tokens the policy sampled, False on appended
+    tokens and padding; ``lengths`` [N] counts each row's tokens (sampled and appended).
+    ``steps``: decode steps run; ``decode_batch_sizes``: see :class:`RolloutBatch`.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    sampling_logprobs: Tensor
+    generated: Tensor
+    lengths: Tensor
+    steps: int
+    decode_batch_sizes: list[int] = field(default_factory=list)
+
+
+class RolloutSession(ABC):
+    """A batch of token-id contexts (G rows per prompt) continued until each row stops.
+
+    Rows are numbered ``0 .. N-1`` (``i*G + g`` for prompt ``i``). Each :meth:`advance` samples
+    the running rows until at least one of them ends (a stop / EOS id, or the length limit) and
+    returns those rows; each returned row is paused: :meth:`append` tokens to it (a tool response
+    and the next turn's header) to continue it at the next :meth:`advance`, or leave it and it is
+    finished. A backend may return more rows per call than another (the built-in engine returns at
+    the first step where any row ends; a server returns when every submitted row has stopped).
+    Use it as a context manager (``with backend.start_session(...) as session:``).
+    """
+
+    @abstractmethod
+    def advance(self) -> list[TurnEnd]:
+        """Continue every running row until some stop; the rows that stopped (empty: none is left)."""
+
+    @abstractmethod
+    def append(self, row: int, token_ids: Sequence[int]) -> None:
+        """Add tokens the policy did not generate to paused ``row`` (out of the log-probs); it continues."""
+
+    @abstractmethod
+    def output(self) -> SessionOutput:
+        """The completions once :meth:`advance` returned no rows."""
+
+    def close(self) -> None:
+        """Give back what the session holds (cache, model mode); called on leaving a ``with`` block."""
+        return None
+
+    def __enter__(self) -> RolloutSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class PolicyWeights:
+    """The policy's current weights, as a backend takes them at :meth:`RolloutBackend.sync_weights`.
+
+    Made inside the trainer's rollout context (where a sharded strategy holds the whole weights).
+    ``version`` is the optimizer step the weights are from: a backend may skip a sync whose
+    version it already holds, and must load a new version (a new LoRA adapter id, a reset prefix
+    cache) otherwise. ``adapter_only``: the policy is a PEFT LoRA model, and only its adapter
+    tensors change (:meth:`named_tensors` yields PEFT's adapter state-dict names,
+    :meth:`adapter_config` its config); otherwise :meth:`named_tensors` yields every parameter
+    and buffer of the (unwrapped) model under its transformers names, one at a time, never copied.
+    """
+
+    model: nn.Module
+    version: int
+
+    @property
+    def adapter_only(self) -> bool:
+        return bool(getattr(self.model, "peft_config", None)) and hasattr(self.model, "get_base_model")
+
+    def adapter_config(self) -> dict[str, Any]:
+        """The active adapter's PEFT config as a JSON-ready dict (``adapter_config.json``)."""
+        if not self.adapter_only:
+            raise ConfigError("adapter_config() needs a PEFT policy; this policy is fully fine-tuned")
+        config = self.model.peft_config[self.model.active_adapter]  # type: ignore[index]
+        return config.to_dict()
+
+    def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """The tensors to sync, lazily (see the class docstring); consumers bucket them."""
+        if self.adapter_only:
+            from peft import get_peft_model_state_dict
+
+            yield from get_peft_model_state_dict(self.model).items()
+            return
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        yield from model.state_dict(keep_vars=False).items()
+
+
+class RolloutBackend(ABC):
+    """A sampler of grouped completions; see the module docstring.
+
+    Subclasses set ``tokenizer`` and ``params`` (the run's sampling, used when a call passes
+    none) and implement the abstract methods. ``backend`` is the object itself, so a wrapping
+    rollout (tool loops, ``rollout_func``) and a backend both answer ``rollout.backend``.
+    """
+
+    tokenizer: Any
+    params: SamplingParams
+    #: True when the backend samples with the trainer's policy module in place (the built-in engine), so
+    #: the trainer's speed-ups of that module apply (LoRA folded into the weights while generating); a
+    #: backend holding its own copy of the weights takes them through :meth:`sync_weights` instead.
+    samples_policy_module: ClassVar[bool] = False
+
+    @property
+    def backend(self) -> RolloutBackend:
+        return self
+
+    @property
+    def prompts(self) -> PromptEncoder:
+        """Renders and tokenizes prompts for this backend's tokenizer (one place for every backend)."""
+        return PromptEncoder(self.tokenizer)
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where the batches' tensors are put (the trainer's device)."""
+
+    @property
+    @abstractmethod
+    def pad_token_id(self) -> int:
+        """The id completions and prompts are padded with."""
+
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> list[int]:
+        """Ids that end a completion (unless ``ignore_eos``): the tokenizer's and the model's."""
+
+    def checked(self, params: SamplingParams | None) -> SamplingParams:
+        """``params`` (default the run's) validated."""
+        params = params if params is not None else self.params
+        params.validate()
+        return params
+
+    def generate(
+        self, prompts: Sequence[Prompt], params: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+    ) -> RolloutBatch:
+        """``params.num_generations`` completions for each prompt (text or chat messages)."""
+        params = self.checked(params)
+        encoded = self.prompts.encode(prompts, params)
+        return self.generate_ids(encoded.ids, params, generator, prompt_texts=encoded.texts)
+
+    @abstractmethod
+    def generate_ids(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,
+        generator: torch.Generator | None = None, prompt_texts: Sequence[str] | None = None,
+    ) -> RolloutBatch:
+        """Completions for prompts given as token ids (``prompt_texts``: their rendered texts, else decoded).
+
+        ``generator`` seeds the sampling (a backend that cannot take a torch generator derives
+        its seeds from it); ``params.seed`` reseeds every call.
+        """
+
+    @abstractmethod
+    def start_session(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+    ) -> RolloutSession:
+        """A :class:`RolloutSession` over ``num_generations`` rows per prompt (stop strings unsupported)."""
+
+    @abstractmethod
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Sample from ``weights`` from now on (a no-op when the backend runs the policy module itself)."""
+
+    @abstractmethod
+    def release_memory(self) -> None:
+        """Free the device memory the backend holds between rollouts (a weight copy, KV cache blocks)."""
+
+    @abstractmethod
+    def restore_memory(self) -> None:
+        """Take back what :meth:`release_memory` freed, before the next rollout."""
+
+    def close(self) -> None:
+        """Stop what the backend keeps running (threads, an in-process server); default: nothing runs."""
+        return None
+
+
+@contextlib.contextmanager
+def serving(backend: RolloutBackend, weights: Callable[[], PolicyWeights]) -> Iterator[None]:
+    """One generation phase: memory restored, the policy's weights synced, memory released after.
+
+    ``weights`` is called once, inside the caller's rollout context (whole weights when sharded).
+    """
+    backend.restore_memory()
+    backend.sync_weights(weights())
+    try:
+        yield
+    finally:
+        backend.release_memory()
+
+
+#: ``factory(policy, tokenizer, params, args) -> RolloutBackend``; ``args``: the run's config.
+BackendFactory = Callable[[nn.Module, Any, SamplingParams, Any], RolloutBackend]
+
+#: name -> factory, or "module:attribute" imported when the name is first built (optional dependencies).
+_BACKENDS: dict[str, BackendFactory | str] = {
+    "builtin": "grpo_ascend.rollout.engine:build_builtin_backend",
+    "vllm": "grpo_ascend.rollout.vllm.factory:build_vllm_backend",
+}
+
+
+def register_backend(name: str, factory: BackendFactory | str) -> None:
+    """Make ``rollout_backend: name`` build its backend with ``factory`` (a callable or "module:attribute")."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"a rollout backend name must be a non-empty string, got {name!r}")
+    _BACKENDS[name] = factory
+
+
+def backend_names() -> list[str]:
+    """The registered backend names."""
+    return sorted(_BACKENDS)
+
+
+def check_backend_name(name: str) -> None:
+    """Raise a clear error when ``name`` is not a registered backend."""
+    if name not in _BACKENDS:
+        raise ConfigError(f"rollout_backend={name!r} is not a known rollout backend; choose one of {backend_names()}")
+
+
+def build_backend(name: str, policy: nn.Module, tokenizer: Any, params: SamplingParams, args: Any) -> RolloutBackend:
+    """The backend ``name`` over ``policy`` with the run's sampling ``params`` and config ``args``."""
+    check_backend_name(name)
+    factory = _BACKENDS[name]
+    if isinstance(factory, str):
+        module, _, attr = factory.partition(":")
+        factory = getattr(importlib.import_module(module), attr)
+    backend = factory(policy, tokenizer, params, args)
+    if not isinstance(backend, RolloutBackend):
+        raise ConfigError(f"rollout backend {name!r} built {type(backend).__name__}, not a RolloutBackend")
+    return backend
+

@@ -1,0 +1,52 @@
+"""``rollout_backend: vllm``: the colocated engine or the server client, from the run's ``vllm_*`` settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from grpo_ascend.errors import ConfigError
+from grpo_ascend.rollout.sampling import SamplingParams
+from grpo_ascend.rollout.vllm.base import VLLMBackend
+from grpo_ascend.rollout.vllm.colocated import VLLMColocatedRollout
+from grpo_ascend.rollout.vllm.server import VLLMServerRollout
+from grpo_ascend.rollout.vllm.weights import lora_rank
+
+
+def base_model_path(policy: nn.Module) -> str:
+    """The folder or hub id the policy's base weights were loaded from (what vLLM loads once)."""
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    path = getattr(base.config, "_name_or_path", "") or getattr(base, "name_or_path", "")
+    if not path:
+        raise ConfigError("rollout_backend 'vllm' loads the policy's base weights from their folder, but this model "
+                          "was built in memory; save it with save_pretrained and pass the folder as the model")
+    return str(path)
+
+
+def _dtype(args: Any) -> str:
+    if getattr(args, "bf16", False):
+        return "bfloat16"
+    return "float16" if getattr(args, "fp16", False) else "float32"
+
+
+def build_vllm_backend(policy: nn.Module, tokenizer: Any, params: SamplingParams, args: Any) -> VLLMBackend:
+    """The vLLM backend ``args.vllm_mode`` names, serving the policy's base (docs/vllm.md)."""
+    device = next(policy.parameters()).device
+    path = base_model_path(policy)
+    bucket = params.length_bucket or 1
+    if args.vllm_mode == "server":
+        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        sync_dir = args.vllm_sync_dir or str(Path(args.output_dir) / "vllm-sync")
+        return VLLMServerRollout(url, path, tokenizer, params, adapter_dir=sync_dir, device=device,
+                                 start_timeout=args.vllm_server_timeout, length_bucket=bucket)
+    peft_config = getattr(policy, "peft_config", None)
+    rank = lora_rank(next(iter(peft_config.values())).to_dict()) if peft_config else None
+    return VLLMColocatedRollout(
+        path, tokenizer, params, device=device, lora_rank=rank, dtype=_dtype(args),
+        max_model_length=args.vllm_max_model_length, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        kv_cache_memory_bytes=args.vllm_kv_cache_memory_bytes, tensor_parallel_size=args.vllm_tensor_parallel_size,
+        enable_sleep_mode=args.vllm_enable_sleep_mode, model_impl=args.vllm_model_impl, seed=args.seed,
+        length_bucket=bucket,
+    )

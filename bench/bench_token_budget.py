@@ -102,7 +102,7 @@ def worker(args: argparse.Namespace) -> None:
         step_tokens.append(0)
         cpu, wall = time.process_time(), time.perf_counter()
         trainer._train_round()
-        rec = trainer._last_record
+        rec = trainer.run.last_record
         steps.append({"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu,
                       "tokens": step_tokens[-1], "micro_batches": rec.get("micro_batches", float(accum)),
                       "peak_mb": rec["memory/peak_gb/training"] * 1024})

@@ -347,14 +347,13 @@ def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
     if s.lengths == "fixed":
         trainer.engine.params.ignore_eos = True
     clock = StepClock(s.warmup_steps + s.steps)
-    log_step = trainer._log_step
+    record_step = trainer.recorder.step
 
-    def timed_log_step(*args: Any, **kwargs: Any) -> dict[str, float]:
-        record = log_step(*args, **kwargs)
+    def timed_record_step(*args: Any, **kwargs: Any) -> None:
+        record_step(*args, **kwargs)
         clock.step_end()
-        return record
 
-    trainer._log_step = timed_log_step  # type: ignore[method-assign]
+    trainer.recorder.step = timed_record_step  # type: ignore[method-assign]
     result, warmup, gaps = _measured_train(trainer, device, s, profile, clock)
     records = read_jsonl(out_dir / "metrics.jsonl")[s.warmup_steps:]
     phases = {}

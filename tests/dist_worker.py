@@ -28,10 +28,6 @@ from typing import Any
 import torch
 
 
-class Preempted(Exception):
-    """Raised right after a checkpoint save to simulate a job killed between two steps."""
-
-
 def even_token_fraction(prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
                         **kwargs: Any) -> list[float]:
     """A reward that varies within every group, even for the random tiny model: the share of even token ids."""
@@ -165,6 +161,8 @@ def checkpoint_round_trip(trainer: Any, tensors: dict[str, torch.Tensor]) -> dic
     ``load_best_model_at_end`` with the save as the best restores the saved weights again."""
     from helpers import run_round
 
+    from grpo_ascend.trainers.run_state import BestCheckpoint
+
     def step() -> dict[str, float]:
         trainer.max_steps = trainer.step + 1
         record = run_round(trainer, _experience(tensors))
@@ -186,7 +184,7 @@ def checkpoint_round_trip(trainer: Any, tensors: dict[str, torch.Tensor]) -> dic
     second = step()
     after_second = trainable_weights(trainer)
     # load_best_model_at_end with the saved checkpoint as the best: its weights come back.
-    trainer._best, trainer.args.load_best_model_at_end = (saved_step, 0.0), True
+    trainer.run.best, trainer.args.load_best_model_at_end = BestCheckpoint(saved_step, 0.0, "eval/reward"), True
     trainer._load_best_at_end()
     best = trainable_weights(trainer)
     return {"restored_diff": _max_difference(saved, restored), "replayed_diff": _max_difference(after_first, after_second),
@@ -254,20 +252,20 @@ def run_contract(out: Path, spec: dict[str, Any], rank: int, world: int) -> None
             grads, loss = step_gradients(trainer, mine, loss_type)
             results[f"grads/{loss_type}"] = {"grads": grads, "loss": loss}
         if spec.get("token_budget"):  # token-budget micro-batches: the ranks pack different counts
-            trainer.args.max_tokens_per_micro_batch = spec["token_budget"]
+            trainer.micro_batcher.token_budget = spec["token_budget"]
             for loss_type in spec["loss_types"]:
                 grads, loss = step_gradients(trainer, mine, loss_type)
                 results[f"budget_grads/{loss_type}"] = {"grads": grads, "loss": loss}
-            trainer.args.max_tokens_per_micro_batch = None
+            trainer.micro_batcher.token_budget = None
         del trainer._clip_and_step  # back to the strategy's step
     for loss_type in spec["loss_types"]:
         results[loss_type] = step_loss_and_norm(trainer, mine, loss_type)
     if spec.get("token_budget"):
-        trainer.args.max_tokens_per_micro_batch = spec["token_budget"]
+        trainer.micro_batcher.token_budget = spec["token_budget"]
         for loss_type in spec.get("budget_loss_types", spec["loss_types"]):
             results[f"budget/{loss_type}"] = {**step_loss_and_norm(trainer, mine, loss_type),
-                                              "micro_batches": trainer._step_micro_batches}
-        trainer.args.max_tokens_per_micro_batch = None
+                                              "micro_batches": trainer.run.step_micro_batches}
+        trainer.micro_batcher.token_budget = None
     results["nan_step"] = nan_then_finite_step(trainer, mine)
     results["round_trip"] = checkpoint_round_trip(trainer, mine)
     results["no_sync"] = unsynced_micro_batch(trainer, mine)
@@ -344,6 +342,8 @@ def sharded(trainer: Any) -> dict[str, Any]:
 
 
 def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
+    from helpers import Preempted, preempt_after_save
+
     from grpo_ascend import GRPOConfig
 
     settings = {
@@ -358,14 +358,7 @@ def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
     trainer = make_trainer(spec["model_dir"], cfg, dataset_size=12, lora=spec.get("lora", True))
     stop_after = spec.get("stop_after_step")
     if stop_after is not None:
-        original_save = trainer._save
-
-        def save_then_stop() -> None:
-            original_save()
-            if trainer.step == stop_after:
-                raise Preempted(f"preempted after the save at step {trainer.step}")
-
-        trainer._save = save_then_stop
+        preempt_after_save(trainer, stop_after)  # raises Preempted right after that save
     status = "finished"
     try:
         trainer.train(resume_from_checkpoint=spec.get("resume"))

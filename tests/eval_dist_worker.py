@@ -71,7 +71,8 @@ def run(out: Path, spec: dict[str, Any], rank: int) -> None:
     audit.active = False
     results: dict[str, Any] = {
         "evaluations": evaluations,
-        "best": trainer._best, "writes": audit.writes, "small": small, "weights_evaluated": trainable(trainer),
+        "best": (trainer.run.best.step, trainer.run.best.value), "writes": audit.writes, "small": small,
+        "weights_evaluated": trainable(trainer),
     }
     plain = eval_trainer(spec["model_dir"], eval_config(str(out / "run_plain"), evaluating=False))
     plain.train()

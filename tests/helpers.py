@@ -10,21 +10,44 @@ SMALL_RUN = dict(
 )
 
 
+class Preempted(Exception):
+    """What a simulated preemption raises right after a checkpoint save."""
+
+
+def preempt_after_save(trainer, step: int | None = None, error: type[BaseException] = Preempted) -> None:
+    """Make ``trainer`` raise ``error`` right after it saves its checkpoint at ``step`` (default: its first),
+    as a job preempted then would stop."""
+    original_save = trainer._save
+
+    def save_then_stop():
+        original_save()
+        if step is None or trainer.step == step:
+            raise error(f"preempted after the save at step {trainer.step}")
+
+    trainer._save = save_then_stop
+
+
 def train_until_preempted(trainer, step: int | None = None) -> None:
     """Run ``trainer.train()`` until its checkpoint at ``step`` (default: its first) is saved, then stop it
     as a preemption would."""
     import pytest
 
-    original_save = trainer._save
-
-    def save_then_die():
-        original_save()
-        if step is None or trainer.step == step:
-            raise KeyboardInterrupt("simulated preemption")
-
-    trainer._save = save_then_die
+    preempt_after_save(trainer, step, KeyboardInterrupt)  # what a job killed by a signal raises
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
+
+
+def preempt_and_resume(make, step: int | None = None):
+    """(an uninterrupted run, a run preempted right after its checkpoint at ``step`` (default: its first), the
+    run resumed from that checkpoint), each a trainer. ``make(name)`` builds a trainer writing into ``name``;
+    the preempted and the resumed runs share the output folder "resumed"."""
+    full = make("full")
+    full.train()
+    killed = make("resumed")
+    train_until_preempted(killed, step)
+    resumed = make("resumed")
+    resumed.train(resume_from_checkpoint="latest")
+    return full, killed, resumed
 
 
 def late_rewards_vs_control(train, steps: int):
@@ -99,7 +122,7 @@ def run_round(trainer, exp, values=None, advantages=None, returns=None):
     if trainer.tracker is None:
         trainer._begin(None)
     trainer._train_round()
-    return trainer._last_record
+    return trainer.run.last_record
 
 
 def one_round_gradients(trainer, exp, **ppo_fixed):
@@ -130,13 +153,8 @@ def perturb_weights(model, scale: float = 0.1, seed: int = 0):
     return model
 
 
-def uninterrupted_and_resumed(make, state):
-    """(``state`` of an uninterrupted run, ``state`` of a run preempted right after its first checkpoint and
-    resumed from it, the step it was preempted at). ``make(output_dir)`` builds a trainer."""
-    full = make("full")
-    full.train()
-    killed = make("resumed")
-    train_until_preempted(killed)
-    resumed = make("resumed")
-    resumed.train(resume_from_checkpoint="latest")
+def uninterrupted_and_resumed(make, state, step: int | None = None):
+    """(``state`` of an uninterrupted run, ``state`` of a run preempted right after its checkpoint at ``step``
+    (default: its first) and resumed from it, the step it was preempted at); see :func:`preempt_and_resume`."""
+    full, killed, resumed = preempt_and_resume(make, step)
     return state(full), state(resumed), killed.step

@@ -238,15 +238,15 @@ def test_per_rank_random_state_round_trips(tmp_path, tiny_model_dir):
     for r in range(WORLD):
         extra[f"rank{r}/sampling_generator"] = gen_states[r]
         extra[f"rank{r}/rng_state"] = buffers[r]
-    trainer._restore_rank_random_state(extra, saved_world_size=WORLD)  # this process is rank 0
+    trainer.checkpointer.restore_rank_random_state(extra, saved_world_size=WORLD)  # this process is rank 0
     assert torch.equal(trainer.generator.get_state(), gen_states[0])
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    trainer._restore_rank_random_state(extra, saved_world_size=WORLD)
+    trainer.checkpointer.restore_rank_random_state(extra, saved_world_size=WORLD)
     assert torch.equal(torch.rand(3), expected)
     # A single-process checkpoint (no per-rank keys) still gives rank 0 its sampling generator.
-    trainer._restore_rank_random_state({"sampling_generator": gen_states[0]}, saved_world_size=1)
+    trainer.checkpointer.restore_rank_random_state({"sampling_generator": gen_states[0]}, saved_world_size=1)
     assert torch.equal(trainer.generator.get_state(), gen_states[0])
 
 

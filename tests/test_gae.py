@@ -135,6 +135,72 @@ def test_whiten():
     torch.testing.assert_close(whiten(vals), ref)
 
 
+def _two_ranks(fn):
+    """``fn(rank, reduce)`` run by two threads as two ranks; ``reduce`` sums a tensor over both, as an all-reduce."""
+    import threading
+
+    barrier, slots, out = threading.Barrier(2), [None, None], [None, None]
+
+    def reduce_for(rank):
+        def reduce(t):
+            slots[rank] = t
+            barrier.wait()
+            total = slots[0] + slots[1]
+            barrier.wait()  # both have read the slots before either writes the next
+            return total
+
+        return reduce
+
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, fn(r, reduce_for(r)))) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_whiten_with_a_reduce_whitens_over_every_ranks_entries():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 5, generator=g, dtype=torch.float64) * 2 + 1
+    mask = (torch.arange(5) < torch.tensor([[[5], [2], [0]], [[3], [4], [1]]])).to(torch.float64)
+    per_rank = _two_ranks(lambda r, reduce: whiten(x[r], mask[r], reduce=reduce))
+    torch.testing.assert_close(torch.cat(per_rank), whiten(x.reshape(6, 5), mask.reshape(6, 5)), rtol=1e-12, atol=1e-12)
+    assert torch.equal(whiten(x[0], mask[0], reduce=lambda t: t), whiten(x[0], mask[0]))  # one rank: identical
+
+
+def test_ppo_token_advantages_and_their_statistics_against_a_direct_computation():
+    from grpo_ascend.algorithms.kl_control import token_rewards
+    from grpo_ascend.algorithms.token_advantages import TOKEN_ADVANTAGE_ESTIMATORS, gae_token_advantages
+
+    assert TOKEN_ADVANTAGE_ESTIMATORS.get("gae") is gae_token_advantages
+    g = torch.Generator().manual_seed(2)
+    mask = (torch.arange(6) < torch.tensor([[6], [3], [1], [4]])).float()
+    logps, ref = -torch.rand(4, 6, generator=g) * 2, -torch.rand(4, 6, generator=g) * 2
+    values, scores = torch.randn(4, 6, generator=g) * mask, torch.tensor([1.0, 0.0, 0.5, -1.0])
+    beta, gamma, lam = 0.1, 0.99, 0.95
+    out = gae_token_advantages(scores, logps, ref, values, mask, beta, gamma, lam)
+    rewards, kl = token_rewards(scores, logps, ref, mask, beta)
+    raw, returns = (t.float() for t in loop_gae_batch(rewards.double(), values.double(), mask.double(), gamma, lam))
+    torch.testing.assert_close(out.raw_advantages, raw, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.returns, returns, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.advantages, whiten(out.raw_advantages, mask))
+    assert torch.equal(gae_token_advantages(scores, logps, ref, values, mask, beta, gamma, lam, False).advantages,
+                       out.raw_advantages)
+
+    metrics, sequences = out.metrics(values, mask, reduce=lambda t: t, gather=lambda t: t)
+    n, valid = mask.sum().item(), mask.bool()
+    err = (out.returns - values)[valid]
+    assert sequences == 4
+    assert metrics["kl"] == pytest.approx(kl.sum().item() / n, rel=1e-6)
+    assert metrics["kl/sequence"] == pytest.approx(kl.sum(1).mean().item(), rel=1e-6)
+    assert metrics["kl_coef"] == beta
+    assert metrics["non_score_reward"] == pytest.approx(-beta * kl.sum().item() / 4, rel=1e-6)
+    assert metrics["returns/mean"] == pytest.approx(out.returns.sum().item() / n, rel=1e-6)
+    assert metrics["advantages/mean"] == pytest.approx(raw.sum().item() / n, rel=1e-5, abs=1e-7)
+    expected_ev = 1 - err.var(unbiased=False).item() / out.returns[valid].var(unbiased=False).item()
+    assert metrics["explained_variance"] == pytest.approx(expected_ev, rel=1e-4)
+
+
 def test_errors():
     r = torch.zeros(2, 3)
     with pytest.raises(ConfigError, match="gamma"):

@@ -7,63 +7,23 @@ import math
 
 import pytest
 import torch
-from test_losses import EPS, EPS_HIGH, MAX_LEN, make_data
+from reference_losses import (
+    CISPO_CAP,
+    EPS,
+    EPS_HIGH,
+    MAX_LEN,
+    TAU_NEG,
+    TAU_POS,
+    kl_value,
+    make_data,
+    reference_loss,
+)
 
 from grpo_ascend.algorithms.kl import KL_ESTIMATORS, per_token_kl
 from grpo_ascend.algorithms.losses import LossNormaliser, PolicyLossBatch, PolicyLossSettings, policy_loss
 from grpo_ascend.errors import ConfigError, DataError
 
 ALL_LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
-CISPO_CAP = 1.2  # below some ratios of make_data (1.3, 2.5) so the cap binds
-TAU_POS, TAU_NEG = 1.0, 1.05
-
-
-def kl_value(name: str, logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    x = ref - logp
-    return {"k1": -x, "k2": 0.5 * x**2, "k3": torch.exp(x) - x - 1}[name]
-
-
-def reference_loss(loss_type, d, logps, *, level="token", kl="k3", bias=False, beta=0.0, weights=None,
-                   delta=None):
-    """One sequence and one token at a time, TRL 1.16's per-token objectives and aggregations."""
-    eps_high = CISPO_CAP if loss_type == "cispo" else EPS_HIGH
-    batch, length = logps.shape
-    seq_means, token_total, n_tokens = [], torch.zeros((), dtype=torch.float64), 0
-    for i in range(batch):
-        valid = [t for t in range(length) if d["mask"][i, t] > 0]
-        n_tokens += len(valid)
-        if not valid:
-            seq_means.append(torch.zeros((), dtype=torch.float64))
-            continue
-        if level == "sequence":
-            s_i = torch.exp(sum(logps[i, t] - d["old"][i, t] for t in valid) / len(valid))
-        seq_total = torch.zeros((), dtype=torch.float64)
-        for t in valid:
-            r = torch.exp(logps[i, t] - d["old"][i, t]) if level == "token" else s_i
-            a = d["adv"][i]
-            if loss_type == "cispo":
-                term = -torch.clamp(r.detach(), max=eps_high) * a * logps[i, t]
-            elif loss_type == "sapo":
-                tau = TAU_POS if a > 0 else TAU_NEG
-                term = -torch.sigmoid(tau * (r - 1)) * 4 / tau * a
-            else:
-                r_capped = torch.clamp(r, max=delta) if delta is not None else r
-                term = -torch.minimum(r_capped * a, torch.clamp(r, 1 - EPS, 1 + eps_high) * a)
-            if weights is not None:
-                term = term * (weights[i] if weights.dim() == 1 else weights[i, t])
-            if beta:
-                k = kl_value(kl, logps[i, t], d["ref"][i, t])
-                term = term + beta * (k * r if bias else k)
-            seq_total = seq_total + term
-        seq_means.append(seq_total / len(valid))
-        token_total = token_total + seq_total
-    if loss_type in ("grpo", "sapo"):
-        return sum(seq_means) / batch
-    if loss_type in ("bnpo", "dapo", "cispo"):  # one step, one rank: all three are the token mean
-        return token_total / n_tokens
-    if loss_type == "dr_grpo":
-        return token_total / (batch * MAX_LEN)
-    raise AssertionError(loss_type)
 
 
 def ours(loss_type, d, logps, *, level="token", kl="k3", bias=False, beta=0.0, weights=None, delta=None,

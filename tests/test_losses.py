@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from reference_losses import EPS, EPS_HIGH, MAX_LEN, make_data, reference_loss
 
 from grpo_ascend.algorithms.losses import (
     POLICY_LOSSES,
@@ -19,76 +20,6 @@ from grpo_ascend.algorithms.losses import (
 from grpo_ascend.errors import ConfigError, DataError
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
-EPS, EPS_HIGH, MAX_LEN = 0.2, 0.28, 10
-# Ratios crossing 1−ε (0.8) and 1+ε_high (1.28) on both sides of 1, plus one above delta=2.0.
-RATIOS = [0.5, 0.79, 0.95, 1.0, 1.1, 1.3, 2.5, 0.7]
-
-
-def make_data(batch: int = 8, length: int = 6, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    logps = -torch.rand(batch, length, generator=g, dtype=torch.float64) * 3 - 0.1
-    ratio = torch.tensor(
-        [RATIOS[(i * length + t) % len(RATIOS)] for i in range(batch) for t in range(length)]
-    )
-    ratio = ratio.view(batch, length).to(torch.float64)
-    old = logps - torch.log(ratio)
-    ref = logps + torch.randn(batch, length, generator=g, dtype=torch.float64) * 0.3
-    entropies = torch.rand(batch, length, generator=g, dtype=torch.float64) * 2
-    lengths = torch.tensor([6, 3, 1, 5, 0, 6, 2, 4][:batch]) % (length + 1)
-    mask = (torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.float64)
-    # Garbage at padded positions must not leak into values or gradients.
-    old = torch.where(mask.bool(), old, torch.full_like(old, -1000.0))
-    ref = torch.where(mask.bool(), ref, torch.full_like(ref, 1000.0))
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.7, 1.2, -0.3, 0.8, -1.5][:batch], dtype=torch.float64)
-    return {"logps": logps, "old": old, "ref": ref, "ent": entropies, "mask": mask, "adv": adv}
-
-
-def reference_loss(
-    loss_type: str,
-    d: dict[str, torch.Tensor],
-    logps: torch.Tensor,
-    ent: torch.Tensor,
-    *,
-    level: str = "token",
-    delta: float | None = None,
-    beta: float = 0.0,
-    ent_coef: float = 0.0,
-    eps_high: float = EPS_HIGH,
-) -> torch.Tensor:
-    """Per published formulas, one sequence and one token at a time."""
-    batch, length = logps.shape
-    seq_means, token_total, n_tokens = [], torch.zeros((), dtype=torch.float64), 0
-    for i in range(batch):
-        valid = [t for t in range(length) if d["mask"][i, t] > 0]
-        n_tokens += len(valid)
-        if not valid:
-            seq_means.append(torch.zeros((), dtype=torch.float64))
-            continue
-        if level == "sequence":
-            # GSPO: s_i = (π(y_i)/π_old(y_i))^(1/|y_i|), gradient through the whole sequence.
-            s_i = torch.exp(sum(logps[i, t] - d["old"][i, t] for t in valid) / len(valid))
-        seq_total = torch.zeros((), dtype=torch.float64)
-        for t in valid:
-            r = torch.exp(logps[i, t] - d["old"][i, t]) if level == "token" else s_i
-            a = d["adv"][i]
-            r_unclipped = torch.clamp(r, max=delta) if delta is not None else r
-            r_clipped = torch.clamp(r, 1 - EPS, 1 + eps_high)
-            term = -torch.minimum(r_unclipped * a, r_clipped * a)
-            if beta:
-                x = d["ref"][i, t] - logps[i, t]
-                term = term + beta * (torch.exp(x) - x - 1)
-            if ent_coef:
-                term = term - ent_coef * ent[i, t]
-            seq_total = seq_total + term
-        seq_means.append(seq_total / len(valid))
-        token_total = token_total + seq_total
-    if loss_type == "grpo":
-        return sum(seq_means) / batch
-    if loss_type in ("bnpo", "dapo"):  # single step, single rank: both are the token mean
-        return token_total / n_tokens
-    if loss_type == "dr_grpo":
-        return token_total / (batch * MAX_LEN)
-    raise AssertionError(loss_type)
 
 
 def ours(loss_type, d, logps, ent, normaliser=None, rows=slice(None), **kw):

@@ -241,10 +241,10 @@ def test_budget_micro_batches_give_the_one_batch_gradient(grpo_trainer, case):
     try:
         results = {}
         for budget in (None, 17, 40):
-            trainer.args.max_tokens_per_micro_batch = budget
+            trainer.micro_batcher.token_budget = budget
             results[budget] = step_gradients(trainer, exp)
     finally:
-        trainer.args.max_tokens_per_micro_batch = None
+        trainer.micro_batcher.token_budget = None
         trainer.loss_settings = base
     one, metrics = results[None]
     assert "micro_batches" not in metrics
@@ -259,15 +259,15 @@ def test_budget_micro_batches_give_the_one_batch_gradient(grpo_trainer, case):
 
 def test_a_row_over_the_budget_runs_alone_with_one_warning(grpo_trainer, caplog):
     trainer = grpo_trainer
-    trainer.args.loss_type, trainer._warned_over_budget = "grpo", False
+    trainer.args.loss_type, trainer.micro_batcher.warned_over_budget = "grpo", False
     exp = varied_experience(old_logps=torch.full((8, 12), -3.0), ref_logps=torch.full((8, 12), -3.1))
     try:
-        trainer.args.max_tokens_per_micro_batch = 10  # every row costs 6 + its length: 7 to 18
-        with caplog.at_level("WARNING", logger="grpo_ascend.trainers.base"):
+        trainer.micro_batcher.token_budget = 10  # every row costs 6 + its length: 7 to 18
+        with caplog.at_level("WARNING", logger="grpo_ascend.trainers.micro_batches"):
             _, first = step_gradients(trainer, exp)
             _, second = step_gradients(trainer, exp)
     finally:
-        trainer.args.max_tokens_per_micro_batch = None
+        trainer.micro_batcher.token_budget = None
     assert first["micro_batches"] == second["micro_batches"] == 8  # no two rows fit together; none dropped
     warnings = [r for r in caplog.records if "max_tokens_per_micro_batch=10" in r.getMessage()]
     assert len(warnings) == 1 and "18 tokens" in warnings[0].getMessage()
@@ -289,12 +289,12 @@ def test_ranks_agree_on_the_micro_batch_count(grpo_trainer, monkeypatch):
         return real(value, op)
 
     try:
-        trainer.args.max_tokens_per_micro_batch = 60
+        trainer.micro_batcher.token_budget = 60
         own, own_metrics = step_gradients(trainer, exp)
         monkeypatch.setattr(trainer.ranks, "reduce", reduce)
         agreed, agreed_metrics = step_gradients(trainer, exp)
     finally:
-        trainer.args.max_tokens_per_micro_batch = None
+        trainer.micro_batcher.token_budget = None
     assert seen and seen[0] == own_metrics["micro_batches"] < 7
     assert agreed_metrics["micro_batches"] == 7
     _assert_same(agreed, own)
@@ -314,7 +314,7 @@ def test_ppo_budget_micro_batches_give_the_one_batch_gradient(tmp_path, tiny_mod
     exp.old_logps = (-3 - torch.rand(8, 12, generator=g)) * cm
     fixed = {k: torch.randn(8, 12, generator=g) * cm for k in ("values", "advantages", "returns")}
     one, metrics = step_gradients(trainer, exp, **fixed)
-    trainer.args.max_tokens_per_micro_batch = 40
+    trainer.micro_batcher.token_budget = 40
     packed, packed_metrics = step_gradients(trainer, exp, **fixed)
     assert packed_metrics["micro_batches"] > 1
     assert any(g.abs().sum() > 0 for name, g in packed.items() if "value_head" in name)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from datasets import Dataset
-from helpers import SMALL_RUN, train_until_preempted
+from helpers import SMALL_RUN, preempt_and_resume
 from test_multiturn import CALL, ScriptedQwen2, _ids, add
 from transformers import AutoTokenizer
 
@@ -213,12 +213,8 @@ def test_resume_with_tools_and_environments_is_exact(tmp_path, tiny_model_dir):
         return GRPOTrainer(model, reward, cfg, Dataset.from_list([{"prompt": PROMPT}] * 4), processing_class=tok,
                            peft_config=default_lora_config(r=4), environment_factory=AddEnv)
 
-    full = make(tmp_path / "full")
-    full.train()
-    killed = make(tmp_path / "resumed")
-    train_until_preempted(killed, 2)
-    resumed = make(tmp_path / "resumed")
-    resumed.train(resume_from_checkpoint="latest")
+    _, killed, _ = preempt_and_resume(lambda name: make(tmp_path / name), step=2)
+    assert killed.step == 2
 
     def stable(path):
         skip = ("time/", "tokens_per_second", "memory/", "tools/time_s")

@@ -15,7 +15,7 @@ from helpers import (
     late_rewards_vs_control,
     make_experience,
     one_round_gradients,
-    train_until_preempted,
+    preempt_and_resume,
 )
 
 from grpo_ascend import PPOConfig, PPOTrainer
@@ -229,21 +229,16 @@ def test_resume_is_exact_with_the_critic_and_adaptive_kl(tmp_path, tiny_model_di
         return PPOTrainer(str(tiny_model_dir), first_digit_is_one, cfg, arithmetic_dataset(12, seed=3),
                           peft_config=default_lora_config(r=4))
 
-    full = make(tmp_path / "full")
-    full.train()
+    full, killed, resumed = preempt_and_resume(lambda name: make(tmp_path / name), step=2)
     expected = _weights(full)
     assert any(CRITIC_ADAPTER in k for k in expected) and any("value_head" in k for k in expected)
-
-    killed = make(tmp_path / "resumed")
-    train_until_preempted(killed, 2)
+    assert killed.step == 2
     ckpt = tmp_path / "resumed" / "checkpoint-2"
     assert (ckpt / CRITIC_ADAPTER / "adapter_model.safetensors").is_file()
     assert (ckpt / "extra_trainable.safetensors").is_file()
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["kl_controller"]["value"] != 0.05  # the adaptive controller moved and is saved
 
-    resumed = make(tmp_path / "resumed")
-    resumed.train(resume_from_checkpoint="latest")
     got = _weights(resumed)
     assert expected.keys() == got.keys()
     for k in expected:

@@ -110,11 +110,10 @@ def test_gradient_checkpointing_uses_the_plain_forward(tiny_model, monkeypatch):
 def _order(micro: int, accum: int, G: int, n: int, seed: int = 0, round_index: int = 0):
     from types import SimpleNamespace
 
-    from grpo_ascend.trainers.base import RLTrainerBase
+    from grpo_ascend.trainers.micro_batches import round_row_order
 
-    fake = SimpleNamespace(args=SimpleNamespace(seed=seed, num_generations=G), round_index=round_index,
-                           plan=SimpleNamespace(micro_batch=micro, grad_accum=accum), device=torch.device("cpu"))
-    return RLTrainerBase._shuffled_rows(fake, n, 0)
+    plan = SimpleNamespace(micro_batch=micro, grad_accum=accum, num_generations=G)
+    return round_row_order(n, plan, seed, round_index, 0, torch.device("cpu"))
 
 
 def test_rounds_shuffle_whole_groups_when_steps_hold_whole_groups():

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset
-from helpers import SMALL_RUN, train_until_preempted
+from helpers import SMALL_RUN, preempt_and_resume
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.data.prompts import StreamSampler, make_prompt_sampler
@@ -75,28 +75,26 @@ def test_streamed_training_resumes_with_the_prompts_of_an_uninterrupted_run(tmp_
     at step 2; the interrupted and resumed run draws the same prompts in the same order, and ends with
     the same weights."""
 
-    def make(name, seen):
+    seen: list[list[str]] = []  # the prompts each trainer drew, one list per trainer made
+
+    def make(name):
+        drawn: list[str] = []
+        seen.append(drawn)
+
         def recording_reward(prompts, completions, **kwargs):
-            seen.extend(prompts[::4])  # one entry per prompt (G = 4)
+            drawn.extend(prompts[::4])  # one entry per prompt (G = 4)
             return _length_reward(completions)
 
         cfg = _config(tmp_path, name, max_steps=4, save_steps=2)
         return GRPOTrainer("builtin:tiny", recording_reward, args=cfg, train_dataset=_prompts(5).to_iterable_dataset(),
                            peft_config=default_lora_config(r=4))
 
-    full_seen: list[str] = []
-    full = make("full", full_seen)
-    full.train()
+    full, killed, resumed = preempt_and_resume(make, step=2)
+    full_seen, before, after = seen
     assert len(full_seen) == 8 and sorted(full_seen[:5]) == sorted(_prompts(5)["prompt"])
     assert full_seen[5:] != full_seen[:3]  # epoch 1 is shuffled anew
-
-    seen: list[str] = []
-    killed = make("resumed", seen)
-    train_until_preempted(killed, 2)
-    assert len(seen) == 4
-    resumed = make("resumed", seen)
-    resumed.train(resume_from_checkpoint="latest")
-    assert seen == full_seen
+    assert killed.step == 2 and len(before) == 4
+    assert before + after == full_seen
     assert resumed.state.epoch == pytest.approx(8 / 5)
     for (name, a), b in zip(full.policy.named_parameters(), resumed.policy.parameters()):
         assert torch.equal(a, b), name

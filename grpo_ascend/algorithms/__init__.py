@@ -1,4 +1,5 @@
-"""Advantage estimators, policy/value losses, KL estimators and importance-sampling correction."""
+"""Advantage estimators (group-relative, PPO's token advantages), policy/value losses, KL estimators and
+importance-sampling correction."""
 
 from grpo_ascend.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -30,11 +31,19 @@ from grpo_ascend.algorithms.losses import (
     ppo_value_loss,
 )
 from grpo_ascend.algorithms.registry import Registry
+from grpo_ascend.algorithms.token_advantages import (
+    TOKEN_ADVANTAGE_ESTIMATORS,
+    TokenAdvantages,
+    gae_token_advantages,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "IMPORTANCE_SAMPLING_MODES",
     "KL_ESTIMATORS",
+    "TOKEN_ADVANTAGE_ESTIMATORS",
+    "TokenAdvantages",
+    "gae_token_advantages",
     "ImportanceSamplingSettings",
     "ImportanceWeights",
     "importance_sampling_metrics",

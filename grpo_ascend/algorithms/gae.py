@@ -13,6 +13,8 @@ matrix; with no stops the chunk matrix is shared by all rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -154,19 +156,27 @@ def gae_advantages_env(
     return adv.transpose(0, 1), (adv + v).transpose(0, 1)
 
 
-def whiten(x: Tensor, mask: Tensor | None = None, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def whiten(x: Tensor, mask: Tensor | None = None, shift_mean: bool = True, eps: float = 1e-8,
+           reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """(x − mean) / sqrt(var + eps) over valid entries (unbiased var); masked entries become 0.
 
-    ``shift_mean=False`` adds the mean back (scale only), as TRL does for rewards.
+    ``shift_mean=False`` adds the mean back (scale only), as TRL does for rewards. ``reduce``: a sum
+    all-reduce over ranks (e.g. ``Ranks.reduce``), so the statistics cover every rank's valid entries.
     """
     if mask is None:
         mask = torch.ones_like(x, dtype=torch.bool)
     if mask.shape != x.shape:
         raise DataError(f"mask has shape {tuple(mask.shape)}, expected {tuple(x.shape)} like x")
     m = mask.to(x.dtype)
-    n = m.sum()
-    mean = (x * m).sum() / n.clamp(min=1)
-    var = (((x - mean) ** 2) * m).sum() / (n - 1).clamp(min=1)
+    sums = torch.stack([(x * m).sum(), m.sum()])
+    if reduce is not None:
+        sums = reduce(sums)
+    n = sums[1]
+    mean = sums[0] / n.clamp(min=1)
+    squares = (((x - mean) ** 2) * m).sum()
+    if reduce is not None:
+        squares = reduce(squares)
+    var = squares / (n - 1).clamp(min=1)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

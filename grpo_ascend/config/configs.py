@@ -245,10 +245,6 @@ class BaseRLConfig(_Validated):
             raise ConfigError(f"learning_rate must be >= 0 (0 = a control run that never moves), got {self.learning_rate}")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"max_steps must be a positive number of optimizer steps or -1, got {self.max_steps}")
-        if self.num_generations < 2:
-            raise ConfigError(
-                f"num_generations must be >= 2 (group-relative advantages need a group), got {self.num_generations}"
-            )
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.temperature < 0:
@@ -285,6 +281,11 @@ class BaseRLConfig(_Validated):
         elif self.resume_from_checkpoint is False:
             self.resume_from_checkpoint = None
 
+    @property
+    def needs_reference_model(self) -> bool:
+        """Whether the algorithm runs a reference model (each algorithm's config says: its KL term is on)."""
+        return False
+
     # --- derived batch plan -------------------------------------------------------------------
     def resolved_steps_per_generation(self, world_size: int = 1) -> int:
         """Micro-batches per generation round on each device (TRL's steps_per_generation)."""
@@ -300,20 +301,12 @@ class BaseRLConfig(_Validated):
 
     def batch_plan(self, world_size: int = 1) -> BatchPlan:
         """The batch arithmetic, validated: what one generation round and one optimizer step contain."""
-        spg = self.resolved_steps_per_generation(world_size)
-        per_device = self.per_device_train_batch_size * spg
-        if per_device % self.num_generations:
-            raise ConfigError(
-                f"completions per generation round on each device ({per_device} = per_device_train_batch_size "
-                f"{self.per_device_train_batch_size} × steps_per_generation {spg}) must be divisible by "
-                f"num_generations ({self.num_generations}) so every group stays on one device; change one of them"
-            )
         return BatchPlan(
             world_size=world_size,
             num_generations=self.num_generations,
             micro_batch=self.per_device_train_batch_size,
             grad_accum=self.gradient_accumulation_steps,
-            steps_per_generation=spg,
+            steps_per_generation=self.resolved_steps_per_generation(world_size),
             num_iterations=getattr(self, "num_iterations", 1),
             max_tokens_per_micro_batch=self.max_tokens_per_micro_batch,
         )
@@ -321,7 +314,11 @@ class BaseRLConfig(_Validated):
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """Batch arithmetic for one run, spelled out (TRL's is a frequent source of confusion)."""
+    """Batch arithmetic for one run, spelled out (TRL's is a frequent source of confusion).
+
+    The run's one home of ``num_generations`` (G) and ``max_tokens_per_micro_batch``: the trainer and its
+    parts read them here, checked once when the plan is made.
+    """
 
     world_size: int
     num_generations: int
@@ -332,6 +329,19 @@ class BatchPlan:
     #: Token budget that packs each step's rows into micro-batches (None: grad_accum of micro_batch rows;
     #: 'auto': chosen from the device's memory when the trainer starts).
     max_tokens_per_micro_batch: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ConfigError(
+                f"num_generations must be >= 2 (group-relative advantages need a group), got {self.num_generations}"
+            )
+        per_device = self.micro_batch * self.steps_per_generation
+        if per_device % self.num_generations:
+            raise ConfigError(
+                f"completions per generation round on each device ({per_device} = per_device_train_batch_size "
+                f"{self.micro_batch} × steps_per_generation {self.steps_per_generation}) must be divisible by "
+                f"num_generations ({self.num_generations}) so every group stays on one device; change one of them"
+            )
 
     @property
     def completions_per_generation(self) -> int:
@@ -531,6 +541,11 @@ class GRPOConfig(BaseRLConfig):
         None, "TRL's deprecated alias of importance_sampling_clip_max.", alias_of="importance_sampling_clip_max"
     )
 
+    @property
+    def needs_reference_model(self) -> bool:
+        """The KL term to the reference policy is on (``beta > 0``)."""
+        return self.beta > 0
+
     def __post_init__(self) -> None:
         if (self.use_vllm or self.rollout_backend == "vllm") and self.vllm_importance_sampling_correction is None:
             # TRL's default with vLLM: correct the sampler/trainer mismatch (turn off with the TRL name).
@@ -687,6 +702,11 @@ class PPOConfig(BaseRLConfig):
             raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.critic_init == "reward_model" and not self.critic_model:
             raise ConfigError("critic_init='reward_model' needs critic_model: the reward model's path")
+
+    @property
+    def needs_reference_model(self) -> bool:
+        """The KL penalty in the token rewards is on (``kl_coef > 0``)."""
+        return self.kl_coef > 0
 
     @property
     def num_iterations(self) -> int:

@@ -4,11 +4,14 @@ The trainer builds one strategy (:func:`grpo_ascend.distributed.select_strategy`
 and then calls it; it never asks which engine runs. The calls, in the order a run makes them:
 
 =========================  ====================================================================
+``parameter_numel``        a parameter's whole size, also when the engine partitioned it at load
 ``memory_layout``          where weights, gradients and optimizer state live (the memory plan's input)
 ``validate_model``         refuse a model the engine can't train (e.g. full fine-tuning, ZeRO-3)
 ``configure``              before prepare: fill the engine's config from the run's batch plan
 ``unsharded_reference``    a whole frozen reference copy when the engine will shard the policy
 ``prepare``                wrap the log-prob model and optimizer (accelerate's prepare + extras)
+``prepare_critic``         wrap PPO's critic (its own data-parallel wrapper)
+``fixed_calls``            whether every rank must make the same module calls in a forward
 ``may_merge_lora``         whether rollouts may fold LoRA into the (engine-owned) weights
 ``may_fuse_lora``          whether LoRA layers may run the fused kernel, which reads their weights itself
 ``whole_weights``          context: the whole policy on every rank for a generation round
@@ -82,6 +85,10 @@ class Strategy(abc.ABC):
     def world_size(self) -> int:
         return self.accelerator.num_processes
 
+    def parameter_numel(self, param: nn.Parameter) -> int:
+        """The number of elements of ``param`` whole (an engine may hold only this rank's part of it)."""
+        return param.numel()
+
     def memory_layout(self) -> MemoryLayout:
         """Where this engine keeps weights, gradients and optimizer state (for the memory plan)."""
         return plain_layout(self.world_size)
@@ -107,6 +114,18 @@ class Strategy(abc.ABC):
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                 policy: nn.Module) -> tuple[nn.Module, Any]:
         """Wrap the log-prob ``model`` (around ``policy``) and the optimizer for this engine."""
+
+    def prepare_critic(self, critic: nn.Module) -> nn.Module:
+        """Wrap PPO's critic after :meth:`prepare`: a data-parallel wrapper of its own over exactly its
+        trainable parameters (the policy's wrapper was made without them)."""
+        return self.accelerator.prepare(critic)
+
+    @property
+    def fixed_calls(self) -> bool:
+        """Whether every rank must make the same module calls in a log-prob forward, whatever its batch
+        holds (engines that gather parameters inside each module call): micro-batches then run at the
+        widest completion over ranks."""
+        return False
 
     # ------------------------------------------------------------------ rollouts
     def may_merge_lora(self, wanted: bool | None, is_peft: bool) -> bool:

@@ -97,6 +97,13 @@ class DeepSpeedStrategy(PlainStrategy):
         """ZeRO-3: every parameter is partitioned over the ranks."""
         return self.stage == 3
 
+    @property
+    def fixed_calls(self) -> bool:
+        return self.partitions_parameters
+
+    def parameter_numel(self, param: nn.Parameter) -> int:
+        return compat.full_numel(param)
+
     def validate_model(self, is_peft: bool) -> None:
         """Refuse full fine-tuning under ZeRO-3: its reference policy is a frozen copy of the weights."""
         if self.partitions_parameters and not is_peft:

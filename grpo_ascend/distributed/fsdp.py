@@ -161,6 +161,10 @@ class FSDPStrategy(PlainStrategy):
             autocast_forward(model, lambda: dev.autocast(self.device, self.precision))
         return model, optimizer
 
+    @property
+    def fixed_calls(self) -> bool:
+        return True
+
     def memory_layout(self) -> MemoryLayout:
         return fsdp_layout(self.world_size)
 

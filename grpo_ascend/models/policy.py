@@ -8,7 +8,7 @@ import functools
 import inspect
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -475,11 +475,10 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts, shared tensors counted once (partitioned parameters whole)."""
-    from grpo_ascend.distributed.compat_deepspeed import full_numel
-
+def count_parameters(model: nn.Module, numel: Callable[[nn.Parameter], int] = torch.numel) -> tuple[int, int]:
+    """(trainable, total) parameter counts, shared tensors counted once; ``numel``: a parameter's size
+    (the distributed strategy's ``parameter_numel`` counts a partitioned parameter whole)."""
     seen: dict[int, tuple[int, bool]] = {}
     for p in model.parameters():
-        seen[id(p)] = (full_numel(p), p.requires_grad)
+        seen[id(p)] = (numel(p), p.requires_grad)
     return sum(n for n, t in seen.values() if t), sum(n for n, _ in seen.values())

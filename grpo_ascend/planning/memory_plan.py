@@ -171,13 +171,12 @@ def run_settings(args: Any, device: str, world_size: int, *, algorithm: str, use
         raise ConfigError("max_prompt_length is null: the memory plan needs the longest prompt in tokens "
                           "(grpo-ascend plan --prompt-length N, or set max_prompt_length)")
     shared = args.shared_prefix_decode if args.shared_prefix_decode is not None else dev.default_shared_prefix_decode(device)
-    ppo = algorithm == "ppo"
-    budget = args.max_tokens_per_micro_batch
+    budget = plan.max_tokens_per_micro_batch
     return RunSettings(
         algorithm=algorithm, use_peft=use_peft, lora_r=lora_r, lora_targets=lora_targets,
         weight_bytes=weight_bytes, activation_bytes=activation,
-        reference=(getattr(args, "kl_coef", 0.0) > 0) if ppo else args.beta > 0,
-        prompts_per_rank=plan.prompts_per_rank, num_generations=args.num_generations,
+        reference=args.needs_reference_model,
+        prompts_per_rank=plan.prompts_per_rank, num_generations=plan.num_generations,
         prompt_length=_round_up(prompt, bucket), completion_length=_round_up(args.max_completion_length, bucket),
         micro_batch_rows=args.per_device_train_batch_size, rows_per_step=plan.micro_batch * plan.grad_accum,
         token_budget=budget if isinstance(budget, int) else None, logprob_chunk=args.logprob_chunk_size,

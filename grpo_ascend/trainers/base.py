@@ -1,18 +1,27 @@
 """What the GRPO and PPO trainers share: setup on accelerate, the experience pipeline, optimizer and
-schedule, the run loop with checkpoints and tracking.
+schedule, and the run loop; the trainer's parts do the rest.
 
 A subclass implements :meth:`RLTrainerBase._train_round`: one generation round (an
 :class:`~grpo_ascend.experience.Experience`) and the optimizer steps it feeds.
+
+The parts the trainer holds, each made with what it uses (:meth:`RLTrainerBase._build_parts`):
+
+- ``run`` (trainers/run_state.py): the counters and records the parts share (step, round, best, ...);
+- ``micro_batcher`` (trainers/micro_batches.py): each optimizer step's rows into micro-batches;
+- ``checkpointer`` (trainers/checkpointing.py): save and exact resume;
+- ``best`` (trainers/best_tracking.py): the best checkpoint and the ``best`` pointer;
+- ``evaluator`` (trainers/evaluating.py): ``evaluate()``'s metrics and when evaluation is due;
+- ``events`` (trainers/surface.py): TRL's ``state``, ``control``, callbacks and ``log_history``;
+- ``publisher`` (trainers/publishing.py): ``save_model``, the end-of-run export and the Hub;
+- ``recorder`` (trainers/run_recording.py): metrics.jsonl, the trackers, TRL's log entries, the summary.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import time
+import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +31,7 @@ from torch import Tensor, nn
 from grpo_ascend import device as dev
 from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSettings
 from grpo_ascend.algorithms.losses import LossNormaliser
+from grpo_ascend.checkpoints.checkpoint import resolve_checkpoint
 from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
 from grpo_ascend.data.prompts import is_stream, make_prompt_sampler
 from grpo_ascend.distributed.launch import make_accelerator, select_strategy
@@ -30,46 +40,38 @@ from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, ExperienceMaker
 from grpo_ascend.models.policy import (
     CompletionLogprobs,
-    activation_checkpointing_on,
     adapters_disabled,
-    backbone_and_head,
     is_peft,
     lora_merged,
     trainable_parameters,
 )
 from grpo_ascend.rollout.backend import PolicyWeights, serving
-from grpo_ascend.tracking.phases import PhaseTimer
-from grpo_ascend.tracking.run_tracker import RunTracker, truncate_metrics
-from grpo_ascend.trainers.checkpointing import CheckpointingMixin
+from grpo_ascend.tracking.run_tracker import RunTracker
+from grpo_ascend.trainers.best_tracking import BestCheckpointTracker
+from grpo_ascend.trainers.checkpointing import Checkpointer
 from grpo_ascend.trainers.components import (
     build_engine,
+    build_micro_batcher,
     build_optimizer,
     build_policy,
+    build_reference,
     build_rewards,
     check_streamed_steps,
     lr_factor,
     merge_lora_for_rollout,
     total_steps,
 )
-from grpo_ascend.trainers.evaluating import EvaluationMixin
-from grpo_ascend.trainers.micro_batches import TokenCost, plan_for_rank
-from grpo_ascend.trainers.surface import TrainerSurfaceMixin
-from grpo_ascend.trainers.trl_logs import TRLLogHistory, training_flops_per_token
+from grpo_ascend.trainers.evaluating import EvalSets, Evaluator
+from grpo_ascend.trainers.micro_batches import round_row_order
+from grpo_ascend.trainers.publishing import ModelPublisher
+from grpo_ascend.trainers.run_recording import RoundLog, RunRecorder
+from grpo_ascend.trainers.run_state import RunState
+from grpo_ascend.trainers.surface import EventHub
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class RoundLog:
-    """What a round's optimizer steps log besides their own: the round's metrics and phase timings."""
-
-    metrics: dict[str, float]
-    timer: PhaseTimer
-    prep_seconds: float
-    steps: int = 0
-
-
-class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
+class RLTrainerBase:
     """Shared machinery; see the module docstring."""
 
     config_class: type[BaseRLConfig] = BaseRLConfig
@@ -91,7 +93,8 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         """The run and its policy: accelerator, distributed strategy, batch plan, policy and tokenizer.
 
         A subclass then builds what the policy trains with (:meth:`_build_training`), adding its
-        own parts in between (PPO: the critic, whose parameters the optimizer also updates).
+        own parts in between (PPO: the critic, whose parameters the optimizer also updates), and
+        last the trainer's parts (:meth:`_build_parts`).
         """
         self.args = args if args is not None else self.config_class()
         if not isinstance(self.args, self.config_class):
@@ -100,7 +103,8 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             raise ConfigError("`train_dataset` is required: pass a datasets.Dataset with a 'prompt' column (TRL 1.16 "
                               "lets an environment_factory replace it; here the prompts come from a dataset always)")
         args = self.args
-        self._init_evaluation(eval_dataset)  # before loading anything: refuse eval settings without a dataset
+        self.eval_sets = EvalSets(eval_dataset, args)  # before loading anything: refuse eval settings without a dataset
+        self.eval_dataset = eval_dataset
         check_streamed_steps(args, train_dataset)
         dev.seed_everything(args.seed)
         self.accelerator, self.precision = make_accelerator(args)
@@ -111,93 +115,108 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self.ranks = Ranks(self.accelerator)
         self.plan: BatchPlan = args.batch_plan(self.accelerator.num_processes)
         self.model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
-        self.policy, self.tokenizer = build_policy(model, processing_class, peft_config, args, self.device)
+        self.policy, self.tokenizer = build_policy(model, processing_class, peft_config, args, self.device,
+                                                   self.strategy.parameter_numel)
         self.is_peft = is_peft(self.policy)
         self.strategy.validate_model(self.is_peft)
         self.train_dataset = train_dataset
         self._callbacks = callbacks
+        self.run = RunState()
         #: What summary.json holds after ``train()`` (steps, first/last reward, peak memory, ...); None before.
         self.run_summary: dict[str, Any] | None = None
 
     def _build_training(self, reward_funcs: Any, extra_parameters: Sequence[nn.Parameter] = (),
                         reward_processing_classes: Any = None) -> None:
-        """Optimizer and schedule, the prepared log-prob model, rollout engine, rewards and sampling stream;
-        ``reward_processing_classes``: TRL's tokenizers for reward models (see reward_models.RewardSet)."""
-        args = self.args
+        """Optimizer and schedule, the prepared log-prob model (and the reference, when the algorithm's KL
+        term is on), rollout engine, micro-batching, rewards and sampling stream; ``reward_processing_classes``:
+        TRL's tokenizers for reward models (see reward_models.RewardSet)."""
+        args, plan = self.args, self.plan
         self.optimizer = build_optimizer(trainable_parameters(self.policy) + list(extra_parameters), args)
         self.sampler = make_prompt_sampler(self.train_dataset, seed=args.seed, shuffle=args.shuffle_dataset)
-        self.max_steps = total_steps(args, None if is_stream(self.train_dataset) else len(self.train_dataset), self.plan)
+        self.run.max_steps = total_steps(args, None if is_stream(self.train_dataset) else len(self.train_dataset), plan)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(args, self.max_steps))
         self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
-        self.strategy.configure(self.policy, self.plan)
+        self.strategy.configure(self.policy, plan)
         if args.fused_lora and self.is_peft and self.strategy.may_fuse_lora():
+            # Imported here: the kernel subclasses peft's LoRA layer when imported (peft loads only when used).
             from grpo_ascend.models import lora_kernel
 
             logger.info("fused LoRA kernel on %d layers", lora_kernel.install(self.policy))
-        self._unsharded_reference = self.strategy.unsharded_reference(
-            self.policy, self.is_peft, wants_reference=getattr(args, "beta", 0.0) > 0)
+        unsharded_reference = self.strategy.unsharded_reference(
+            self.policy, self.is_peft, wants_reference=args.needs_reference_model)
         self.logprob_model, self.optimizer = self.strategy.prepare(self.logprob_model, self.optimizer, self.policy)
         self.engine = build_engine(self.policy, self.tokenizer, args, self.device)
         # Folding LoRA into the weights speeds up a backend that samples with the policy module itself.
         self.merge_lora_for_rollout = self.engine.backend.samples_policy_module and merge_lora_for_rollout(
             self.policy, args.rollout_merge_lora, self.strategy.may_merge_lora(args.rollout_merge_lora, self.is_peft),
             self.is_peft, self.device)
-        self._auto_token_budget = self._plan_token_budget() if args.max_tokens_per_micro_batch == "auto" else None
+        self.micro_batcher = build_micro_batcher(self.policy, args, plan, self.algorithm, self.strategy, self.ranks,
+                                                 self.precision, self.merge_lora_for_rollout)
         self.rewards = build_rewards(reward_funcs, args, self.device, self.tokenizer, reward_processing_classes)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed + 1000 * self.accelerator.process_index)
-        self.step = 0
-        self.round_index = 0
-        self.skipped_steps = 0
-        self._step_micro_batches = 0
-        self._token_cost_shares_prompts: bool | None = None
-        self._warned_over_budget = False
-        self._last_saved_step = -1
-        self.tracker: RunTracker | None = None
-        self._init_surface(self._callbacks)
+        #: The reference policy's log-prob model; None: none, or the base with adapters disabled (LoRA).
+        self.ref_logprob_model = build_reference(self.logprob_model, unsharded_reference, args, self.accelerator,
+                                                 self.is_peft) if args.needs_reference_model else None
 
-    # ------------------------------------------------------------------------------ setup
+    def _build_parts(self) -> None:
+        """The trainer's parts (see the module docstring), made last: they take the run's final rollout
+        (tools, a ``rollout_func``) and the module a checkpoint holds."""
+        args, run = self.args, self.run
+        self.best = BestCheckpointTracker(args, run, self.is_main_process)
+        self.checkpointer = Checkpointer(args, self.accelerator, self.strategy, run, self._trainable_module(),
+                                         self.optimizer, self.scheduler, self.sampler, self.generator, self.tokenizer,
+                                         self.model_name, self.best)
+        self.evaluator = Evaluator(args, self.eval_sets, run, self.engine, self.rewards, self.ranks, self.device,
+                                   self.policy, self._rollout_context, self._trainer_state_for_rewards)
+        self.events = EventHub(args, self.accelerator, self._callbacks, run, self.sampler,
+                               {"model": self.policy, "processing_class": self.tokenizer, "optimizer": self.optimizer,
+                                "lr_scheduler": self.scheduler})
+        self.publisher = ModelPublisher(args, self.accelerator, self.strategy, run, self.policy, self.tokenizer,
+                                        self.model_name, self.is_peft, self.checkpointer.gathered)
+        self.recorder = RunRecorder(args, self.plan, run, self.events, self.ranks, self.device,
+                                    self.scheduler, self.sampler, self.policy, self.is_main_process)
+
+    # ------------------------------------------------------------------------------ the run's counters
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (transformers' ``global_step``)."""
+        return self.run.step
+
+    @property
+    def max_steps(self) -> int:
+        """Optimizer steps the run takes in all."""
+        return self.run.max_steps
+
+    @max_steps.setter
+    def max_steps(self, value: int) -> None:
+        self.run.max_steps = value
+
+    @property
+    def round_index(self) -> int:
+        return self.run.round_index
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.run.skipped_steps
+
+    @property
+    def tracker(self) -> RunTracker | None:
+        """metrics.jsonl and the trackers of the open (or last) run; None before ``train()``."""
+        return self.recorder.tracker
+
     @property
     def token_budget(self) -> int | None:
         """The training micro-batches' token budget: ``max_tokens_per_micro_batch``, 'auto' as resolved at start-up."""
-        budget = self.args.max_tokens_per_micro_batch
-        return self._auto_token_budget if budget == "auto" else budget
+        return self.micro_batcher.token_budget
 
-    def _plan_token_budget(self) -> int:
-        """``max_tokens_per_micro_batch: auto``: the largest budget whose memory plan (docs/memory.md) fits
-        AUTO_FRACTION of this device's memory (free + what this process holds), the smallest over ranks."""
-        from grpo_ascend.models.policy import hf_model
-        from grpo_ascend.planning.memory_plan import (
-            AUTO_FRACTION,
-            ModelShape,
-            auto_token_budget,
-            lora_targets,
-            run_settings,
-        )
-
-        model = hf_model(self.policy)
-        lora = self.policy.peft_config[self.policy.active_adapter] if self.is_peft else None
-        settings = run_settings(
-            self.args, dev.device_type(self.device), self.accelerator.num_processes,
-            algorithm=self.algorithm, use_peft=self.is_peft,
-            lora_r=lora.r if lora is not None else 0, lora_targets=lora_targets(lora.target_modules if lora else None),
-            weight_bytes=next(model.parameters()).element_size(), precision=self.precision)
-        settings = dataclasses.replace(settings, merge_lora=self.merge_lora_for_rollout)
-        free, _ = dev.free_memory(self.device)
-        capacity = int((free + dev.memory_stats(self.device)["allocated"]) * AUTO_FRACTION)
-        budget = auto_token_budget(ModelShape.from_config(model.config.to_dict()), settings,
-                                   self.strategy.memory_layout(), capacity)
-        budget = int(-self.ranks.reduce(torch.tensor([-float(budget)], device=self.device), "max")[0])
-        logger.info("max_tokens_per_micro_batch: auto -> %d tokens (memory plan within %.1f GiB)", budget, capacity / 2**30)
-        return budget
-
-    def _whole_weights(self) -> contextlib.AbstractContextManager:
-        """The whole policy on every rank for one generation round (the strategy's; all ranks enter)."""
-        return self.strategy.whole_weights(self.logprob_model)
+    def _trainable_module(self) -> nn.Module:
+        """What a checkpoint holds: the policy (PPO adds its critic)."""
+        return self.policy
 
     def _gathered_trainable(self, modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
         """The trainable parameters whole on every rank inside the block (all ranks must enter)."""
-        return self.strategy.gathered(trainable_parameters(self._trainable_module()), modifier_rank=modifier_rank)
+        return self.checkpointer.gathered(modifier_rank)
 
     # ------------------------------------------------------------------------------ rollouts
     @property
@@ -213,22 +232,22 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         self.policy.eval()
         stack = contextlib.ExitStack()
         stack.enter_context(self._autocast())
-        stack.enter_context(self._whole_weights())
+        stack.enter_context(self.strategy.whole_weights(self.logprob_model))
         if self.merge_lora_for_rollout:
             stack.enter_context(lora_merged(self.policy))
         stack.enter_context(serving(self.engine.backend, lambda: PolicyWeights(self.policy, self.step)))
         return stack
 
-    def _make_experience_maker(self, reference: bool, mask_truncated_completions: bool = False,
+    def _make_experience_maker(self, mask_truncated_completions: bool = False,
                                importance_sampling: ImportanceSamplingSettings | None = None) -> ExperienceMaker:
         """The round's experience pipeline over this trainer's sampler, engine, rewards and forwards."""
         args = self.args
         return ExperienceMaker(
             sampler=self.sampler, engine=self.engine, rewards=self.rewards, ranks=self.ranks,
-            generator=self.generator, num_generations=args.num_generations,
-            micro_batch=args.per_device_train_batch_size, pad_token_id=self.tokenizer.pad_token_id,
+            generator=self.generator, num_generations=self.plan.num_generations,
+            micro_batch=self.plan.micro_batch, pad_token_id=self.tokenizer.pad_token_id,
             rollout_context=self._rollout_context, policy_logprobs=self._policy_logprobs,
-            reference_logprobs=self._reference_logprobs if reference else None,
+            reference_logprobs=self._reference_logprobs if args.needs_reference_model else None,
             # the built-in engine's fp32 log-probs are the training forward's; an external sampler's are not
             exact_sampling_logps=self.precision == "fp32" and self.engine.backend.samples_policy_module,
             mask_truncated_completions=mask_truncated_completions,
@@ -242,20 +261,6 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
     def _policy_logprobs(self, *inputs: Tensor) -> Tensor:
         return self.logprob_model(*inputs, temperature=self.args.temperature)[0]
 
-    def _setup_reference(self) -> None:
-        """The reference policy: the base with adapters disabled (LoRA), else a frozen copy."""
-        if self.is_peft:
-            self.ref_logprob_model = None
-        else:
-            from grpo_ascend.models.policy import frozen_copy
-
-            ref = self._unsharded_reference
-            if ref is None:
-                ref = frozen_copy(self.accelerator.unwrap_model(self.logprob_model).model)
-            self.ref_logprob_model = CompletionLogprobs(
-                ref, self.args.logprob_chunk_size, self.args.share_prompt_prefill
-            ).to(self.device)
-
     def _reference_logprobs(self, *inputs: Tensor) -> Tensor:
         if self.ref_logprob_model is not None:
             with self._autocast():
@@ -267,6 +272,10 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
     def _train_round(self) -> None:
         """One generation round and the optimizer steps it feeds (the algorithm's own)."""
         raise NotImplementedError(f"{type(self).__name__} must implement _train_round")
+
+    def _shuffled_rows(self, n: int, iteration: int) -> Tensor:
+        """Row order for one pass over this round's ``n`` rows (seeded; see micro_batches.round_row_order)."""
+        return round_row_order(n, self.plan, self.args.seed, self.run.round_index, iteration, self.device)
 
     def _step_rows(self, size: int) -> Iterator[Tensor]:
         """Rows of each optimizer step of a round of ``size`` rows: μ passes, each a fresh seeded shuffle.
@@ -285,36 +294,10 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
     def _micro_batches(self, rows: Tensor, exp: Experience) -> Iterator[tuple[Tensor, bool]]:
         """The step's micro-batches, each with whether it is the step's last (where gradients synchronise):
         ``per_device_train_batch_size`` rows each, or packed under ``max_tokens_per_micro_batch``."""
-        if self.token_budget is None:
-            parts = list(rows.split(self.args.per_device_train_batch_size))
-        else:
-            parts = self._token_budget_parts(rows, exp)
-        self._step_micro_batches = len(parts)
+        parts = self.micro_batcher.split(rows, exp.completion_mask, exp.prompt_ids.shape[1], exp.group_ids)
+        self.run.step_micro_batches = len(parts)
         for i, part in enumerate(parts):
             yield part, i == len(parts) - 1
-
-    def _token_budget_parts(self, rows: Tensor, exp: Experience) -> list[Tensor]:
-        """``rows`` packed under the token budget (trainers/micro_batches.py), as many parts on every rank."""
-        budget = self.token_budget
-        mask = exp.completion_mask[rows].ne(0)
-        width = mask.shape[1]
-        lengths = (mask * torch.arange(1, width + 1, device=mask.device)).amax(1) if width else mask.sum(1)
-        if self._token_cost_shares_prompts is None:
-            backbone, _ = backbone_and_head(self.policy)
-            self._token_cost_shares_prompts = self.args.share_prompt_prefill and not activation_checkpointing_on(backbone)
-        cost = TokenCost(prompt_width=exp.prompt_ids.shape[1], completion_width=width,
-                         share_prompts=self._token_cost_shares_prompts, length_bucket=dev.default_length_bucket(self.device))
-        # Under a parameter-sharding strategy every rank's micro-batch runs at the widest over ranks.
-        widest = bool(getattr(self.accelerator.unwrap_model(self.logprob_model), "fixed_calls", False))
-        parts, host_lengths = plan_for_rank(lengths, exp.group_ids[rows], cost, budget, self.ranks, widest)
-        over = [host_lengths[p[0]] for p in parts if len(p) == 1 and cost(1, 1, host_lengths[p[0]]) > budget]
-        if over and not self._warned_over_budget:
-            self._warned_over_budget = True
-            logger.warning("max_tokens_per_micro_batch=%d is below what one row's forward costs (%d tokens: prompt width "
-                           "%d + completion width %d); such rows get a micro-batch of their own (warned once)", budget,
-                           cost(1, 1, over[0]), cost.prompt_width, cost.width(over[0]))
-        order = torch.tensor([i for p in parts for i in p], device=rows.device)  # one copy to the device
-        return list(rows[order].split([len(p) for p in parts]))
 
     def _no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
         """One micro-batch of ``model``: gradients are reduced over ranks only on the step's ``last``."""
@@ -335,34 +318,17 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             step_tokens_global=self.ranks.reduce(step_mask.sum()),
         )
 
-    @staticmethod
-    def _accumulate(sums: dict[str, Tensor], values: dict[str, Tensor]) -> None:
-        """Add detached micro-batch statistics into ``sums`` (kept on the device, no host sync)."""
-        for k, v in values.items():
-            sums[k] = sums[k] + v.detach() if k in sums else v.detach().clone()
-
-    @staticmethod
-    def _policy_metrics(totals: dict[str, float]) -> dict[str, float]:
-        """Per-token averages of the policy-loss statistics summed over a step and all ranks."""
-        n_tok = max(totals.get("token_count", 0.0), 1.0)
-        return {
-            "entropy": totals.get("entropy_sum", 0.0) / n_tok,
-            "clip_ratio/low": totals.get("clipped_low", 0.0) / n_tok,
-            "clip_ratio/high": totals.get("clipped_high", 0.0) / n_tok,
-            "clip_ratio/region": totals.get("clipped_region", 0.0) / n_tok,
-            "ratio/mean": totals.get("ratio_sum", 0.0) / n_tok,
-        }
-
     def _clip_and_step(self, params: list[nn.Parameter], loss_finite: Tensor) -> tuple[float, bool]:
         """Clip, check for NaN/inf (all ranks agree), and step — or skip the step leaving the weights untouched."""
         grad_norm, stepped = self.strategy.clip_and_step(self.logprob_model, self.optimizer, params, loss_finite)
         if stepped:
             self.scheduler.step()
         else:
-            self.skipped_steps += 1
+            self.run.skipped_steps += 1
             logger.warning("step %d: loss or gradient is NaN/inf; step skipped, weights untouched", self.step + 1)
         return grad_norm, stepped
 
+    # ------------------------------------------------------------------------------ the run
     def train(self, resume_from_checkpoint: str | bool | None = None) -> Any:
         """Run until ``max_steps`` optimizer steps; resume from a checkpoint path, 'latest' or True.
 
@@ -370,20 +336,21 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
         last entry of ``state.log_history`` (trainers/trl_logs.py); the run summary written to summary.json is
         :attr:`run_summary`.
         """
+        run, evaluator = self.run, self.evaluator
         self._begin(resume_from_checkpoint)
         try:
-            if self._evaluating() and self.args.eval_on_start and self.step == 0:
+            if evaluator.enabled and self.args.eval_on_start and run.step == 0:
                 self._evaluate_in_run()
-            while self.step < self.max_steps and not self.control.should_training_stop:
+            while run.step < self.max_steps and not self.control.should_training_stop:
                 self._train_round()
-                self.round_index += 1
-                if self._should_evaluate():
+                run.round_index += 1
+                if evaluator.due():
                     self._evaluate_in_run()
                 if self._should_save():
                     self._save()
-            if self._evaluating() and self._last_eval_step != self.step:
+            if evaluator.enabled and run.last_eval_step != run.step:
                 self._evaluate_in_run()  # the last weights are evaluated (and can be the best)
-            if self._last_saved_step != self.step:
+            if run.last_saved_step != run.step:
                 self._save()
             self._load_best_at_end()
         except BaseException:
@@ -403,44 +370,14 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
 
     def _begin(self, resume_from_checkpoint: str | bool | None) -> None:
         """Resume if asked, prepare the output folder and the tracker."""
-        from grpo_ascend.checkpoints import checkpoint as ckpt
-
         args = self.args
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
-        path = ckpt.resolve_checkpoint(resume, args.output_dir) if resume not in (None, False) else None
+        path = resolve_checkpoint(resume, args.output_dir) if resume not in (None, False) else None
         if path is not None:
             self._load(path)
-            self._restore_best()
-        if self.is_main_process:
-            Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-            truncate_metrics(args.output_dir, self.step)
-            print(self.plan.describe() + f"; {self.max_steps} optimizer steps", flush=True)
-        self.tracker = RunTracker(args.output_dir, self.max_steps, enabled=self.is_main_process,
-                                  start_step=self.step, disable_tqdm=args.disable_tqdm,
-                                  report_to=args.report_to, config=args.to_dict())
-        self._first_reward: float | None = None
-        self._last_record: dict[str, float] = {}
-        self._peak_gb = 0.0
-        self.state.global_step = self.step
-        self._trl_log = TRLLogHistory(self.state, getattr(args, "loss_type", ""), getattr(args, "entropy_coef", 0.0),
-                                      training_flops_per_token(self.policy), self.plan.completions_per_step)
-        self._event("on_train_begin")
-
-    def _shuffled_rows(self, n: int, iteration: int) -> Tensor:
-        """Row order for one pass over a round: seeded by (seed, round, iteration), so resume is exact.
-
-        When every optimizer step holds whole groups (its rows are a multiple of G), whole groups
-        are shuffled and a group's rows stay adjacent: the log-prob forward then runs each prompt
-        once per micro-batch (``share_prompt_prefill``). Otherwise single rows are shuffled.
-        """
-        gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.round_index * 101 + iteration)
-        G = self.args.num_generations
-        if (self.plan.micro_batch * self.plan.grad_accum) % G == 0 and n % G == 0:
-            groups = torch.randperm(n // G, generator=gen)
-            order = (groups[:, None] * G + torch.arange(G)).reshape(-1)
-        else:
-            order = torch.randperm(n, generator=gen)
-        return order.to(self.device)
+            self.best.restore()
+        self.recorder.begin()
+        self.events.fire("on_train_begin")
 
     def _should_save(self) -> bool:
         every = self.args.save_steps
@@ -448,90 +385,144 @@ class RLTrainerBase(CheckpointingMixin, EvaluationMixin, TrainerSurfaceMixin):
             return False
         # Saves happen at round boundaries (no half-used generation batch to persist); a save that
         # falls inside a round is taken at its end.
-        return self.step // every > max(self._last_saved_step, 0) // every
+        return self.step // every > max(self.run.last_saved_step, 0) // every
 
+    # ------------------------------------------------------------------------------ checkpoints
+    def _save(self) -> None:
+        """A checkpoint of this step (every rank), pushed per ``hub_strategy``; fires ``on_save``."""
+        path = self.checkpointer.save(self._trainer_state(), self._extra_state_tensors())
+        self.publisher.push_checkpoint(path)
+        self.events.fire("on_save")
+
+    def _load(self, path: Path) -> None:
+        """Resume from the checkpoint at ``path``, the algorithm's own state included."""
+        resumed = self.checkpointer.load(path)
+        self._restore_trainer_state(resumed.trainer_state)
+        self._restore_extra_state_tensors(resumed.extra_tensors)
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """Subclass hook: the algorithm's own state a checkpoint's trainer_state.json adds (JSON)."""
+        return {}
+
+    def _restore_trainer_state(self, state: dict[str, Any]) -> None:
+        """Subclass hook: restore what the subclass added to :meth:`_trainer_state`."""
+
+    def _extra_state_tensors(self) -> dict[str, Tensor]:
+        """Subclass hook: tensors a resumed run needs besides the weights."""
+        return {}
+
+    def _restore_extra_state_tensors(self, extra: dict[str, Tensor]) -> None:
+        """Subclass hook: take back what :meth:`_extra_state_tensors` saved."""
+
+    def _load_best_at_end(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights into the model (every rank)."""
+        path = self.best.path()
+        if not self.args.load_best_model_at_end or path is None:
+            return
+        self.checkpointer.load_weights(path)
+        assert self.run.best is not None
+        logger.info("loaded the best checkpoint %s (%s = %g)", path, self.run.best.metric, self.run.best.value)
+
+    # ------------------------------------------------------------------------------ evaluation
+    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Evaluate the current policy on ``eval_dataset`` (default: the trainer's); every rank must call.
+
+        Returns the metrics with ``metric_key_prefix/`` names, logs them (metrics.jsonl and the
+        trackers while a run is open, ``state.log_history`` always) and fires ``on_evaluate``.
+        Several eval sets (a dict or ``DatasetDict``; a name picks one of the trainer's) are
+        evaluated one by one as in transformers, each under the prefix ``<metric_key_prefix>_<name>``
+        (``eval_<name>/reward``), each logged on its own; the returned dict holds them all.
+        """
+        metrics: dict[str, float] = {}
+        for record in self.evaluator.evaluate(eval_dataset, metric_key_prefix):
+            self.recorder.evaluation(record)
+            self.events.fire("on_evaluate", metrics=record)
+            metrics.update(record)
+        return metrics
+
+    def _evaluate_in_run(self) -> None:
+        self.best.note_evaluation(self.evaluate())
+
+    # ------------------------------------------------------------------------------ TRL's trainer surface
+    @property
+    def model(self) -> nn.Module:
+        """The model being trained: the PEFT-wrapped policy with LoRA, else the policy itself."""
+        return self.policy
+
+    @property
+    def processing_class(self) -> Any:
+        return self.tokenizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The learning-rate schedule (transformers' name)."""
+        return self.scheduler
+
+    @property
+    def state(self) -> Any:
+        """transformers' ``TrainerState`` of the run (``global_step``, ``epoch``, ``log_history``, ...)."""
+        return self.events.state
+
+    @property
+    def control(self) -> Any:
+        """transformers' ``TrainerControl``: a callback sets ``should_training_stop`` to end the run."""
+        return self.events.control
+
+    @property
+    def callbacks(self) -> Any:
+        return self.events.callbacks
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a ``TrainerCallback`` (instance or class)."""
+        self.events.callbacks.add(callback)
+
+    @property
+    def hub_model_id(self) -> str | None:
+        """The Hub repo's full id, once :meth:`init_hf_repo` has run."""
+        return self.publisher.hub_model_id
+
+    def save_model(self, output_dir: str | os.PathLike | None = None, _internal_call: bool = False) -> None:
+        """Write the trained model into ``output_dir`` (default: the run's): the LoRA adapter in PEFT's
+        format, or the whole model for full fine-tuning, plus the tokenizer. Files already in the
+        folder (metrics, checkpoints) are kept; same-named files are replaced. Every rank must call it.
+        With ``push_to_hub`` the run's output_dir is then pushed (as transformers)."""
+        self.publisher.save_model(output_dir, push=not _internal_call)
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        """Create (or find) the Hub repo ``hub_model_id`` (default: output_dir's name)."""
+        self.publisher.init_hf_repo(token, private)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
+                    token: str | None = None, revision: str | None = None, private: bool | None = None,
+                    model_name: str | None = None, dataset_name: str | None = None,
+                    tags: str | list[str] | None = None) -> Any:
+        """Save the model into output_dir, write a model card (README.md) and upload output_dir (without
+        its checkpoint-* folders) to ``hub_model_id``. Every rank must call it; the main rank uploads and
+        gets the CommitInfo (a Future when not ``blocking``). Raises :class:`~grpo_ascend.checkpoints.hub.HubError`
+        with what to do when the Hub can't be reached (offline, no token, no write access)."""
+        return self.publisher.push_to_hub(commit_message, blocking, token, revision, private, model_name,
+                                          dataset_name, tags)
+
+    def end(self) -> None:
+        """Finish the trackers and destroy the process group (TRL / transformers ``Trainer.end``): call it once,
+        last; train, evaluate, save_model and push_to_hub need the other processes and fail after it."""
+        if self.tracker is not None:
+            self.tracker.abort()  # closes any tracker still open (train closes its own at the end)
+        self.accelerator.end_training()
+
+    # ------------------------------------------------------------------------------ logging
     def _end_step(self, step_metrics: dict[str, float], log: RoundLog, exp: Experience, started: float) -> None:
-        """Count the optimizer step just taken, log it and write sample completions when due."""
-        args = self.args
-        self.step += 1
-        log.steps += 1
-        train_time = time.perf_counter() - started
-        step_peak = dev.memory_stats(self.device)["peak"] / 2**30
-        self._peak_gb = max(self._peak_gb, step_peak, *log.timer.peak_gb.values())
-        if self.token_budget is not None:
-            step_metrics = {**step_metrics, "micro_batches": float(self._step_micro_batches)}
-        if log.steps == 1:
-            self._trl_log.add_round(log.metrics, exp, self.ranks)
-        self._trl_log.add_step({**step_metrics, "learning_rate": self.scheduler.get_last_lr()[0],
-                                "time/step": train_time + (log.prep_seconds if log.steps == 1 else 0.0)})
-        if self.step % args.logging_steps == 0 or self.step == self.max_steps:
-            self._log_step(step_metrics, log, train_time, step_peak)
-        assert self.tracker is not None
-        self.tracker.advance()
-        if args.log_completions_steps and self.step % args.log_completions_steps == 0:
-            self.tracker.log_samples(self.step, exp.samples(args.num_completions_to_print))
-        self._event("on_step_end")
-
-    def _log_step(self, step_metrics: dict[str, float], log: RoundLog, train_time: float, step_peak: float) -> None:
-        """One metrics.jsonl record; the round's phases are charged to its first step (zeros after)."""
-        first = log.steps == 1
-        prep = log.prep_seconds if first else 0.0
-        phases = {k: (v if first else 0.0) for k, v in log.timer.metrics().items()}
-        record = {
-            **step_metrics,
-            **log.metrics,
-            "learning_rate": self.scheduler.get_last_lr()[0],
-            "epoch": self.sampler.epochs_done,
-            "skipped_steps": float(self.skipped_steps),
-            **phases,
-            "time/training": train_time,
-            "time/step": train_time + prep,
-            "tokens_per_second": log.metrics.get("tokens_generated", 0.0) / max(prep, 1e-9) if first else 0.0,
-            "memory/peak_gb": self._peak_gb,
-            "memory/peak_gb/training": step_peak,
-            "memory/allocated_gb": dev.memory_stats(self.device)["allocated"] / 2**30,
-        }
-        assert self.tracker is not None
-        self.tracker.log(self.step, record)
-        if self.step % self.args.logging_steps == 0:  # TRL's entries; a last step off them waits for the summary
-            self._log({**record, **self._trl_log.flush()})
-        if self._first_reward is None:
-            self._first_reward = record.get("reward")
-        self._last_record = record
-
-    def _log(self, logs: dict[str, Any]) -> None:
-        """One ``state.log_history`` entry and its ``on_log`` event (transformers' ``Trainer.log``)."""
-        self.state.log_history.append({**logs, "step": self.step})
-        self._event("on_log", logs=logs)
+        """Count the optimizer step just taken, record it (trainers/run_recording.py), fire ``on_step_end``."""
+        self.run.step += 1
+        micro_batches = self.run.step_micro_batches if self.token_budget is not None else None
+        self.recorder.step(step_metrics, log, exp, started, micro_batches)
+        self.events.fire("on_step_end")
 
     def _finish(self) -> Any:
-        from transformers.trainer_utils import TrainOutput
-
+        """Export the adapter (``export_adapter_at_end``), close the run's records; transformers' TrainOutput."""
         args = self.args
-        export_dir = None
-        if args.export_adapter_at_end:
-            from grpo_ascend.checkpoints.export import export_checkpoint
-
-            source = self.strategy.export_source(self.policy, Path(args.output_dir) / f"checkpoint-{self.step}")
-            with self._gathered_trainable():  # every rank gathers (if partitioned), the main rank writes
-                if self.is_main_process:
-                    export_dir = str(export_checkpoint(source, Path(args.output_dir) / "adapter",
-                                                       tokenizer=self.tokenizer, base_model=self.model_name))
+        export_dir = self.publisher.export_adapter(Path(args.output_dir) / "adapter") if args.export_adapter_at_end else None
         self.accelerator.wait_for_everyone()
-        assert self.tracker is not None
-        summary = {
-            "steps": self.step,
-            "reward_first": self._first_reward,
-            "reward_last": self._last_record.get("reward"),
-            "skipped_steps": self.skipped_steps,
-            "peak_memory_gb": round(self._peak_gb, 3),
-            "output_dir": args.output_dir,
-        }
-        if export_dir:
-            summary["adapter"] = export_dir
-        self.run_summary = self.tracker.close(summary)
-        train_loss, metrics = self._trl_log.summary()
-        metrics["epoch"] = self.sampler.epochs_done
-        self._log(metrics)
-        self._event("on_train_end")
-        return TrainOutput(self.step, train_loss, metrics)
+        self.run_summary, output = self.recorder.finish(export_dir)
+        self.events.fire("on_train_end")
+        return output

@@ -3,6 +3,7 @@ rollout engine, rewards. A trainer's constructor calls them in order, so the ord
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -16,24 +17,40 @@ from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
 from grpo_ascend.data.prompts import is_stream
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models.policy import (
+    CompletionLogprobs,
+    activation_checkpointing_on,
     apply_peft,
+    backbone_and_head,
     cast_head_to_fp32,
     count_parameters,
+    frozen_copy,
+    hf_model,
+    is_peft,
     load_causal_lm,
     load_tokenizer,
     lora_merge_bytes,
 )
+from grpo_ascend.planning.memory_plan import (
+    AUTO_FRACTION,
+    ModelShape,
+    auto_token_budget,
+    lora_targets,
+    run_settings,
+)
 from grpo_ascend.rollout.backend import build_backend
 from grpo_ascend.rollout.sampling import SamplingParams
+from grpo_ascend.trainers.micro_batches import MicroBatcher
 
 logger = logging.getLogger(__name__)
 
 
 def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any, args: BaseRLConfig,
-                 device: torch.device) -> tuple[nn.Module, Any]:
+                 device: torch.device, parameter_numel: Callable[[nn.Parameter], int] = torch.numel,
+                 ) -> tuple[nn.Module, Any]:
     """The policy (LoRA-wrapped when ``peft_config`` is given) on ``device``, and its tokenizer.
 
     Fused device kernels are chosen after placement: they depend on the device the model runs on.
+    ``parameter_numel``: a parameter's whole size (the strategy's; for the parameter count logged).
     """
     from grpo_ascend.device.npu_patches import apply_npu_patches
 
@@ -56,7 +73,7 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
         policy.config.use_cache = False
     policy = policy.to(device)
     apply_npu_patches(policy, device=device)
-    trainable, total = count_parameters(policy)
+    trainable, total = count_parameters(policy, parameter_numel)
     if trainable == 0:
         raise ConfigError("the model has no trainable parameters; pass a peft_config or a trainable model")
     logger.info("parameters: %d trainable of %d (%.2f%%)", trainable, total, 100 * trainable / total)
@@ -158,3 +175,49 @@ def merge_lora_for_rollout(policy: nn.Module, wanted: bool | None, strategy_allo
                         extra / 2**30, free / 2**30)
             return False
     return True
+
+
+def build_micro_batcher(policy: nn.Module, args: BaseRLConfig, plan: BatchPlan, algorithm: str, strategy: Any,
+                        ranks: Any, precision: str, merge_lora: bool) -> MicroBatcher:
+    """What cuts each optimizer step into micro-batches: the plan's rows, or its token budget ('auto' planned
+    now, see :func:`plan_token_budget`); the strategy says whether ranks run at the widest over ranks."""
+    budget = plan.max_tokens_per_micro_batch
+    if budget == "auto":
+        budget = plan_token_budget(policy, args, algorithm, strategy, ranks, precision, merge_lora)
+    backbone, _ = backbone_and_head(policy)
+    return MicroBatcher(plan.micro_batch, budget, ranks, dev.default_length_bucket(strategy.device),
+                        shares_prompts=args.share_prompt_prefill and not activation_checkpointing_on(backbone),
+                        widest_over_ranks=strategy.fixed_calls)
+
+
+def build_reference(logprob_model: nn.Module, unsharded: nn.Module | None, args: BaseRLConfig, accelerator: Any,
+                    policy_is_peft: bool) -> CompletionLogprobs | None:
+    """The reference policy's log-prob model: None for LoRA (the base with adapters disabled is the
+    reference), else a frozen copy (the strategy's ``unsharded`` one when it shards the policy)."""
+    if policy_is_peft:
+        return None
+    ref = unsharded if unsharded is not None else frozen_copy(accelerator.unwrap_model(logprob_model).model)
+    return CompletionLogprobs(ref, args.logprob_chunk_size, args.share_prompt_prefill).to(accelerator.device)
+
+
+def plan_token_budget(policy: nn.Module, args: BaseRLConfig, algorithm: str, strategy: Any, ranks: Any,
+                      precision: str, merge_lora: bool) -> int:
+    """``max_tokens_per_micro_batch: auto``: the largest budget whose memory plan (docs/memory.md) fits
+    AUTO_FRACTION of this device's memory (free + what this process holds), the smallest over ranks."""
+    device = strategy.device
+    model = hf_model(policy)
+    peft = is_peft(policy)
+    lora = policy.peft_config[policy.active_adapter] if peft else None
+    settings = run_settings(
+        args, dev.device_type(device), strategy.world_size,
+        algorithm=algorithm, use_peft=peft,
+        lora_r=lora.r if lora is not None else 0, lora_targets=lora_targets(lora.target_modules if lora else None),
+        weight_bytes=next(model.parameters()).element_size(), precision=precision)
+    settings = dataclasses.replace(settings, merge_lora=merge_lora)
+    free, _ = dev.free_memory(device)
+    capacity = int((free + dev.memory_stats(device)["allocated"]) * AUTO_FRACTION)
+    budget = auto_token_budget(ModelShape.from_config(model.config.to_dict()), settings,
+                               strategy.memory_layout(), capacity)
+    budget = int(-ranks.reduce(torch.tensor([-float(budget)], device=device), "max")[0])
+    logger.info("max_tokens_per_micro_batch: auto -> %d tokens (memory plan within %.1f GiB)", budget, capacity / 2**30)
+    return budget

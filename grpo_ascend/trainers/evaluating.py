@@ -1,5 +1,6 @@
-"""Evaluation for :class:`~grpo_ascend.trainers.base.RLTrainerBase`: ``trainer.evaluate()``, evaluation
-during training (``eval_strategy``), the best checkpoint and ``load_best_model_at_end``.
+"""Evaluation, a part the trainer holds: the eval sets (checked before anything loads), ``evaluate()``'s
+metrics, and when evaluation is due during training (``eval_strategy``). The best checkpoint is
+trainers/best_tracking.py's; logging the metrics is the trainer's.
 
 Evaluation never changes training: each engine call samples from its own generator (seeded from
 ``seed`` and the call's chunk of the eval set, the same noise at every evaluation, so two
@@ -7,7 +8,7 @@ evaluations differ only by the weights), and the global RNG states it may touch 
 afterwards. The eval set is cut into chunks dealt to the ranks in turn (:func:`eval_chunks`), so
 the completions, and the metrics summed over ranks with one collective (see
 grpo_ascend/evaluation.py), are those of one process. Every rank enters one
-:meth:`_rollout_context` (sharded engines gather the whole weights there, all ranks together);
+rollout context (sharded engines gather the whole weights there, all ranks together);
 inside it generation makes no collective calls, so the ranks' chunk counts may differ.
 Tool-calling and ``rollout_func`` runs evaluate through their own rollout (environments of its
 own for evaluation; ``trainer.rollout_params`` tells a ``rollout_func`` the call's sampling).
@@ -15,28 +16,23 @@ own for evaluation; ``trainer.rollout_params`` tells a ``rollout_func`` the call
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from grpo_ascend import device as dev
+from grpo_ascend.config.configs import BaseRLConfig
 from grpo_ascend.data.prompts import check_prompt_dataset, eval_prompt_rows, is_conversational
+from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.evaluation import (
-    TOOL_SUMS,
-    best_metric_key,
-    eval_sums,
-    finish_eval_metrics,
-    greater_is_better,
-    is_better,
-    resolved_eval_steps,
-)
+from grpo_ascend.evaluation import TOOL_SUMS, eval_sums, finish_eval_metrics, resolved_eval_steps
 from grpo_ascend.experience import completions_for_rewards, tool_counts
+from grpo_ascend.trainers.run_state import RunState
 
 logger = logging.getLogger(__name__)
 
@@ -44,72 +40,97 @@ logger = logging.getLogger(__name__)
 _EVAL_SEED_OFFSET = 50_000_017
 
 
-class EvaluationMixin:
-    """``evaluate()`` and the run loop's evaluation hooks."""
+class EvalSets:
+    """The trainer's eval sets, checked when the trainer is made (before any model loads); a stream is
+    read into rows once. ``dataset`` is what the trainer was given (one set, a dict of named sets, or None)."""
 
-    def _init_evaluation(self, eval_dataset: Any) -> None:
-        args = self.args
-        self._eval_rows: dict[int, Any] = {}  # the trainer's eval sets by id, streams read once into rows
+    def __init__(self, eval_dataset: Any, args: BaseRLConfig):
+        self._rows: dict[int, Any] = {}  # by id, streams read once into rows
         if isinstance(eval_dataset, Mapping):
             if not eval_dataset:
                 raise ConfigError("eval_dataset is an empty dict: give {name: dataset, ...} or one dataset")
             for dataset in eval_dataset.values():
-                self._eval_rows[id(dataset)] = _checked_eval_rows(dataset)
+                self._rows[id(dataset)] = _checked_eval_rows(dataset)
         elif eval_dataset is not None:
-            self._eval_rows[id(eval_dataset)] = _checked_eval_rows(eval_dataset)
+            self._rows[id(eval_dataset)] = _checked_eval_rows(eval_dataset)
         elif args.eval_strategy != "no":
             raise ConfigError(f"eval_strategy is {args.eval_strategy!r} but there is no eval dataset: pass "
                               "eval_dataset= (recipes: eval_dataset, eval_split or eval_fraction), or set eval_strategy: no")
-        self.eval_dataset = eval_dataset
-        self._last_eval_step = -1
-        self._last_eval_metrics: dict[str, float] | None = None
-        self._best: tuple[int, float] | None = None  # (step, value) of the best saved checkpoint
-        self._best_key: str | None = None  # the eval metric metric_for_best_model names (see best_metric_key)
-        self._eval_rollout: Any = None  # made at the first evaluation (see _eval_engine)
+        self.dataset = eval_dataset
 
-    # ------------------------------------------------------------------------------ public
-    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Evaluate the current policy on ``eval_dataset`` (default: the trainer's); every rank must call.
+    def resolve(self, eval_dataset: Any, prefix: str) -> list[tuple[str, Any]]:
+        """(metric prefix, indexable rows) of each set ``evaluate(eval_dataset, prefix)`` evaluates, in order.
 
-        Returns the metrics with ``metric_key_prefix/`` names, logs them (metrics.jsonl and the
-        trackers while a run is open, ``state.log_history`` always) and fires ``on_evaluate``.
-        Several eval sets (a dict or ``DatasetDict``; a name picks one of the trainer's) are
-        evaluated one by one as in transformers, each under the prefix ``<metric_key_prefix>_<name>``
-        (``eval_<name>/reward``), each logged on its own; the returned dict holds them all.
+        A name picks one of the trainer's named sets; a dict (or ``DatasetDict``) is evaluated set by
+        set, each under ``<prefix>_<name>`` as in transformers.
         """
-        named = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {}
+        named = self.dataset if isinstance(self.dataset, Mapping) else {}
         if isinstance(eval_dataset, str):
             if eval_dataset not in named:
                 raise ConfigError(f"evaluate({eval_dataset!r}): the trainer's eval sets are "
                                   f"{sorted(named) if named else 'not named (one dataset)'}")
-            return self.evaluate(named[eval_dataset], f"{metric_key_prefix}_{eval_dataset}")
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+            return self.resolve(named[eval_dataset], f"{prefix}_{eval_dataset}")
+        dataset = eval_dataset if eval_dataset is not None else self.dataset
         if dataset is None:
             raise ConfigError("evaluate() has no dataset: pass eval_dataset= to the trainer or to evaluate()")
         if isinstance(dataset, Mapping):
-            metrics: dict[str, float] = {}
-            for name, part in dataset.items():
-                metrics.update(self.evaluate(part, f"{metric_key_prefix}_{name}"))
-            return metrics
-        started = time.perf_counter()
-        rows = self._eval_rows.get(id(dataset))
-        sums, names, n = self._eval_sums(rows if rows is not None else _checked_eval_rows(dataset))
-        metrics = finish_eval_metrics(self._sum_over_ranks(sums), names, n)
-        metrics["runtime"] = time.perf_counter() - started
-        record = {f"{metric_key_prefix}/{k}": v for k, v in metrics.items()}
-        if self.tracker is not None:
-            self.tracker.log(self.step, record)
-        self.state.log_history.append({**record, "step": self.step})
-        self._event("on_log", logs=record)
-        self._event("on_evaluate", metrics=record)
-        return record
+            return [entry for name, part in dataset.items() for entry in self.resolve(part, f"{prefix}_{name}")]
+        rows = self._rows.get(id(dataset))
+        return [(prefix, rows if rows is not None else _checked_eval_rows(dataset))]
+
+
+class Evaluator:
+    """Generates and scores eval sets through the run's rollout; says when an in-run evaluation is due.
+
+    ``rollout_context``: the trainer's context around generation (eval mode, autocast, whole weights,
+    LoRA folded in); ``reward_state``: ``trainer_state`` as reward functions receive it.
+    """
+
+    def __init__(self, args: BaseRLConfig, sets: EvalSets, run: RunState, engine: Any, rewards: Any, ranks: Ranks,
+                 device: torch.device, policy: Any, rollout_context: Callable[[], contextlib.AbstractContextManager],
+                 reward_state: Callable[[], dict[str, Any]]):
+        self.args = args
+        self.sets = sets
+        self.run = run
+        self.engine = engine
+        self.rewards = rewards
+        self.ranks = ranks
+        self.policy = policy
+        self.rollout_context = rollout_context
+        self.reward_state = reward_state
+        self.device = device
+        self._eval_rollout: Any = None  # made at the first evaluation (see _eval_engine)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run evaluates during training."""
+        return self.args.eval_strategy != "no" and self.sets.dataset is not None
+
+    def due(self) -> bool:
+        """Whether an eval step was crossed in the round just finished (evaluations sit at round ends)."""
+        if not self.enabled:
+            return False
+        every = resolved_eval_steps(self.args)
+        return self.run.step // every > max(self.run.last_eval_step, 0) // every
+
+    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> list[dict[str, float]]:
+        """One record per eval set (see :meth:`EvalSets.resolve`), its metrics named ``<prefix>/<metric>``;
+        every rank must call."""
+        records = []
+        for prefix, rows in self.sets.resolve(eval_dataset, metric_key_prefix):
+            started = time.perf_counter()
+            sums, names, n = self._eval_sums(rows)
+            metrics = finish_eval_metrics(self._sum_over_ranks(sums), names, n)
+            metrics["runtime"] = time.perf_counter() - started
+            records.append({f"{prefix}/{k}": v for k, v in metrics.items()})
+        return records
 
     # ------------------------------------------------------------------------------ generation
     def _eval_sums(self, dataset: Any) -> tuple[dict[str, float], list[str], int]:
         """This rank's additive statistics over its chunks of ``dataset`` (see :func:`eval_chunks`)."""
         args, ranks = self.args, self.ranks
-        n = args.num_generations_eval or args.num_generations
         base = self.engine.params
+        n = args.num_generations_eval or base.num_generations
         temperature = args.eval_temperature if args.eval_temperature is not None else base.temperature
         sampled_params = dataclasses.replace(base, num_generations=n, temperature=temperature)
         greedy_params = dataclasses.replace(base, num_generations=1, temperature=0.0)
@@ -120,7 +141,7 @@ class EvaluationMixin:
         sampled, greedy = [], []
         try:
             engine = self._eval_engine()
-            with torch.no_grad(), self._rollout_context():  # all ranks enter once (whole weights if sharded)
+            with torch.no_grad(), self.rollout_context():  # all ranks enter once (whole weights if sharded)
                 for index, rows in chunks:
                     chunk = [dataset[i] for i in rows]
                     # Seeded by the chunk's place in the eval set: the same completions on any number of ranks.
@@ -172,67 +193,10 @@ class EvaluationMixin:
         columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
         columns.update(getattr(batch, "extra_columns", None) or {})
         scored = self.rewards([p for p in prompts for _ in range(G)], completions, completion_ids, columns,
-                              trainer_state=self._trainer_state_for_rewards(),
+                              trainer_state=self.reward_state(),
                               log_metric=lambda *a: None, log_extra=lambda *a: None)
         return {"total": scored.total.float().cpu(), "per_function": scored.per_function.float().cpu(),
                 "lengths": lengths.cpu(), "names": list(scored.names), "tools": tool_counts(batch)}
-
-    # ------------------------------------------------------------------------------ in the run
-    def _evaluating(self) -> bool:
-        return self.args.eval_strategy != "no" and self.eval_dataset is not None
-
-    def _should_evaluate(self) -> bool:
-        """Whether an eval step was crossed in the round just finished (evaluations sit at round ends)."""
-        if not self._evaluating():
-            return False
-        every = resolved_eval_steps(self.args)
-        return self.step // every > max(self._last_eval_step, 0) // every
-
-    def _evaluate_in_run(self) -> None:
-        self._last_eval_metrics = self.evaluate()
-        self._last_eval_step = self.step
-
-    def _best_candidate(self) -> Path | None:
-        """Before saving step N: the checkpoint to keep as the best (updated when step N's evaluation wins)."""
-        root = Path(self.args.output_dir)
-        if self._last_eval_metrics is not None and self._last_eval_step == self.step:
-            self._best_key = key = best_metric_key(self.args, self._last_eval_metrics)
-            value = float(self._last_eval_metrics[key])
-            if is_better(value, None if self._best is None else self._best[1], greater_is_better(self.args)):
-                self._best = (self.step, value)
-        return None if self._best is None else root / f"checkpoint-{self._best[0]}"
-
-    def _write_best(self) -> None:
-        """After a save: point OUTPUT_DIR/best at the best checkpoint (main process)."""
-        from grpo_ascend.checkpoints.best import write_best_pointer
-
-        if self._best is not None and self.is_main_process:
-            step, value = self._best
-            write_best_pointer(self.args.output_dir, Path(self.args.output_dir) / f"checkpoint-{step}",
-                               self._best_key, value)
-
-    def _restore_best(self) -> None:
-        """On resume: the best so far from best.json (if it names a step not after the resumed one)."""
-        from grpo_ascend.checkpoints.best import read_best_pointer
-
-        self._last_eval_step = self.step  # the resumed checkpoint's step was evaluated before it was saved
-        record = read_best_pointer(self.args.output_dir)
-        if record is not None and int(record["step"]) <= self.step:
-            self._best = (int(record["step"]), float(record["value"]))
-            self._best_key = str(record["metric"])
-
-    def _load_best_at_end(self) -> None:
-        """``load_best_model_at_end``: the best checkpoint's weights into the model (every rank)."""
-        from grpo_ascend.checkpoints import checkpoint as ckpt
-
-        if not self.args.load_best_model_at_end or self._best is None:
-            return
-        path = Path(self.args.output_dir) / f"checkpoint-{self._best[0]}"
-        self.accelerator.wait_for_everyone()
-        module = self._trainable_module()
-        with self.strategy.loading(module):
-            ckpt.load_checkpoint(path, model=module, restore_rng=False)
-        logger.info("loaded the best checkpoint %s (%s = %g)", path, self._best_key, self._best[1])
 
 
 def eval_chunks(size: int, per_call: int, rank: int, world: int) -> list[tuple[int, range]]:

@@ -38,6 +38,7 @@ from grpo_ascend.models.policy import mix_into_reference
 from grpo_ascend.rollout.row_rollouts import RolloutFuncRollout, build_tool_rollout, prepare_tools
 from grpo_ascend.tracking.phases import PhaseTimer
 from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
+from grpo_ascend.trainers.step_metrics import accumulate, policy_metrics
 from grpo_ascend.trainers.step_segments import Segment, step_log, step_parts, straddling_normalisers
 
 logger = logging.getLogger(__name__)
@@ -125,15 +126,14 @@ class GRPOTrainer(RLTrainerBase):
             self.engine = build_tool_rollout(self.engine, self.tokenizer, self.args, toolset, pool)
         elif rollout_func is not None:
             self.engine = RolloutFuncRollout(rollout_func, self, self.engine)
-        if self.args.beta > 0:
-            self._setup_reference()
         correction = ImportanceSamplingSettings(
             cfg.importance_sampling_mode, cfg.importance_sampling_clip_max, cfg.importance_sampling_clip_min
         ) if cfg.importance_sampling_correction else None
-        self.experience = self._make_experience_maker(self.args.beta > 0, cfg.mask_truncated_completions, correction)
+        self.experience = self._make_experience_maker(cfg.mask_truncated_completions, correction)
         if rollout_func is not None:  # an external sampler: its log-probs are not the training forward's
             self.experience.exact_sampling_logps = False
         self._policy_params = [p for p in self.policy.parameters() if p.requires_grad]
+        self._build_parts()
 
     def _train_round(self) -> None:
         """Experience → group-relative advantages → μ passes of optimizer steps over micro-batches → log.
@@ -167,7 +167,7 @@ class GRPOTrainer(RLTrainerBase):
         )
         metrics = experience_metrics(exp, ranks)
         grouped = GroupedRewards(ranks.gather(exp.rewards_per_function), ranks.gather(exp.rewards),
-                                 torch.tensor(self.rewards.weights, device=self.device), args.num_generations)
+                                 torch.tensor(self.rewards.weights, device=self.device), self.plan.num_generations)
         adv = aggregate_advantages(args.multi_objective_aggregation, grouped, args.advantage_estimator,
                                    args.scale_rewards)
         exp.advantages = adv.advantages[ranks.rank * exp.size : (ranks.rank + 1) * exp.size].float()
@@ -207,14 +207,14 @@ class GRPOTrainer(RLTrainerBase):
                     if bonus:  # TRL's policy_loss: the loss without the entropy bonus
                         stats["policy_loss"] = self._loss_without_entropy(batch, settings, normaliser)
                     self._backward(loss)
-                self._accumulate(sums, {"loss": loss, **stats, **self._trained_entropy(batch)})
-        self._step_micro_batches = count
+                accumulate(sums, {"loss": loss, **stats, **self._trained_entropy(batch)})
+        self.run.step_micro_batches = count
         grad_norm, _ = self._clip_and_step(self._policy_params, torch.isfinite(sums["loss"]))
         totals = ranks.sum_scalars(sums)
-        step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm, **self._policy_metrics(totals)}
+        step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm, **policy_metrics(totals)}
         if bonus:
             step_metrics["policy_loss"] = totals["policy_loss"] / ranks.world
-        if args.beta > 0:
+        if args.needs_reference_model:
             step_metrics["kl"] = totals.get("kl_sum", 0.0) / max(totals.get("token_count", 0.0), 1.0)
         if args.use_adaptive_entropy:
             self.entropy_control.update(totals["trained_entropy_sum"] / max(totals["trained_tokens"], 1.0))
@@ -285,7 +285,7 @@ class GRPOTrainer(RLTrainerBase):
         Ranks refill in lockstep (same draws, same number of extra rounds) so their samplers stay
         aligned; groups that could not be replaced within the cap are kept as they are.
         """
-        G, want = self.args.num_generations, self.plan.prompts_per_rank
+        G, want = self.plan.num_generations, self.plan.prompts_per_rank
         kept: list[Experience] = []
         spare: list[Experience] = []
         have = rounds = sampled = 0

@@ -25,21 +25,25 @@ Under data parallelism the ranks run the same number of micro-batches (an engine
 gradients in every backward needs it; see docs/trainer.md): they agree on the largest count
 and the others split micro-batches (:func:`split_to`), which never exceeds the budget. Every rank
 holds the same number of rows per step, so the largest count is always reachable. Where every
-rank's micro-batch ``k`` runs at the widest completion over all ranks (``fixed_calls``, set by
-the parameter-sharding strategies), the ranks plan together instead (:func:`pack_in_lockstep`).
+rank's micro-batch ``k`` runs at the widest completion over all ranks (the strategy's ``fixed_calls``,
+parameter-sharding engines), the ranks plan together instead (:func:`pack_in_lockstep`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from grpo_ascend.config.configs import BatchPlan
 from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -236,3 +240,63 @@ def plan_for_rank(lengths: Tensor, groups: Tensor, cost: TokenCost, budget: int,
     steps = [(row[2 : 2 + n], row[2 + n :], dataclasses.replace(cost, prompt_width=row[0], completion_width=widest))
              for row in everyone]
     return pack_in_lockstep(steps, budget)[ranks.rank], steps[ranks.rank][0]
+
+
+class MicroBatcher:
+    """Cuts each optimizer step's rows into micro-batches: ``micro_batch`` rows each, or packed under the
+    token budget (``token_budget``: the plan's ``max_tokens_per_micro_batch``, 'auto' resolved at start-up).
+
+    ``widest_over_ranks``: every rank's micro-batch ``k`` runs at the widest over ranks (the strategy's
+    ``fixed_calls``); ``shares_prompts``: a group's prompt runs once per micro-batch in the log-prob forward.
+    """
+
+    def __init__(self, micro_batch: int, token_budget: int | None, ranks: Ranks, length_bucket: int,
+                 shares_prompts: bool, widest_over_ranks: bool):
+        self.micro_batch = micro_batch
+        self.token_budget = token_budget
+        self.ranks = ranks
+        self.length_bucket = length_bucket
+        self.shares_prompts = shares_prompts
+        self.widest_over_ranks = widest_over_ranks
+        self.warned_over_budget = False
+
+    def split(self, rows: Tensor, completion_mask: Tensor, prompt_width: int, group_ids: Tensor) -> list[Tensor]:
+        """The step's ``rows`` (indices into the round) as micro-batches; as many on every rank when packed.
+
+        ``completion_mask``, ``group_ids``: the round's, indexed by ``rows``.
+        """
+        if self.token_budget is None:
+            return list(rows.split(self.micro_batch))
+        budget = self.token_budget
+        mask = completion_mask[rows].ne(0)
+        width = mask.shape[1]
+        lengths = (mask * torch.arange(1, width + 1, device=mask.device)).amax(1) if width else mask.sum(1)
+        cost = TokenCost(prompt_width=prompt_width, completion_width=width, share_prompts=self.shares_prompts,
+                         length_bucket=self.length_bucket)
+        parts, host_lengths = plan_for_rank(lengths, group_ids[rows], cost, budget, self.ranks, self.widest_over_ranks)
+        over = [host_lengths[p[0]] for p in parts if len(p) == 1 and cost(1, 1, host_lengths[p[0]]) > budget]
+        if over and not self.warned_over_budget:
+            self.warned_over_budget = True
+            logger.warning("max_tokens_per_micro_batch=%d is below what one row's forward costs (%d tokens: prompt width "
+                           "%d + completion width %d); such rows get a micro-batch of their own (warned once)", budget,
+                           cost(1, 1, over[0]), cost.prompt_width, cost.width(over[0]))
+        order = torch.tensor([i for p in parts for i in p], device=rows.device)  # one copy to the device
+        return list(rows[order].split([len(p) for p in parts]))
+
+
+def round_row_order(n: int, plan: BatchPlan, seed: int, round_index: int, iteration: int,
+                    device: torch.device) -> Tensor:
+    """Row order for one pass over a round of ``n`` rows: seeded by (seed, round, iteration), so resume is exact.
+
+    When every optimizer step holds whole groups (its rows are a multiple of G), whole groups are
+    shuffled and a group's rows stay adjacent: the log-prob forward then runs each prompt once per
+    micro-batch (``share_prompt_prefill``). Otherwise single rows are shuffled.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + round_index * 101 + iteration)
+    G = plan.num_generations
+    if (plan.micro_batch * plan.grad_accum) % G == 0 and n % G == 0:
+        groups = torch.randperm(n // G, generator=gen)
+        order = (groups[:, None] * G + torch.arange(G)).reshape(-1)
+    else:
+        order = torch.randperm(n, generator=gen)
+    return order.to(device)

@@ -33,8 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from grpo_ascend.algorithms.gae import gae_advantages
-from grpo_ascend.algorithms.kl_control import make_kl_controller, token_rewards
+from grpo_ascend.algorithms.kl_control import make_kl_controller
 from grpo_ascend.algorithms.losses import (
     POLICY_LOSSES,
     PolicyLossBatch,
@@ -42,12 +41,14 @@ from grpo_ascend.algorithms.losses import (
     policy_loss,
     ppo_value_loss,
 )
+from grpo_ascend.algorithms.token_advantages import gae_token_advantages
 from grpo_ascend.config.configs import PPOConfig
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, experience_metrics
 from grpo_ascend.models.critic import active_adapter, build_critic, enable_critic_grads
 from grpo_ascend.tracking.phases import PhaseTimer
 from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
+from grpo_ascend.trainers.step_metrics import accumulate, policy_metrics
 
 
 class PPOTrainer(RLTrainerBase):
@@ -83,20 +84,16 @@ class PPOTrainer(RLTrainerBase):
         super().__init__(model, cfg, train_dataset, processing_class, peft_config, callbacks, eval_dataset)
         self.critic = critic = build_critic(self.policy, cfg.critic_init, cfg.critic_model)
         critic.module.share_prompts = cfg.share_prompt_prefill
-        self._build_training(reward_funcs, extra_parameters=critic.trainable)
-        # The policy's data-parallel wrapper exists now without the critic's parameters; the critic
-        # gets its own wrapper over exactly its trainable parameters.
-        enable_critic_grads(critic)
-        self.critic_model = self.accelerator.prepare(critic.module)
-        critic_ids = {id(p) for p in critic.trainable}
-        self._policy_params = [p for p in self.policy.parameters() if p.requires_grad and id(p) not in critic_ids]
         self._ckpt_module: nn.Module = self.policy
         if critic.owned is not None:  # full fine-tuning: the critic's own backbone is checkpointed too
             self._ckpt_module = nn.ModuleDict({"policy": self.policy, "critic": critic.owned})
-        self.use_reference = cfg.kl_coef > 0
-        if self.use_reference:
-            self._setup_reference()
-        self.experience = self._make_experience_maker(self.use_reference)
+        self._build_training(reward_funcs, extra_parameters=critic.trainable)
+        enable_critic_grads(critic)
+        self.critic_model = self.strategy.prepare_critic(critic.module)
+        critic_ids = {id(p) for p in critic.trainable}
+        self._policy_params = [p for p in self.policy.parameters() if p.requires_grad and id(p) not in critic_ids]
+        self.experience = self._make_experience_maker()
+        self._build_parts()
 
     def _trainable_module(self) -> nn.Module:
         """Policy adapter(s) + critic adapter and head (LoRA), or policy + critic modules (full)."""
@@ -140,7 +137,7 @@ class PPOTrainer(RLTrainerBase):
                     )
                     pg_loss, stats = policy_loss(args.loss_type, batch, self.loss_settings, normaliser)
                     self._backward(pg_loss)
-                self._accumulate(sums, {"policy_loss": pg_loss, "value_loss": v_loss,
+                accumulate(sums, {"policy_loss": pg_loss, "value_loss": v_loss,
                                         "value_clipped": v_stats["value_clipped"], **stats})
             total = sums["policy_loss"] + args.vf_coef * sums["value_loss"]
             grad_norm, _ = self._clip_and_step(self._policy_params + critic.trainable, torch.isfinite(total))
@@ -152,7 +149,7 @@ class PPOTrainer(RLTrainerBase):
                 "value_loss": totals["value_loss"] / world,
                 "value_clip_fraction": totals["value_clipped"] / n_tok,
                 "grad_norm": grad_norm,
-                **self._policy_metrics(totals),
+                **policy_metrics(totals),
             }
             self._end_step(step_metrics, log, exp, step_start)
 
@@ -166,57 +163,23 @@ class PPOTrainer(RLTrainerBase):
                 out.append(self.critic_model(*exp.model_inputs(slice(start, start + size))))
         return torch.cat(out).float() * exp.completion_mask
 
-    def _global_whiten(self, x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-        """(x − mean) / std over the valid entries of every rank (unbiased variance); masked → 0."""
-        m = mask.to(x.dtype)
-        sums = self.ranks.reduce(torch.stack([(x * m).sum(), m.sum()]))
-        mean = sums[0] / sums[1].clamp(min=1)
-        sq = self.ranks.reduce(((x - mean) ** 2 * m).sum())
-        var = sq / (sums[1] - 1).clamp(min=1)
-        return (x - mean) * torch.rsqrt(var + eps) * m
-
     def _advantages(self, exp: Experience, values: Tensor) -> dict[str, float]:
-        """Token rewards (−β·KL, the score on the last token), GAE and returns into ``exp``; their metrics.
+        """Token rewards (−β·KL, the score on the last token), GAE and returns into ``exp`` (see
+        algorithms/token_advantages.py); their metrics over all ranks. Adapts the KL coefficient.
 
-        Sets ``exp.advantages`` [B, Tc] (whitened over every rank's tokens unless
-        ``whiten_advantages`` is off), ``exp.old_logps`` masked to the completion, and
-        ``exp.extras['values'/'returns']``; adapts the KL coefficient.
+        Sets ``exp.advantages`` [B, Tc] (whitened over every rank's tokens unless ``whiten_advantages``
+        is off), ``exp.old_logps`` masked to the completion, and ``exp.extras['values'/'returns']``.
         """
-        args, ranks = self.args, self.ranks
-        mask = exp.loss_mask
-        old_logps = exp.old_logps.float() * mask
-        beta = self.kl_ctl.value
-        rewards, kl = token_rewards(exp.rewards, old_logps, exp.ref_logps, mask, beta)
-        non_score = -beta * kl
-        raw_advantages, returns = gae_advantages(rewards, values, mask, args.gamma, args.lam)
-        exp.old_logps = old_logps
-        exp.advantages = self._global_whiten(raw_advantages, mask) if args.whiten_advantages else raw_advantages
-        exp.extras.update(values=values, returns=returns)
-
-        # Round statistics over all ranks with one gather, one reduction and one host copy.
-        seq_kl = ranks.gather(kl.sum(1))
-        sums = ranks.reduce(torch.stack([
-            kl.sum(), non_score.sum(), returns.sum(), values.sum(), raw_advantages.sum(),
-            ((returns - values) * mask).sum(), ((returns - values) ** 2 * mask).sum(), (returns * mask).pow(2).sum(),
-            mask.sum(),
-        ]))
-        stats = torch.cat([sums, seq_kl.mean().reshape(1)]).tolist()
-        kl_sum, non_score_sum, ret_sum, val_sum, adv_sum, err_sum, err_sq, ret_sq, n_tok, seq_kl_mean = stats
-        n_seq, n = seq_kl.numel(), max(n_tok, 1.0)
-        var_ret = ret_sq / n - (ret_sum / n) ** 2
-        var_err = err_sq / n - (err_sum / n) ** 2
-        if self.use_reference:
-            self.kl_ctl.update(seq_kl_mean, n_seq)
-        return {
-            "kl": kl_sum / n,
-            "kl/sequence": seq_kl_mean,
-            "kl_coef": beta,
-            "non_score_reward": non_score_sum / max(n_seq, 1),
-            "returns/mean": ret_sum / n,
-            "values/mean": val_sum / n,
-            "advantages/mean": adv_sum / n,
-            "explained_variance": 1.0 - var_err / var_ret if var_ret > 1e-12 else 0.0,
-        }
+        args, ranks, mask = self.args, self.ranks, exp.loss_mask
+        exp.old_logps = exp.old_logps.float() * mask
+        out = gae_token_advantages(exp.rewards, exp.old_logps, exp.ref_logps, values, mask, self.kl_ctl.value,
+                                   args.gamma, args.lam, args.whiten_advantages, reduce=ranks.reduce)
+        exp.advantages = out.advantages
+        exp.extras.update(values=values, returns=out.returns)
+        metrics, sequences = out.metrics(values, mask, ranks.reduce, ranks.gather)
+        if args.needs_reference_model:
+            self.kl_ctl.update(metrics["kl/sequence"], sequences)
+        return metrics
 
     # ------------------------------------------------------------------------------ checkpoints
     def _trainer_state(self) -> dict[str, Any]:

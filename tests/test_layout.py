@@ -17,6 +17,9 @@ LAZY_LOCAL_IMPORTS = {
     # doctor must run when `import torch` fails; these two import torch.
     ("grpo_ascend.device.doctor", "grpo_ascend.device.core"),
     ("grpo_ascend.device.doctor", "grpo_ascend.device.doctor_facts"),
+    # the fused LoRA kernel subclasses peft's layer when imported: peft loads only when a run uses the kernel
+    ("grpo_ascend.trainers.base", "grpo_ascend.models"),
+    ("grpo_ascend.trainers.base", "grpo_ascend.models.lora_kernel"),
 }
 
 

@@ -10,8 +10,8 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "BaseRLConfig": "grpo_ascend.config.configs",
-    "BatchPlan": "grpo_ascend.config.configs",
+    "BaseRLConfig": "grpo_ascend.config.base_config",
+    "BatchPlan": "grpo_ascend.config.base_config",
     "GRPOConfig": "grpo_ascend.config.configs",
     "PPOConfig": "grpo_ascend.config.configs",
     "RecipeConfig": "grpo_ascend.config.recipe",

@@ -31,12 +31,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from grpo_ascend.checkpoints import checkpoint as ckpt
 from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
 from grpo_ascend.distributed import compat_deepspeed as compat
 from grpo_ascend.distributed.base import SaveState
 from grpo_ascend.distributed.memory_layout import MemoryLayout, deepspeed_layout
 from grpo_ascend.distributed.plain import PlainStrategy
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.models.policy import backbone_and_head, trainable_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +136,6 @@ class DeepSpeedStrategy(PlainStrategy):
         external parameters of the root, gathered once when its forward starts and kept whole
         until the optimizer step re-partitions everything.
         """
-        from grpo_ascend.models.policy import backbone_and_head
 
         module = self.accelerator.unwrap_model(engine)
         module.fixed_calls = True
@@ -187,7 +188,6 @@ class DeepSpeedStrategy(PlainStrategy):
         completes the checkpoint (manifest over all shards) and renames it."""
         from accelerate.utils import broadcast_object_list
 
-        from grpo_ascend.checkpoints import checkpoint as ckpt
 
         made = [str(ckpt.make_staging_dir(output_dir, step)) if self.accelerator.is_main_process else None]
         staging = broadcast_object_list(made, from_process=0)[0]
@@ -197,7 +197,6 @@ class DeepSpeedStrategy(PlainStrategy):
 
     def loading(self, module: nn.Module) -> contextlib.AbstractContextManager:
         """ZeRO-3: every rank reads the same files into the gathered parameters; rank 0's values are kept."""
-        from grpo_ascend.models.policy import trainable_parameters
 
         return self.gathered(trainable_parameters(module), modifier_rank=0)
 
@@ -206,7 +205,6 @@ class DeepSpeedStrategy(PlainStrategy):
 
     def after_load(self, path: Path, optimizer: Any) -> None:
         """Restore this rank's ZeRO optimizer shard: Adam state and fp32 master partition, loss scale."""
-        from grpo_ascend.checkpoints import checkpoint as ckpt
 
         state = ckpt.load_optimizer_shard(path, self.accelerator.process_index, self.world_size)
         compat.load_plain_optimizer_state(optimizer.optimizer, state, self.world_size)

@@ -44,6 +44,7 @@ from grpo_ascend.distributed.base import SaveState
 from grpo_ascend.distributed.memory_layout import MemoryLayout, fsdp_layout
 from grpo_ascend.distributed.plain import PlainStrategy
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.models.policy import frozen_copy, hf_model
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,6 @@ def configure_plugin(accelerator: Any, model: nn.Module) -> None:
     policy = plugin.auto_wrap_policy
     if getattr(policy, "func", policy) is not transformer_auto_wrap_policy or plugin.transformer_cls_names_to_wrap:
         return
-    from grpo_ascend.models.policy import hf_model
 
     names = list(getattr(hf_model(model), "_no_split_modules", None) or [])
     if names:
@@ -146,7 +146,6 @@ class FSDPStrategy(PlainStrategy):
     def unsharded_reference(self, policy: nn.Module, is_peft: bool, wants_reference: bool) -> nn.Module | None:
         if is_peft or not wants_reference:
             return None
-        from grpo_ascend.models.policy import frozen_copy
 
         logger.warning("FSDP with full fine-tuning and beta > 0: the reference model is a whole, unsharded "
                        "copy on every rank")

@@ -15,6 +15,7 @@ from torch import nn
 from grpo_ascend import device as dev
 from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
 from grpo_ascend.data.prompts import is_stream
+from grpo_ascend.device.npu_patches import apply_npu_patches
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models.policy import (
     CompletionLogprobs,
@@ -52,7 +53,6 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
     Fused device kernels are chosen after placement: they depend on the device the model runs on.
     ``parameter_numel``: a parameter's whole size (the strategy's; for the parameter count logged).
     """
-    from grpo_ascend.device.npu_patches import apply_npu_patches
 
     if args.model_init_kwargs and not isinstance(model, str):
         logger.warning("model_init_kwargs are ignored: the model was passed already loaded")

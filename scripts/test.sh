@@ -10,6 +10,7 @@ set -euo pipefail
 start=$(date +%s)
 trap 'echo "[test.sh] wall time $(( $(date +%s) - start )) s (venv, install, ruff and pytest)"' EXIT
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BASE_PYTHON="$(command -v "${PYTHON:-python3}")"  # before the main venv is activated: the vLLM venv's base
 source "$ROOT/scripts/env.sh" test
 cd "$ROOT"
 args=()
@@ -21,7 +22,7 @@ for a in "$@"; do
 done
 if [ "$with_vllm" = 1 ]; then
   # Installing vLLM is mostly waiting on the disk and the index: do it while the main suite runs.
-  ( GRPO_VENV="$ROOT/.venv-vllm" PYTHON="${PYTHON:-python3}" bash -c 'source "$0/scripts/env.sh" test,vllm' "$ROOT" \
+  ( GRPO_VENV="$ROOT/.venv-vllm" PYTHON="$BASE_PYTHON" bash -c 'source "$0/scripts/env.sh" test,vllm' "$ROOT" \
       > "$ROOT/.venv-vllm.log" 2>&1 ) &
   vllm_install=$!
 fi

@@ -91,7 +91,7 @@ def test_tool_run_evaluates_through_its_environments_and_trains_as_without(tmp_p
     # The training rollouts' environments were reset exactly as often; Python's RNG is where training left it.
     streams = [[e.rng.getstate() for e in t.engine.pool._pool[None]] for t in (plain, evaluated)]
     assert len(streams[0]) == 4 and streams[0] == streams[1]
-    assert evaluated._eval_rollout.pool is not evaluated.engine.pool
+    assert evaluated.evaluator.rollout.pool is not evaluated.engine.pool
     assert python_rng["plain"] == python_rng["evaluated"]
 
     evaluations = [r for r in evaluated.state.log_history if "eval/reward" in r]

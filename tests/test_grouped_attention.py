@@ -133,10 +133,10 @@ def test_no_switch_under_activation_checkpointing_or_other_implementations(chaot
         assert switched and model.config._attn_implementation == IMPLEMENTATION
     assert model.config._attn_implementation == "sdpa"
     monkeypatch.setattr(grouped_attention, "_register", lambda: None)
-    monkeypatch.setattr("grpo_ascend.models.policy.activation_checkpointing_on", lambda m: True)
+    monkeypatch.setattr(grouped_attention, "activation_checkpointing_on", lambda m: True)
     with grouped_attention.grouped_attention(model) as switched:
         assert not switched and model.config._attn_implementation == "sdpa"
-    monkeypatch.setattr("grpo_ascend.models.policy.activation_checkpointing_on", lambda m: False)
+    monkeypatch.setattr(grouped_attention, "activation_checkpointing_on", lambda m: False)
     monkeypatch.setattr(model.config, "_attn_implementation", "eager")
     with grouped_attention.grouped_attention(model) as switched:
         assert not switched and model.config._attn_implementation == "eager"

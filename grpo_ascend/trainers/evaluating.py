@@ -99,7 +99,7 @@ class Evaluator:
         self.rollout_context = rollout_context
         self.reward_state = reward_state
         self.device = device
-        self._eval_rollout: Any = None  # made at the first evaluation (see _eval_engine)
+        self._eval_rollout: Any = None  # made at the first evaluation (see rollout)
 
     @property
     def enabled(self) -> bool:
@@ -140,7 +140,7 @@ class Evaluator:
         was_training = self.policy.training
         sampled, greedy = [], []
         try:
-            engine = self._eval_engine()
+            engine = self.rollout
             with torch.no_grad(), self.rollout_context():  # all ranks enter once (whole weights if sharded)
                 for index, rows in chunks:
                     chunk = [dataset[i] for i in rows]
@@ -158,7 +158,8 @@ class Evaluator:
                 sums[f"sampled/{key}"] = sum(part["tools"].get(key, 0.0) for part in sampled)
         return sums, names, n
 
-    def _eval_engine(self) -> Any:
+    @property
+    def rollout(self) -> Any:
         """The rollout evaluation generates with: the run's engine, or a tool rollout's evaluation copy
         (environments of its own), made once."""
         if self._eval_rollout is None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the test suite in a fresh or reused virtual environment.
-#   bash scripts/test.sh            # everything (CPU, about 20 minutes on a fresh 2-core machine, two workers)
+#   bash scripts/test.sh            # everything (CPU: about 23 minutes on a fresh 2-core machine with two workers,
+#                                   # then about 7 minutes of vLLM tests)
 #   bash scripts/test.sh --fast     # skip the slow end-to-end tests
 #   bash scripts/test.sh tests/test_config.py -k yaml   # any pytest arguments
 # A whole run (no test paths given) also runs the vLLM tests (tests/test_vllm_*.py) in a second venv, .venv-vllm:

@@ -7,7 +7,9 @@ repack (docs/vllm.md); the in-process engine repacks it (test_vllm_colocated.py)
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -58,14 +60,21 @@ def server(untied_model_dir, tmp_path_factory):
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes",
          str(32 * 2**20), "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs", "--enable-lora",
          "--max-lora-rank", "8", "--seed", "0"],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     yield proc, f"http://127.0.0.1:{port}", untied_model_dir
-    proc.terminate()
+    kill_server(proc, signal.SIGTERM)
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        kill_server(proc)
+    kill_server(proc)  # the engine-core child, should the API process have gone first
     log.close()
+
+
+def kill_server(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal the server's whole process group: killing only the API process leaves vLLM's engine core running."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +134,7 @@ def test_a_server_dying_mid_run_is_one_line_and_the_run_resumes(server, untied_m
 
     def killing_reward(completions, trainer_state, **kwargs):
         if trainer_state["step"] == 2 and proc.poll() is None:
-            proc.kill()
+            kill_server(proc)
             proc.wait(timeout=30)
         return score(completions)
 

@@ -2,7 +2,7 @@
 whether a model recomputes activations (our kernels step aside then).
 
 Registration happens on first use: importing ``AttentionInterface`` loads ``modeling_utils``, which
-probes the accelerator libraries (torch_npu on an NPU host).
+probes the installed accelerator extensions.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from grpo_ascend.errors import ConfigError, closest
 from grpo_ascend.models import builtin_weights
 from grpo_ascend.models.seeding import seeded
 from grpo_ascend.models.tiny_tool_warm import TOOL_WARM_PHASES, tool_warm_phase, tool_warm_start
+from grpo_ascend.models.warm_step import supervised_step
 
 logger = logging.getLogger(__name__)
 
@@ -244,16 +245,9 @@ def warm_start(model, tokenizer, steps: int = 300, batch_size: int = 32, lr: flo
             batch = problems[step * batch_size : (step + 1) * batch_size]
             ids, labels = _sft_batch(tokenizer, batch)
             attn = (ids != tokenizer.pad_token_id).long()
-            out = model(input_ids=ids, attention_mask=attn, labels=labels)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            if losses is not None:
-                losses.append(out.loss.item())
+            loss = supervised_step(model, opt, sched, ids, attn, labels, losses)
             if step % 100 == 0 or step == steps - 1:
-                logger.info("warm start step %d/%d loss %.4f", step + 1, steps, out.loss.item())
+                logger.info("warm start step %d/%d loss %.4f", step + 1, steps, loss)
     model.eval()
     return model
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from grpo_ascend.data.synthetic import SYSTEM_PROMPT, conversation, product_problems
 from grpo_ascend.models.seeding import seeded
+from grpo_ascend.models.warm_step import supervised_step
 from grpo_ascend.tools.calculator import calculator
 from grpo_ascend.tools.execution import ToolResult
 from grpo_ascend.tools.render import render_tool_suffix
@@ -111,16 +112,9 @@ def tool_warm_phase(model: Any, tokenizer: Any, settings: ToolWarmStart, seed: i
                 kind = ("call" if rng.random() < settings.calls else "direct") if listed else "no_tools"
                 rows.append(tool_transcript(tokenizer, p.question, p.answer, kind))
             ids, labels = _right_padded(rows, tokenizer.pad_token_id)
-            out = model(input_ids=ids, attention_mask=_attention(rows, ids), labels=labels)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            if losses is not None:
-                losses.append(out.loss.item())
+            loss = supervised_step(model, opt, sched, ids, _attention(rows, ids), labels, losses)
             if step % 50 == 0 or step == settings.steps - 1:
-                logger.info("tool warm start step %d/%d loss %.4f", step + 1, settings.steps, out.loss.item())
+                logger.info("tool warm start step %d/%d loss %.4f", step + 1, settings.steps, loss)
     model.eval()
     return model
 

@@ -38,6 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 RANDOM_MODELS: dict[str, dict[str, int]] = {
     "random-25m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                        intermediate_size=1376),
+    # the same with a 4,096-token vocabulary (the output head then costs as much as two decoder layers)
+    "random-25m-v4k": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                           intermediate_size=1376, vocab_size=4096),
 }
 
 
@@ -53,8 +56,9 @@ def build_random_model(name: str) -> Path:
     if (target / "config.json").exists():
         return target
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model("small"))
-    config = Qwen2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **RANDOM_MODELS[name])
+    sizes = {"vocab_size": len(tokenizer), **RANDOM_MODELS[name]}
+    config = Qwen2Config(pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **sizes)
     from bench_real_shape import save_random_model
 
     return save_random_model(target, tokenizer, config)

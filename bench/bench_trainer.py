@@ -108,6 +108,7 @@ class Settings:
     max_operand: int = 10
     seed: int = 0
     host_malloc: str = "tuned"
+    isa: str = "native"
 
 
 # ------------------------------------------------------------------------------ shared pieces
@@ -328,6 +329,7 @@ def _measured_train(trainer: Any, device: Any, s: Settings, profile: str | None,
 def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
     """Train with grpo_ascend's GRPOTrainer; return timings, memory and the FLOP inputs."""
     device, model_dir, torch = _setup(s, "ours")
+    from machine import describe
     from transformers import AutoTokenizer
 
     from grpo_ascend import GRPOConfig, GRPOTrainer
@@ -368,7 +370,7 @@ def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
         warmup_s=warmup, step_s=gaps, phases=phases, threads=torch.get_num_threads(),
         completion_len=statistics.fmean(r["completion_length/mean"] for r in records),
         prompt_len=prompt_tokens(tokenizer, ds), p_all=p_all, p_lora=p_lora,
-        matmul_peak=matmul_peak(mm_dtype, device),
+        matmul_peak=matmul_peak(mm_dtype, device), machine=describe(torch.get_num_threads()),
     )
     return result
 
@@ -444,7 +446,9 @@ class _Worker:
 def _worker(impl: str, s: Settings, python: str, log_dir: Path, index: int, mmap_threshold: int) -> _Worker:
     """A worker in a fresh process with the thread count (and malloc setting) fixed in its environment."""
     out = log_dir / f"{impl}-{index}.json"
-    env = dict(os.environ, OMP_NUM_THREADS=str(s.threads), MKL_NUM_THREADS=str(s.threads))
+    from machine import isa_environment
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(s.threads), MKL_NUM_THREADS=str(s.threads), **isa_environment(s.isa))
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     cmd = [python, str(Path(__file__).resolve()), "--worker", impl, "--settings", json.dumps(asdict(s)),
@@ -587,6 +591,7 @@ def report(s: Settings, runs: dict[str, list[dict[str, Any]]], loads: list[tuple
           f"P_lora={ours[0]['p_lora'] / 1e6:.2f}M, Lp={ours[0]['prompt_len']:.1f}, "
           f"Lc={lens['ours']:.1f}); measured {s.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s "
           f"at {ours[0]['threads']} thread(s); MFU = FLOPs / (headline s/step × peak)")
+    print(f"machine: {ours[0]['machine']}")
     print("load average (1, 5, 15 min) before each run (each repeat when interleaved by step): " + "; ".join(f"{a:.2f} {b:.2f} {c:.2f}" for a, b, c in loads))
 
 
@@ -621,6 +626,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host-malloc", default="tuned", choices=["tuned", "adaptive"],
                         help="ours only (TRL always runs with glibc's): tuned = the fixed glibc mmap threshold "
                         "grpo_ascend sets on the CPU (grpo_ascend.device), adaptive = glibc's own adaptive one")
+    parser.add_argument("--isa", default="native", choices=["native", "avx2"],
+                        help="avx2: cap torch's kernels at AVX2 on an AVX-512 machine (bench/machine.py)")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the workers (needs trl)")
     parser.add_argument("--keep-logs", default=None, help="folder for worker logs/results (default: a temp dir)")
     parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
@@ -644,7 +651,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device, dtype=args.dtype or ("bf16" if accelerator else "fp32"), threads=args.threads,
         model_config=args.model_config, new_tokens=args.new_tokens, loss_type=args.loss_type,
         warmup_steps=args.warmup_steps, steps=args.steps, lengths=args.lengths, length_bucket=args.length_bucket,
-        max_operand=args.max_operand, prompts_per_step=args.prompts_per_step, host_malloc=args.host_malloc,
+        max_operand=args.max_operand, prompts_per_step=args.prompts_per_step, host_malloc=args.host_malloc, isa=args.isa,
         grad_accum=args.prompts_per_step * Settings.num_generations // Settings.micro_batch,
     )
     print(f"GRPO step, {s.model_config} model, {s.dtype} on {s.device}, {s.threads} thread(s): "

@@ -1,7 +1,9 @@
 """Data-parallel training with 2 processes on the CPU (gloo over loopback), and the launch configs.
 
 Each multi-process test starts tests/dist_worker.py once per rank with the environment a launcher
-sets; one process per rank runs on one thread so two ranks fit the 2-core CI machine.
+sets; one process per rank runs on one thread so two ranks fit the 2-core CI machine. The rank
+processes are forked from a process that has already imported torch, transformers, peft and
+grpo_ascend (tests/rank_forker.py; GRPO_TEST_FORK_RANKS=0 starts fresh interpreters instead).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ WORLD = 2
 
 sys.path.insert(0, str(HERE))
 import dist_worker  # noqa: E402
+from rank_forker import RankForker  # noqa: E402
 
 
 def _free_port() -> int:
@@ -46,18 +49,30 @@ def _base_env() -> dict[str, str]:
 
 def launch(mode: str, out: Path, spec: dict[str, Any], timeout: float = 240,
            extra_env: dict[str, str] | None = None) -> None:
-    """Run ``WORLD`` worker ranks joined over loopback; fail with their logs if any rank fails."""
+    """Run ``WORLD`` ranks of ``WORKER`` in ``mode`` joined over loopback; fail with their logs if any fails."""
+    run_ranks([str(WORKER), mode, str(out), json.dumps(spec)], out, f"log_{mode}", timeout, extra_env)
+
+
+def run_ranks(argv: list[str], out: Path, log_name: str, timeout: float = 240,
+              extra_env: dict[str, str] | None = None) -> None:
+    """Run ``WORLD`` ranks of the script ``argv`` (forked, see tests/rank_forker.py) with a launcher's
+    environment, each logging to ``out/<log_name>_rank<r>.txt``; fail with the logs if any rank fails."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**_base_env(), **(extra_env or {})}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD),
                LOCAL_WORLD_SIZE=str(WORLD))
     procs, logs = [], []
+    forker = RankForker.shared()
     for rank in range(WORLD):
-        log = open(out / f"log_{mode}_rank{rank}.txt", "w")
-        logs.append(log)
+        log_path = out / f"{log_name}_rank{rank}.txt"
         rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), mode, str(out), json.dumps(spec)],
-                                      env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT)))
+        if forker is not None:
+            procs.append(forker.start(argv, rank_env, str(ROOT), str(log_path)))
+            continue
+        log = open(log_path, "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=log, stderr=subprocess.STDOUT,
+                                      cwd=str(ROOT)))
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     except subprocess.TimeoutExpired:
@@ -70,9 +85,9 @@ def launch(mode: str, out: Path, spec: dict[str, Any], timeout: float = 240,
         for log in logs:
             log.close()
     if codes != [0] * WORLD:
-        tails = "\n".join(f"--- rank {r} ---\n" + (out / f"log_{mode}_rank{r}.txt").read_text()[-3000:]
+        tails = "\n".join(f"--- rank {r} ---\n" + (out / f"{log_name}_rank{r}.txt").read_text()[-3000:]
                           for r in range(WORLD))
-        pytest.fail(f"{mode} workers exited with {codes or 'a timeout'}\n{tails}")
+        pytest.fail(f"{Path(argv[0]).name} ranks exited with {codes or 'a timeout'}\n{tails}")
 
 
 def _reports(out: Path) -> list[dict[str, Any]]:

@@ -9,8 +9,6 @@ Run as a script, this file is one rank: ``python tests/test_ppo_distributed.py O
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -69,37 +67,11 @@ def step_gradients(model_dir: str, out: str, rank: int, world: int) -> dict[str,
                                returns=mine["returns"])[0]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_give_the_single_process_gradients(tmp_path, tiny_model_dir):
-    env = dict(os.environ)
-    for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION"):
-        env.pop(name, None)
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
-    procs, logs = [], []
-    for rank in range(WORLD):
-        log = open(tmp_path / f"rank{rank}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, str(tmp_path), str(tiny_model_dir)],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT,
-            cwd=str(Path(__file__).resolve().parents[1]),
-        ))
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for log in logs:
-            log.close()
-    assert codes == [0] * WORLD, "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD))
+    from test_distributed import run_ranks
+
+    run_ranks([__file__, str(tmp_path), str(tiny_model_dir)], tmp_path, "rank", timeout=300)
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -35,5 +35,7 @@ python -m pytest -n "${GRPO_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reo
 if [ "$with_vllm" = 1 ]; then
   if ! wait "$vllm_install"; then cat "$ROOT/.venv-vllm.log"; echo "[test.sh] installing vLLM failed"; exit 1; fi
   echo "[test.sh] the vLLM tests, in .venv-vllm"
-  "$ROOT/.venv-vllm/bin/python" -m pytest -p no:cacheprovider --durations=5 tests/test_vllm_*.py "${vllm_args[@]}"
+  # Two workers, whole files each: every worker process holds at most one in-process vLLM engine at a time.
+  "$ROOT/.venv-vllm/bin/python" -m pytest -p no:cacheprovider -n "${GRPO_TEST_WORKERS:-2}" --dist loadfile \
+    --durations=5 tests/test_vllm_*.py "${vllm_args[@]}"
 fi

@@ -29,14 +29,17 @@ def test_use_vllm_selects_the_backend_and_trl_importance_sampling():
 @pytest.mark.slow
 def test_grpo_with_colocated_vllm_learns(tmp_path, tiny_warm_model_dir):
     """The trained policy's sampled reward on held-out prompts, sampled by vLLM, ends far above the same
-    evaluation before training (the control: same model, prompts and sampling, no updates)."""
+    evaluation before training (the control: same model, prompts and sampling, no updates).
+
+    Measured (warm seed 0): 0.43 → 0.99 on these 16 prompts (0.33 → 0.99 on 64)."""
     cfg = GRPOConfig(**{**SMALL_RUN, **VLLM, "output_dir": str(tmp_path / "run"), "max_steps": 24,
                         "per_device_train_batch_size": 32, "num_generations": 8, "learning_rate": 5e-3,
-                        "max_completion_length": 8, "temperature": 1.0, "per_device_eval_batch_size": 256})
+                        "max_completion_length": 8, "temperature": 1.0, "per_device_eval_batch_size": 128})
     trainer = GRPOTrainer(str(tiny_warm_model_dir), first_digit_is_one, cfg, arithmetic_dataset(400, seed=5),
                           peft_config=default_lora_config(r=8))
     assert type(trainer.engine.backend).__name__ == "VLLMColocatedRollout"
-    control, trained = rewards_before_and_after_training(trainer, arithmetic_dataset(64, seed=6))
+    # 16 held-out prompts × 8: vLLM's CPU LoRA kernels make large evaluation batches slow
+    control, trained = rewards_before_and_after_training(trainer, arithmetic_dataset(16, seed=6))
     trainer.engine.backend.close()
     assert trained > control + 0.3, (trained, control)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

@@ -112,6 +112,11 @@ class VLLMColocatedRollout(VLLMBackend):
             model=model_path, dtype=dtype, enforce_eager=True, seed=seed, logprobs_mode=LOGPROBS_MODE,
             gpu_memory_utilization=gpu_memory_utilization, model_impl=model_impl, enable_sleep_mode=sleep_mode,
         )
+        if _cpu_platform():
+            # vLLM's CPU build cannot rewind a seeded request's generator after a partial prefill ("CPU
+            # Generator does not use offset"), which chunked prefill makes as soon as one batch's prompts
+            # exceed its token budget: prefill whole prompts (the budget becomes at least max_model_len).
+            kwargs["enable_chunked_prefill"] = False
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         if max_model_length is not None:
@@ -240,6 +245,13 @@ def refresh_tied_head(worker: Any) -> None:
     method = getattr(head, "quant_method", None)
     if method is not None and embed is not None and getattr(head, "weight", None) is getattr(embed, "weight", None):
         method.process_weights_after_loading(head)
+
+
+def _cpu_platform() -> bool:
+    """Whether this vLLM is its CPU build."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def _completion(output: Any) -> Completion:

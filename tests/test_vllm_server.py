@@ -59,7 +59,7 @@ def server(untied_model_dir, tmp_path_factory):
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", untied_model_dir, "--host",
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes",
          str(32 * 2**20), "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs", "--enable-lora",
-         "--max-lora-rank", "8", "--seed", "0"],
+         "--max-lora-rank", "8", "--seed", "0", "--no-enable-chunked-prefill"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     yield proc, f"http://127.0.0.1:{port}", untied_model_dir
     kill_server(proc, signal.SIGTERM)

@@ -54,7 +54,7 @@ def test_merged_copy_is_stored_in_the_decode_layout(tiny_model, monkeypatch):
     expected = weight.detach() + compat_peft.delta_weight(layer, "default").detach()
     original = weight.data
     for transposed in (True, False):
-        monkeypatch.setattr(dev, "decode_weights_transposed", lambda device, t=transposed: t)
+        monkeypatch.setattr(dev, "decode_weights_transposed", lambda device, *shape, t=transposed: t)
         with torch.no_grad(), lora_merged(policy):
             merged = compat_peft.base_weight(layer)
             assert merged.shape == original.shape
@@ -63,7 +63,42 @@ def test_merged_copy_is_stored_in_the_decode_layout(tiny_model, monkeypatch):
         assert compat_peft.base_weight(layer).data_ptr() == original.data_ptr()  # the original storage is back
     monkeypatch.undo()
     assert dev.decode_weights_transposed("cpu") and not dev.decode_weights_transposed("cuda:0")
-    assert not dev.decode_weights_transposed("npu:0")
+    assert not dev.decode_weights_transposed("npu:0") and not dev.decode_weights_transposed("cuda:0", (8, 4), 16)
+
+
+def test_decode_layout_is_measured_once_per_shape_and_thread_count(monkeypatch):
+    """On the CPU the layout of a decode weight is the one measured faster at its shape: the plain
+    [in, out] operand only when clearly faster (timing noise keeps nn.Linear's), each (rows, in, out,
+    dtype, threads) timed once per process."""
+    from grpo_ascend import device as dev
+    from grpo_ascend.device import calibration
+
+    assert calibration.choose_plain(1.0, 0.9) and not calibration.choose_plain(1.0, 0.97)
+    timed = []
+
+    def fake_measure(rows, k, n, dtype):
+        timed.append((rows, k, n))
+        return (1.0, 0.5) if n == 256 else (1.0, 1.2)
+
+    monkeypatch.setattr(calibration, "measure_layouts", fake_measure)
+    monkeypatch.setattr(calibration, "_CHOICES", {})
+    assert dev.decode_weights_transposed("cpu", (256, 512), 32)  # [out, in]: 512 -> 256, plain faster
+    assert not dev.decode_weights_transposed("cpu", (1376, 512), 32)
+    assert dev.decode_weights_transposed("cpu", (256, 512), 32) and timed == [(32, 512, 256), (32, 512, 1376)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        dev.decode_weights_transposed("cpu", (256, 512), 32)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(timed) == 3  # another thread count is measured again
+
+
+def test_layout_measurement_times_both_layouts():
+    from grpo_ascend.device.calibration import measure_layouts
+
+    row_major, plain = measure_layouts(8, 64, 32, torch.float32, repeats=2)
+    assert 0 < row_major < 1 and 0 < plain < 1
 
 
 def test_merged_rollout_samples_the_same_tokens(tiny_model):
@@ -131,9 +166,10 @@ def test_trainer_decides_and_rolls_out_merged(tmp_path, tiny_model_dir, monkeypa
     entered = []
     real = base.lora_merged
 
-    def spy(model):
+    def spy(model, rows=None):
         entered.append(model)
-        return real(model)
+        assert rows == trainer.plan.prompts_per_rank * trainer.plan.num_generations  # the decode batch
+        return real(model, rows)
 
     monkeypatch.setattr(base, "lora_merged", spy)
     frozen = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if not p.requires_grad}

@@ -8,6 +8,7 @@ Modules, one job each:
 - ``backends``: the lazy, cached torch_npu import; the torch.npu / torch.cuda namespace of a device.
 - ``core``: detecting and resolving the device, device counts, the collective backend.
 - ``defaults``: settings chosen per device type (length buckets, decode layout and compilation, ...).
+- ``calibration``: start-up measurements choosing between equivalent layouts on the CPU at hand.
 - ``memory``: synchronising, allocator statistics, free memory (the process and host RAM on the CPU).
 - ``precision``: bf16 support, autocast, accelerate's mixed-precision value.
 - ``rng``: seeding, and RNG states for checkpoints.

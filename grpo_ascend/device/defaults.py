@@ -8,6 +8,7 @@ import importlib
 import torch
 
 from grpo_ascend.device.backends import device_type, load_torch_npu
+from grpo_ascend.device.calibration import plain_operand_faster
 
 
 def default_length_bucket(device: torch.device | str) -> int:
@@ -20,17 +21,23 @@ def default_length_bucket(device: torch.device | str) -> int:
     return 64 if device_type(device) == "npu" else 1
 
 
-def decode_weights_transposed(device: torch.device | str) -> bool:
-    """Whether weights copied for decoding (the rollout's LoRA-merged copy) are stored ``[in, out]``.
+def decode_weights_transposed(device: torch.device | str, weight_shape: tuple[int, int] | None = None,
+                              rows: int | None = None, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a weight copied for decoding (the rollout's LoRA-merged copy) is stored ``[in, out]``.
 
     On the CPU, ``F.linear(x, W)`` with a row-major ``W`` [out, in] asks MKL's sgemm for a
-    transposed operand, which at decode sizes (8-64 rows) runs far below the plain layout:
-    bench/gemm_decode_shapes.py measured 32 x 512 -> 1,376 at 90 vs 130 GFLOP/s on 1 thread
-    and 56 vs 132 GFLOP/s on 2 (the transposed form does not scale with threads). Stored
-    ``[in, out]`` and seen through ``.t()``, the same weight gives the plain form. Accelerators
-    keep their own layout: their matmul libraries take either, and Ascend kernels want ND weights.
+    transposed operand; stored ``[in, out]`` and seen through ``.t()``, the same weight is a plain
+    one. Which runs faster at decode sizes depends on the CPU's instruction set, the shape and the
+    thread count (calibration.py), so with ``weight_shape`` [out, in] and the decode's ``rows`` it
+    is measured once per shape; without them the plain form (the faster one on AVX-512 Xeons, at
+    worst even on AVX2). Accelerators keep their own layout: their matmul libraries take either,
+    and Ascend kernels want ND weights.
     """
-    return device_type(device) == "cpu"
+    if device_type(device) != "cpu":
+        return False
+    if weight_shape is None or rows is None:
+        return True
+    return plain_operand_faster(rows, weight_shape[1], weight_shape[0], dtype)
 
 
 def float64_supported(device: torch.device | str) -> bool:

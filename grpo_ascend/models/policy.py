@@ -378,7 +378,7 @@ def _fold_adapters(module: nn.Module, active: list[str], original: Tensor, out: 
 
 
 @contextlib.contextmanager
-def lora_merged(model: nn.Module) -> Iterator[bool]:
+def lora_merged(model: nn.Module, rows: int | None = None) -> Iterator[bool]:
     """Inference with the active LoRA adapters folded into the base weights; yields whether it merged.
 
     Each adapted base weight is swapped for ``W + Σ B·A·scaling`` and the layer's adapter path is
@@ -389,9 +389,10 @@ def lora_merged(model: nn.Module) -> Iterator[bool]:
     the adapters.
 
     The merged copy is laid out as the device's decode matmuls read fastest
-    (:func:`grpo_ascend.device.decode_weights_transposed`): on the CPU it is stored ``[in, out]``
-    and seen through a transposed view, so ``F.linear`` hands the BLAS a plain (not transposed)
-    operand -- at 16-64 rows MKL's sgemm runs that 1.1-1.5x faster at 1 thread and up to 2.6x at 2
+    (:func:`grpo_ascend.device.decode_weights_transposed`, measured per shape on the CPU for decode
+    batches of ``rows`` sequences): stored ``[in, out]`` and seen through a transposed view,
+    ``F.linear`` hands the BLAS a plain (not transposed) operand -- at 16-64 rows MKL's sgemm ran
+    that up to 1.8x faster on an AVX-512 Xeon, and about as fast capped at AVX2
     (bench/gemm_decode_shapes.py).
     """
     layers = _mergeable_lora_layers(model) if is_peft(model) else None
@@ -405,8 +406,9 @@ def lora_merged(model: nn.Module) -> Iterator[bool]:
             for module, active in layers:
                 weight = base_weight(module)
                 original = weight.data
-                merged = original.new_empty(original.shape[::-1]).t() if (
-                    original.dim() == 2 and dev.decode_weights_transposed(original.device)) else torch.empty_like(original)
+                transposed = original.dim() == 2 and dev.decode_weights_transposed(
+                    original.device, tuple(original.shape), rows, original.dtype)
+                merged = original.new_empty(original.shape[::-1]).t() if transposed else torch.empty_like(original)
                 _fold_adapters(module, active, original, merged)
                 weight.data = merged
                 swapped.append((module, original))

@@ -234,7 +234,7 @@ class RLTrainerBase:
         stack.enter_context(self._autocast())
         stack.enter_context(self.strategy.whole_weights(self.logprob_model))
         if self.merge_lora_for_rollout:
-            stack.enter_context(lora_merged(self.policy))
+            stack.enter_context(lora_merged(self.policy, rows=self.plan.prompts_per_rank * self.plan.num_generations))
         stack.enter_context(serving(self.engine.backend, lambda: PolicyWeights(self.policy, self.step)))
         return stack
 

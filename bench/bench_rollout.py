@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="auto, cpu, or an accelerator name (default cpu)")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    parser.add_argument("--model-config", default="small", help="tiny, small, qwen2-0.5b or qwen2.5-0.5b-<n>l")
+    parser.add_argument("--model-config", default="small",
+                        help="tiny, small, qwen2-0.5b, random-25m(-v4k) or qwen2.5-0.5b-<n>l")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--G", type=int, default=8)
@@ -213,8 +214,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plain-cache", action="store_true",
                         help="also time our engine with the plain KV cache (shared_prefix=False)")
     args = parser.parse_args(argv)
-    if args.model_config not in ("tiny", "small", "qwen2-0.5b") and not args.model_config.startswith("qwen2.5-0.5b-"):
-        raise SystemExit(f"unknown --model-config {args.model_config!r}: tiny, small, qwen2-0.5b or qwen2.5-0.5b-<n>l")
+    from bench_random_model import RANDOM_MODELS
+    from machine import describe
+
+    if args.model_config not in ("tiny", "small", "qwen2-0.5b", *RANDOM_MODELS) \
+            and not args.model_config.startswith("qwen2.5-0.5b-"):
+        raise SystemExit(f"unknown --model-config {args.model_config!r}: tiny, small, qwen2-0.5b, "
+                         f"{', '.join(RANDOM_MODELS)} or qwen2.5-0.5b-<n>l")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -229,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         f"G={args.G}, {args.new_tokens} new tokens, {args.repeats} interleaved repeats after a warm-up; "
         f"load average {os.getloadavg()[0]:.2f}"
     )
+    print(f"machine: {describe()}")
     engine = RolloutEngine(model, tokenizer)
     eos = engine.eos_token_ids
     rng = random.Random(1)

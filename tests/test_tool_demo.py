@@ -80,6 +80,35 @@ def test_compact_tool_prompt_is_short_and_the_plain_template_is_unchanged(tiny_m
         resolve_builtin("builtin:tiny-toolwarm")
 
 
+def test_calculator_warm_start_trains_on_until_its_calls_copy_the_expressions(monkeypatch):
+    """Extra call-heavy passes run while greedy calls copy under COPY_CRITERION of the expressions (a warm
+    start another CPU built can end the phases without it), at most MAX_EXTRA_PHASES, each with new data."""
+    from grpo_ascend.models import tiny_tool_warm as warm
+
+    for accuracies, extra_seeds in (([0.81], []), ([0.1, 0.3, 0.6], [18, 19]), ([0.0] * 9, [18, 19, 20, 21])):
+        ran, measured = [], iter(accuracies)
+        monkeypatch.setattr(warm, "tool_warm_phase", lambda model, tok, phase, seed, ran=ran: ran.append((phase, seed)))
+        monkeypatch.setattr(warm, "call_copy_accuracy", lambda model, tok, seed, it=measured: next(it))
+        warm.tool_warm_start(object(), object(), seed=11)
+        assert [seed for _, seed in ran[:3]] == [11 + p.seed_offset for p in warm.TOOL_WARM_PHASES]
+        assert ran[3:] == [(warm.EXTRA_PHASE, s) for s in extra_seeds], accuracies
+
+
+def test_call_copy_accuracy_reads_the_greedy_call(tiny_tool_model_dir):
+    """The shipped calculator warm start copies most held-out expressions into its calls; the plain warm
+    start (never shown a call) copies none."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_ascend.models.tiny_model import build_tiny_model
+    from grpo_ascend.models.tiny_tool_warm import COPY_CRITERION, call_copy_accuracy
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tool_model_dir)
+    tool_warm = AutoModelForCausalLM.from_pretrained(tiny_tool_model_dir)
+    assert call_copy_accuracy(tool_warm, tokenizer, n=8) >= COPY_CRITERION
+    plain = AutoModelForCausalLM.from_pretrained(build_tiny_model("tiny", warm=True))
+    assert call_copy_accuracy(plain, tokenizer, n=8) == 0.0
+
+
 def test_warm_start_transcripts_are_what_a_rollout_generates(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.chat_template = COMPACT_TOOLS_CHAT_TEMPLATE

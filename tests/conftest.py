@@ -80,26 +80,26 @@ def chaotic(tiny_model_dir):
 
 #: The longest files first, so that neither of scripts/test.sh's two workers is left running a long file
 #: alone at the end (xdist hands out whole files in this order as workers free up). Seconds of one
-#: worker in a full run on the 2-core machine (loaded) in brackets; single-process files alternate with
-#: two-process ones (which use both cores while they run) so that the two workers rarely launch
-#: four processes at once. Refresh from `bash scripts/test.sh --durations=0` when files grow.
+#: worker in a full run on the 2-core machine in brackets (Intel Xeon, quiet, ranks forked from
+#: tests/rank_forker.py); single-process files alternate with two-process ones (which use both cores
+#: while they run). Refresh from `bash scripts/test.sh --durations=0` when files grow.
 LONGEST_FILES = (
-    "test_ppo.py",  # 299: the PPO learning test and its control run
-    "test_distributed.py",  # 334, two processes
-    "test_tool_demo.py",  # 221: the calculator learning test
-    "test_deepspeed.py",  # 225, two processes
-    "test_demo.py",  # 126
-    "test_fsdp.py",  # 212, two processes
-    "test_memory_plan.py",  # 90
-    "test_strategy_contract.py",  # 195, two processes
-    "test_grpo_trainer.py",  # 88
-    "test_evaluation_distributed.py",  # 53, two processes
-    "test_compiled_decode.py",  # 56
-    "test_multiturn_distributed.py",  # 42, two processes
-    "test_multiturn_trainer.py",  # 54
-    "test_ppo_distributed.py",  # 25, two processes
-    "test_evaluation_tools.py",  # 39
-    "test_tiny_model.py",  # 38
+    "test_memory_plan.py",  # 82, one test with two fresh-interpreter ranks
+    "test_tool_demo.py",  # 62: the calculator learning test
+    "test_strategy_contract.py",  # 67, two processes
+    "test_ppo.py",  # 58: the PPO learning test
+    "test_deepspeed.py",  # 44, two processes
+    "test_demo.py",  # 29
+    "test_distributed.py",  # 35, two processes
+    "test_grpo_trainer.py",  # 21
+    "test_fsdp.py",  # 26, two processes
+    "test_compiled_decode.py",  # 18
+    "test_multiturn_trainer.py",  # 18
+    "test_tiny_model.py",  # 14
+    "test_checkpoint.py",  # 11
+    "test_sandbox.py",  # 11
+    "test_cli_doctor.py",  # 10
+    "test_evaluation_tools.py",  # 10
 )
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the test suite in a fresh or reused virtual environment.
-#   bash scripts/test.sh            # everything (CPU: about 23 minutes on a fresh 2-core machine with two workers,
-#                                   # then about 7 minutes of vLLM tests)
+#   bash scripts/test.sh            # everything: on a fresh clone of a quiet 2-core Intel Xeon, 7 min 14 s wall
+#                                   # (installs, 4 min 49 s of tests in two workers, 2 min 7 s of vLLM tests);
+#                                   # an AMD EPYC ran the suite about 1.8x slower than this Xeon in earlier sessions
 #   bash scripts/test.sh --fast     # skip the slow end-to-end tests
 #   bash scripts/test.sh tests/test_config.py -k yaml   # any pytest arguments
 # A whole run (no test paths given) also runs the vLLM tests (tests/test_vllm_*.py) in a second venv, .venv-vllm:

@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
+    from machine import describe  # bench/machine.py: what the figures were measured on
+
+    print(f"machine: {describe(args.threads)}", flush=True)
     torch.set_num_threads(args.threads)
     old = load_old(args.rev)
     model, tokenizer = load_model(args.model, torch.float32, torch.device("cpu"))

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--completion-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args(argv)
+    from machine import describe  # bench/machine.py: what the figures were measured on
+
+    print(f"machine: {describe(args.threads)}", flush=True)
 
     import torch
     from bench_rollout import load_model

@@ -123,9 +123,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from machine import describe  # bench/machine.py: what the figures were measured on
+
     if args.mode:
         worker(args)
         return
+    print(f"machine: {describe(args.threads)}", flush=True)
     print(f"load average {os.getloadavg()}; {args.model} on {args.device}, {args.threads} thread(s)", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     for r in range(args.repeats):

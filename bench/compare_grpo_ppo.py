@@ -228,6 +228,10 @@ def plot(results: dict[str, dict[str, Any]], path: Path, smooth: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from machine import describe  # bench/machine.py: what the figures were measured on
+
+    print(f"machine: {describe()}", flush=True)
     ns.out.mkdir(parents=True, exist_ok=True)
     report = ns.report or ns.out
     report.mkdir(parents=True, exist_ok=True)

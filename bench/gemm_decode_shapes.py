@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
+    from machine import describe  # bench/machine.py: what the figures were measured on
+
+    print(f"machine: {describe(args.threads)}", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f}")
     print("| threads | model | rows × in → out | ms [out, in] / [in, out] | GFLOP/s [out, in] / [in, out] "
           "| weight GB/s [out, in] / [in, out] |")

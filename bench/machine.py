@@ -60,8 +60,9 @@ def hardware_isa() -> str:
     return "AVX2" if "avx2" in flags else "no AVX2"
 
 
-def describe(threads: int | None = None) -> str:
-    """One line: CPU model, its instruction set, the one torch's kernels use here, and the cap if any."""
+def describe(threads: int | str | None = None) -> str:
+    """One line: CPU model, its instruction set, the one torch's kernels use here, the cap if any, and
+    ``threads`` (a count or a list such as "1,2"; default torch's current count)."""
     import torch
 
     used = torch.backends.cpu.get_cpu_capability()

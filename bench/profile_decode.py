@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--length-bucket", type=int, default=64)
     parser.add_argument("--table", action="store_true", help="also print the profiler's top operators")
     args = parser.parse_args(argv)
+    from machine import describe  # bench/machine.py: what the figures were measured on
+
+    print(f"machine: {describe(args.threads)}", flush=True)
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model)

@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host-malloc", default="tuned", choices=["tuned", "adaptive"])
     parser.add_argument("--top", type=int, default=10, help="operators listed per phase")
     args = parser.parse_args(argv)
+    from machine import describe  # bench/machine.py: what the figures were measured on
+
+    print(f"machine: {describe(args.threads)}", flush=True)
     s = bt.Settings(threads=args.threads, model_config=args.model_config, host_malloc=args.host_malloc)
     device, model_dir, _ = bt._setup(s, "ours")
     from torch.profiler import ProfilerActivity, profile

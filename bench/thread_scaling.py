@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--length-bucket", type=int, default=64)
     args = parser.parse_args(argv)
+    from machine import describe  # bench/machine.py: what the figures were measured on
+
+    print(f"machine: {describe(args.threads)}", flush=True)
     dev = torch.device("cpu")
     model, tokenizer = load_model(args.model_config, torch.float32, dev)
     prompts = make_prompts(tokenizer, args.prompts, args.prompt_len)

@@ -147,7 +147,7 @@ def prompt_tokens(tokenizer: Any, ds: Any) -> float:
     return statistics.fmean(lens)
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     """A ``/proc/self/status`` memory field (VmRSS, VmHWM) in KiB; 0 where unavailable."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
@@ -233,8 +233,8 @@ def _finish_memory(device: Any, before_train_hwm_kib: int, rss_before_kib: int) 
     from grpo_ascend import device as dev
 
     out = {
-        "peak_rss_train_mib": _status_kib("VmHWM") / 1024,
-        "peak_rss_life_mib": max(before_train_hwm_kib, _status_kib("VmHWM")) / 1024,
+        "peak_rss_train_mib": status_kib("VmHWM") / 1024,
+        "peak_rss_life_mib": max(before_train_hwm_kib, status_kib("VmHWM")) / 1024,
         "rss_before_train_mib": rss_before_kib / 1024,
     }
     if dev.is_accelerator(device):
@@ -311,7 +311,7 @@ def _measured_train(trainer: Any, device: Any, s: Settings, profile: str | None,
     ``clock`` stamps; returns (memory and CPU-time result, warm-up s, timed steps' s)."""
     from grpo_ascend import device as dev
 
-    rss_before, hwm_before = _status_kib("VmRSS"), _status_kib("VmHWM")
+    rss_before, hwm_before = status_kib("VmRSS"), status_kib("VmHWM")
     _reset_peak_rss()
     dev.reset_peak_memory(device)
     clock.begin()

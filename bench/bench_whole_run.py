@@ -87,6 +87,7 @@ def user_script(GRPOConfig: Any, GRPOTrainer: Any, model_dir: str, out_dir: str,
 
 def worker(impl: str, opts: dict[str, Any], result: str) -> None:
     import torch  # both trainers import it first; what follows is what each adds
+    from bench_trainer import status_kib
     from machine import describe
 
     model_dir = opts["model_dir"]
@@ -103,8 +104,7 @@ def worker(impl: str, opts: dict[str, Any], result: str) -> None:
     data["whole_s"] += imported
     ends = [data.pop("train_start"), *stamps]
     data["step_s"] = [b - a for a, b in zip(ends, ends[1:])]
-    with open("/proc/self/status", encoding="ascii") as f:
-        data["peak_rss_mib"] = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+    data["peak_rss_mib"] = status_kib("VmHWM") / 1024
     data["machine"] = describe(torch.get_num_threads())
     Path(result).write_text(json.dumps(data))
 

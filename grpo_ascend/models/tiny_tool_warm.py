@@ -82,7 +82,7 @@ def tool_transcript(tokenizer: Any, question: str, answer: int, kind: str) -> tu
     labels = [-100] * len(ids)
     eos = tokenizer.eos_token_id
     if kind == "call":
-        expression = question.removeprefix("What is ").removesuffix("?")
+        expression = _expression(question)
         call = {"role": "assistant", "content": "",
                 "tool_calls": [{"type": "function", "function": {"name": "calculator",
                                                                   "arguments": {"expression": expression}}}]}
@@ -127,7 +127,7 @@ def call_copy_accuracy(model: Any, tokenizer: Any, n: int = 32, seed: int = 0, m
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, pad_token_id=tokenizer.pad_token_id)
             reply = tokenizer.decode(out[0, ids.shape[1]:])
-            expression = problem.question.removeprefix("What is ").removesuffix("?")
+            expression = _expression(problem.question)
             hits += "calculator" in reply and f'"{expression}"'.replace(" ", "") in reply.replace(" ", "")
     return hits / n
 
@@ -157,6 +157,11 @@ def tool_warm_phase(model: Any, tokenizer: Any, settings: ToolWarmStart, seed: i
                 logger.info("tool warm start step %d/%d loss %.4f", step + 1, settings.steps, loss)
     model.eval()
     return model
+
+
+def _expression(question: str) -> str:
+    """The arithmetic of a product question ("What is 12 * 34?" -> "12 * 34"), as the calculator gets it."""
+    return question.removeprefix("What is ").removesuffix("?")
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

@@ -347,7 +347,7 @@ def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[rule_reward], args=cfg, train_dataset=ds,
                           processing_class=tokenizer, peft_config=lora_config(s))
     if s.lengths == "fixed":
-        trainer.engine.params.ignore_eos = True
+        trainer.rollout.params.ignore_eos = True
     clock = StepClock(s.warmup_steps + s.steps)
     record_step = trainer.recorder.step
 

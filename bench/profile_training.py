@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[bt.rule_reward], args=cfg, train_dataset=bt.dataset(s),
                           processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=bt.lora_config(s))
-    trainer.engine.params.ignore_eos = True  # every completion at full length, as bench_trainer's default
+    trainer.rollout.params.ignore_eos = True  # every completion at full length, as bench_trainer's default
     plain_round, rounds = trainer._train_round, []
 
     def profiled_round() -> None:

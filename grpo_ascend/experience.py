@@ -13,11 +13,10 @@ completions a setting leaves out of the loss (``mask_truncated_completions``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -28,9 +27,10 @@ from grpo_ascend.algorithms.importance_sampling import (
     importance_sampling_weights,
     reduce_stats,
 )
-from grpo_ascend.data.prompts import PromptSampler, is_conversational
+from grpo_ascend.data.prompts import is_conversational
 from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import DataError
+from grpo_ascend.rollout.backend import RolloutBatch
 from grpo_ascend.tracking.phases import PhaseTimer
 
 #: ``fn(prompt_ids, prompt_mask, completion_ids, completion_mask) -> [rows, Lc]`` log-probs.
@@ -72,6 +72,8 @@ class Experience:
     #: What reward functions logged: ``log_metric`` values by name, ``log_extra`` columns (one value per row).
     reward_metrics: dict[str, list[float]] = field(default_factory=dict)
     extra_columns: dict[str, list[Any]] = field(default_factory=dict)
+    #: [B, Lc] the policy version that sampled each token (asynchronous rollouts); None: the current weights.
+    policy_versions: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -162,48 +164,45 @@ def batched_logprobs(fn: LogprobFn, exp: Experience, micro_batch: int) -> Tensor
     return torch.cat(out)
 
 
-class ExperienceMaker:
-    """Samples, scores and annotates one round of completions on this rank.
+class ExperienceSource(Protocol):
+    """Where a trainer's scored completions come from: in lockstep with training
+    (:class:`grpo_ascend.producers.lockstep.LockstepSource`) or from a producer running ahead of it
+    (:class:`grpo_ascend.producers.asynchronous.AsyncSource`)."""
 
-    ``rollout_context`` is entered around generation (the strategy's whole weights, a LoRA merge,
-    autocast); ``policy_logprobs``/``reference_logprobs`` are the no-grad forwards of the
-    training policy and of the reference (None: no reference). ``exact_sampling_logps``: the
-    engine's sampling log-probs equal the training forward's (fp32), so the old log-probs need
-    no extra forward. ``importance_sampling``: weight each token by the (bounded) ratio of the
+    def next_scored(self, prompts_per_rank: int, timer: PhaseTimer,
+                    trainer_state: Callable[[], dict[str, Any]]) -> Experience:
+        """This rank's next ``prompts_per_rank`` groups, sampled and scored (no old or reference log-probs)."""
+
+    def close(self) -> None:
+        """Stop what the source runs between rounds."""
+
+
+class ExperienceMaker:
+    """Annotates a source's scored completions with what the update needs.
+
+    ``source`` gives scored groups (see :class:`ExperienceSource`); ``policy_logprobs`` /
+    ``reference_logprobs`` are the no-grad forwards of the training policy and of the reference
+    (None: no reference). ``exact_sampling_logps``: the sampler's log-probs equal the training
+    forward's (the built-in engine on the policy module in fp32), so the old log-probs need no
+    extra forward. ``importance_sampling``: weight each token by the (bounded) ratio of the
     trainer's old log-probs to the sampler's (see algorithms/importance_sampling.py).
     """
 
     def __init__(
         self,
         *,
-        sampler: PromptSampler,
-        engine: Any,
-        rewards: Any,
-        ranks: Ranks,
-        generator: torch.Generator,
-        num_generations: int,
+        source: ExperienceSource,
         micro_batch: int,
-        pad_token_id: int,
-        rollout_context: Callable[[], contextlib.AbstractContextManager],
         policy_logprobs: LogprobFn,
         reference_logprobs: LogprobFn | None,
         exact_sampling_logps: bool,
-        mask_truncated_completions: bool = False,
         importance_sampling: ImportanceSamplingSettings | None = None,
     ) -> None:
-        self.sampler = sampler
-        self.engine = engine
-        self.rewards = rewards
-        self.ranks = ranks
-        self.generator = generator
-        self.G = num_generations
+        self.source = source
         self.micro_batch = micro_batch
-        self.pad_token_id = pad_token_id
-        self.rollout_context = rollout_context
         self.policy_logprobs = policy_logprobs
         self.reference_logprobs = reference_logprobs
         self.exact_sampling_logps = exact_sampling_logps
-        self.mask_truncated_completions = mask_truncated_completions
         self.importance_sampling = importance_sampling
 
     def make(
@@ -215,11 +214,11 @@ class ExperienceMaker:
         trainer_state: Callable[[], dict[str, Any]],
         refill: Callable[[Experience, PhaseTimer], Experience] | None = None,
     ) -> Experience:
-        """The next round: draw, generate, score (``refill`` may replace groups), then log-probs.
+        """The next round: scored groups from the source (``refill`` may replace groups), then log-probs.
 
         ``trainer_state()`` is what reward functions receive as ``trainer_state``.
         """
-        exp = self.sample_and_score(prompts_per_rank, timer, trainer_state)
+        exp = self.source.next_scored(prompts_per_rank, timer, trainer_state)
         if refill is not None:
             exp = refill(exp, timer)
         if old_logps or self.importance_sampling is not None:
@@ -235,97 +234,102 @@ class ExperienceMaker:
                 exp.ref_logps = batched_logprobs(self.reference_logprobs, exp, self.micro_batch)
         return exp
 
-    def draw(self, prompts_per_rank: int) -> tuple[list[dict[str, Any]], Tensor]:
-        """This rank's slice of the next ``prompts_per_rank × processes`` prompts and their global ids.
+    def sample_and_score(self, prompts_per_rank: int, timer: PhaseTimer,
+                         trainer_state: Callable[[], dict[str, Any]]) -> Experience:
+        """More scored groups from the source (DAPO's refill draws them)."""
+        return self.source.next_scored(prompts_per_rank, timer, trainer_state)
 
-        Every rank draws the same global batch (the samplers stay in lockstep, so resume needs one
-        state) and keeps its own slice: the ranks' prompts are disjoint, a group lives on one rank.
-        """
-        start = self.sampler.draws
-        rows = self.sampler.next_rows(prompts_per_rank * self.ranks.world)
-        first = self.ranks.rank * prompts_per_rank
-        ids = torch.arange(start + first, start + first + prompts_per_rank)
-        return rows[first : first + prompts_per_rank], ids
 
-    def sample_and_score(
-        self, prompts_per_rank: int, timer: PhaseTimer, trainer_state: Callable[[], dict[str, Any]]
-    ) -> Experience:
-        """Draw prompts, generate G completions each and score them with every reward function."""
-        rows, prompt_ids = self.draw(prompts_per_rank)
-        G = self.G
-        prompts = [r["prompt"] for r in rows]
-        with timer.phase("generation"), torch.no_grad(), self.rollout_context():
-            # Row-aware rollouts (tool environments, a user's rollout_func) see the whole dataset rows.
-            generate_rows = getattr(self.engine, "generate_rows", None)
-            batch = (generate_rows(rows, self.generator) if generate_rows is not None
-                     else self.engine.generate(prompts, generator=self.generator))
-        with timer.phase("reward"):
-            repeated = [p for p in prompts for _ in range(G)]
-            completions = completions_for_rewards(batch, is_conversational(prompts[0]))
-            lengths = batch.completion_mask.sum(1).tolist()
-            completion_ids = [ids[:n] for ids, n in zip(batch.completion_ids.tolist(), lengths)]
-            columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-            columns.update(getattr(batch, "extra_columns", None) or {})
-            logged: dict[str, list[float]] = {}
-            extra: dict[str, list[Any]] = {}
-            scored = self.rewards(
-                repeated, completions, completion_ids, columns, trainer_state=trainer_state(),
-                log_metric=lambda name, value: logged.setdefault(str(name), []).append(float(value)),
-                log_extra=lambda column, values: extra.setdefault(str(column), []).extend(values),
+@dataclass
+class RolloutScores:
+    """A rollout batch scored: what reward functions saw and returned, and what they logged."""
+
+    completions: list[Any]
+    completion_ids: list[list[int]]
+    scored: Any
+    logged: dict[str, list[float]]
+    extra: dict[str, list[Any]]
+
+
+def score_rollout(rewards: Any, rows: Sequence[Mapping[str, Any]], batch: RolloutBatch,
+                  trainer_state: dict[str, Any]) -> RolloutScores:
+    """Score ``batch`` (G completions per row of ``rows``) with every reward function; the dataset
+    columns and the batch's ``extra_columns`` reach them as keyword arguments."""
+    G = batch.num_generations
+    prompts = [r["prompt"] for r in rows]
+    completions = completions_for_rewards(batch, is_conversational(prompts[0]))
+    lengths = batch.completion_mask.sum(1).tolist()
+    completion_ids = [ids[:n] for ids, n in zip(batch.completion_ids.tolist(), lengths)]
+    columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+    columns.update(batch.extra_columns)
+    logged: dict[str, list[float]] = {}
+    extra: dict[str, list[Any]] = {}
+    scored = rewards(
+        [p for p in prompts for _ in range(G)], completions, completion_ids, columns, trainer_state=trainer_state,
+        log_metric=lambda name, value: logged.setdefault(str(name), []).append(float(value)),
+        log_extra=lambda column, values: extra.setdefault(str(column), []).extend(values),
+    )
+    for column, values in extra.items():
+        if len(values) != len(completions):
+            raise DataError(
+                f"log_extra({column!r}, values) got {len(values)} values for {len(completions)} completions; "
+                "a reward function logs one value per completion, once per call"
             )
-            for column, values in extra.items():
-                if len(values) != len(completions):
-                    raise DataError(
-                        f"log_extra({column!r}, values) got {len(values)} values for {len(completions)} completions; "
-                        "a reward function logs one value per completion, once per call"
-                    )
-        device = batch.completion_ids.device
-        loss_mask = rollout_loss_mask(batch, self.mask_truncated_completions)
-        counts = {f"reward_errors/{k}": float(v) for k, v in scored.error_counts.items()}
-        counts.update(tool_counts(batch))
-        return Experience(
-            prompt_ids=batch.prompt_ids,
-            prompt_mask=batch.prompt_mask.long(),
-            completion_ids=batch.completion_ids,
-            completion_mask=batch.completion_mask.long(),
-            loss_mask=loss_mask,
-            sampling_logps=batch.sampling_logprobs,
-            truncated=batch.truncated,
-            rewards=scored.total.to(device, torch.float32),
-            rewards_per_function=scored.per_function.to(device, torch.float32),
-            reward_names=list(scored.names),
-            group_ids=prompt_ids.repeat_interleave(G).to(device),
-            prompts=repeated,
-            completions=completions,
-            # Every function's count, zeros included, so every rank reduces the same keys.
-            counts=counts,
-            reward_metrics=logged,
-            extra_columns=extra,
-        )
+    return RolloutScores(completions, completion_ids, scored, logged, extra)
 
 
-def rollout_loss_mask(batch: Any, mask_truncated_completions: bool = False) -> Tensor:
+def scored_experience(rewards: Any, rows: Sequence[Mapping[str, Any]], group_ids: Tensor, batch: RolloutBatch,
+                      trainer_state: dict[str, Any], timer: PhaseTimer,
+                      mask_truncated_completions: bool = False) -> Experience:
+    """An :class:`Experience` of ``batch`` (sampled for ``rows``, global prompt ids ``group_ids``), scored."""
+    G = batch.num_generations
+    with timer.phase("reward"):
+        scores = score_rollout(rewards, rows, batch, trainer_state)
+    device = batch.completion_ids.device
+    counts = {f"reward_errors/{k}": float(v) for k, v in scores.scored.error_counts.items()}
+    counts.update(tool_counts(batch))
+    return Experience(
+        prompt_ids=batch.prompt_ids,
+        prompt_mask=batch.prompt_mask.long(),
+        completion_ids=batch.completion_ids,
+        completion_mask=batch.completion_mask.long(),
+        loss_mask=rollout_loss_mask(batch, mask_truncated_completions),
+        sampling_logps=batch.sampling_logprobs,
+        truncated=batch.truncated,
+        rewards=scores.scored.total.to(device, torch.float32),
+        rewards_per_function=scores.scored.per_function.to(device, torch.float32),
+        reward_names=list(scores.scored.names),
+        group_ids=group_ids.repeat_interleave(G).to(device),
+        prompts=[r["prompt"] for r in rows for _ in range(G)],
+        completions=scores.completions,
+        # Every function's count, zeros included, so every rank reduces the same keys.
+        counts=counts,
+        reward_metrics=scores.logged,
+        extra_columns=scores.extra,
+        policy_versions=batch.policy_versions,
+    )
+
+
+def rollout_loss_mask(batch: RolloutBatch, mask_truncated_completions: bool = False) -> Tensor:
     """The loss mask of a rollout batch: its context mask, times its ``tool_mask`` when it has one
     (tool-response tokens stay in the context but out of the loss, the KL and every token count),
     times "not truncated" under ``mask_truncated_completions``."""
     loss_mask = batch.completion_mask.float()
-    tool_mask = getattr(batch, "tool_mask", None)
-    if tool_mask is not None:
-        loss_mask = loss_mask * tool_mask.to(loss_mask.device, loss_mask.dtype)
+    if batch.tool_mask is not None:
+        loss_mask = loss_mask * batch.tool_mask.to(loss_mask.device, loss_mask.dtype)
     if mask_truncated_completions:
         loss_mask = loss_mask * (~batch.truncated).float().unsqueeze(1)
     return loss_mask
 
 
-def completions_for_rewards(batch: Any, conversational: bool) -> list[Any]:
+def completions_for_rewards(batch: RolloutBatch, conversational: bool) -> list[Any]:
     """What reward functions receive as ``completions``: texts, or message lists for chat prompts
     (the whole tool conversation, as TRL passes it, when the rollout has messages)."""
     texts = batch.completion_texts
     if not conversational:
         return list(texts)
-    messages = getattr(batch, "messages", None)
-    if messages:
-        return [list(m) for m in messages]
+    if batch.messages:
+        return [list(m) for m in batch.messages]
     return [[{"role": "assistant", "content": t}] for t in texts]
 
 
@@ -334,9 +338,9 @@ _SUMMED_TOOL_METRICS = ("tools/failed_calls", "tools/time_s", "tools/truncated",
                         "tools/iteration_limited")
 
 
-def tool_counts(batch: Any) -> dict[str, float]:
+def tool_counts(batch: RolloutBatch) -> dict[str, float]:
     """A multi-turn batch's tool numbers as round sums (calls, turns, failures by reason, seconds)."""
-    metrics = getattr(batch, "tool_metrics", None)
+    metrics = batch.tool_metrics
     if not metrics:
         return {}
     rows = float(len(batch.completion_texts))

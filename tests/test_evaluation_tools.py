@@ -89,9 +89,9 @@ def test_tool_run_evaluates_through_its_environments_and_trains_as_without(tmp_p
         assert torch.equal(p, _trainable(evaluated)[n]), n
     assert _train_records(plain) == _train_records(evaluated) and len(_train_records(plain)) == 2
     # The training rollouts' environments were reset exactly as often; Python's RNG is where training left it.
-    streams = [[e.rng.getstate() for e in t.engine.pool._pool[None]] for t in (plain, evaluated)]
+    streams = [[e.rng.getstate() for e in t.rollout.pool._pool[None]] for t in (plain, evaluated)]
     assert len(streams[0]) == 4 and streams[0] == streams[1]
-    assert evaluated.evaluator.rollout.pool is not evaluated.engine.pool
+    assert evaluated.evaluator.rollout.pool is not evaluated.rollout.pool
     assert python_rng["plain"] == python_rng["evaluated"]
 
     evaluations = [r for r in evaluated.state.log_history if "eval/reward" in r]
@@ -145,7 +145,7 @@ def test_rollout_func_run_evaluates_with_the_calls_sampling_and_trains_as_withou
     assert [r["eval/num_prompts"] for r in evaluated.state.log_history if "eval/reward" in r] == [3.0] * 3
 
     # A rollout_func that ignores rollout_params gets the count error naming it.
-    evaluated.engine.rollout_func = lambda prompts, trainer: rollout_func(
-        prompts, SimpleNamespace(rollout_params=trainer.engine.params))
+    evaluated.rollout.rollout_func = lambda prompts, trainer: rollout_func(
+        prompts, SimpleNamespace(rollout_params=trainer.rollout.params))
     with pytest.raises(DataError, match="rollout_params.num_generations"):
         evaluated.evaluate()

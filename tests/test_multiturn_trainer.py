@@ -53,14 +53,14 @@ def _scripted(tiny_model_dir):
 
 def _capture(trainer):
     seen = []
-    make = trainer.experience.sample_and_score
+    make = trainer.experience.source.next_scored
 
     def wrapped(*a, **kw):
         exp = make(*a, **kw)
         seen.append(exp)
         return exp
 
-    trainer.experience.sample_and_score = wrapped
+    trainer.experience.source.next_scored = wrapped
     return seen
 
 
@@ -148,12 +148,12 @@ def test_recipe_tools_and_environment_keys(tmp_path, tiny_model_dir):
     recipe = RecipeConfig(model=str(tiny_model_dir), tools=["python", "tests/test_multiturn.py:add"],
                           dataset_kwargs={"n": 4})
     trainer = build_trainer(recipe, args)
-    assert isinstance(trainer.engine, ToolRollout) and trainer.engine.pool is None
-    assert trainer.engine.multiturn.tools.toolset.names == ["python", "add"]
+    assert isinstance(trainer.rollout, ToolRollout) and trainer.rollout.pool is None
+    assert trainer.rollout.multiturn.tools.toolset.names == ["python", "add"]
     recipe = RecipeConfig(model=str(tiny_model_dir), environment="test_multiturn_trainer:AddEnv", reward_funcs=[],
                           dataset_kwargs={"n": 4})
     trainer = build_trainer(recipe, args)
-    assert isinstance(trainer.engine, ToolRollout) and trainer.engine.pool is not None
+    assert isinstance(trainer.rollout, ToolRollout) and trainer.rollout.pool is not None
     assert trainer.rewards.names == ["AddEnv"]
     with pytest.raises(ConfigError, match="grpo only"):
         build_trainer(RecipeConfig(model=str(tiny_model_dir), algorithm="ppo", tools=["python"]),
@@ -239,7 +239,7 @@ def test_tool_executor_is_closed_when_training_ends(tmp_path, tiny_model_dir, ou
                         "max_completion_length": 80, "per_device_train_batch_size": 4})
     trainer = GRPOTrainer(model, reward, cfg, Dataset.from_list([{"prompt": PROMPT}] * 4), processing_class=tok,
                           tools=[add])
-    executor = trainer.engine.multiturn.tools.executor
+    executor = trainer.rollout.multiturn.tools.executor
     used = []
     run = executor.run
     executor.run = lambda *a, **kw: used.append(1) or run(*a, **kw)

@@ -18,7 +18,7 @@ from grpo_ascend.rollout import backend
 from grpo_ascend.rollout.backend import PolicyWeights, build_backend
 from grpo_ascend.rollout.engine import RolloutEngine
 from grpo_ascend.rollout.sampling import SamplingParams
-from grpo_ascend.trainers.components import build_engine
+from grpo_ascend.trainers.components import build_rollout_backend
 
 PROMPTS = ["The river", "Once upon a time in a land far away", "x"]
 
@@ -43,7 +43,7 @@ def test_registry_builds_backends_by_name_and_names_the_known_ones(chaotic, monk
         return RolloutEngine(policy, tokenizer, sampling)
 
     monkeypatch.setitem(backend._BACKENDS, "mine", factory)
-    engine = build_engine(model, tok, GRPOConfig(rollout_backend="mine", num_generations=4,
+    engine = build_rollout_backend(model, tok, GRPOConfig(rollout_backend="mine", num_generations=4,
                                                  per_device_train_batch_size=4), torch.device("cpu"))
     assert isinstance(engine, RolloutEngine) and made == [(model, 4, "mine")]
     monkeypatch.setitem(backend._BACKENDS, "wrong", lambda *a: object())
@@ -166,6 +166,6 @@ def test_the_trainer_serves_its_backend_around_every_generation(tmp_path, tiny_m
     trainer = GRPOTrainer(str(tiny_model_dir), lambda completions, **kw: [float(len(c)) for c in completions], cfg,
                           Dataset.from_list([{"prompt": p} for p in ("alpha", "beta", "gamma", "delta")]),
                           peft_config=default_lora_config(r=4))
-    assert isinstance(trainer.engine, Recording)
+    assert isinstance(trainer.rollout.backend, Recording)
     trainer.train()
     assert calls == ["restore", ("sync", 0, True, False), "release", "restore", ("sync", 1, True, False), "release"]

@@ -224,12 +224,12 @@ def test_chat_template_kwargs_reach_the_prompts(tiny_model):
     """TRL's chat_template_kwargs (e.g. enable_thinking) render chat prompts; the config carries them to the engine."""
     from grpo_ascend.config.configs import GRPOConfig
     from grpo_ascend.rollout.engine import RolloutEngine
-    from grpo_ascend.trainers.components import build_engine
+    from grpo_ascend.trainers.components import build_rollout_backend
 
     model, tokenizer = tiny_model
     tokenizer.chat_template = "{% if greeting is defined %}{{ greeting }}|{% endif %}" + tokenizer.chat_template
     chat = [[{"role": "user", "content": "2 + 2?"}]]
-    engine = build_engine(model, tokenizer, GRPOConfig(chat_template_kwargs={"greeting": "HELLO"}), torch.device("cpu"))
+    engine = build_rollout_backend(model, tokenizer, GRPOConfig(chat_template_kwargs={"greeting": "HELLO"}), torch.device("cpu"))
     assert engine.prompts.encode(chat, engine.params).texts[0].startswith("HELLO|<|im_start|>user")
     plain = RolloutEngine(model, tokenizer)
     assert not plain.prompts.encode(chat, plain.params).texts[0].startswith("HELLO")

@@ -37,10 +37,10 @@ def test_grpo_with_colocated_vllm_learns(tmp_path, tiny_warm_model_dir):
                         "max_completion_length": 8, "temperature": 1.0, "per_device_eval_batch_size": 128})
     trainer = GRPOTrainer(str(tiny_warm_model_dir), first_digit_is_one, cfg, arithmetic_dataset(400, seed=5),
                           peft_config=default_lora_config(r=8))
-    assert type(trainer.engine.backend).__name__ == "VLLMColocatedRollout"
+    assert type(trainer.rollout.backend).__name__ == "VLLMColocatedRollout"
     # 16 held-out prompts × 8: vLLM's CPU LoRA kernels make large evaluation batches slow
     control, trained = rewards_before_and_after_training(trainer, arithmetic_dataset(16, seed=6))
-    trainer.engine.backend.close()
+    trainer.rollout.backend.close()
     assert trained > control + 0.3, (trained, control)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     ratios = [r[k] for r in rows for k in r if k.startswith("sampling/") and "mean" in k]
@@ -58,9 +58,9 @@ def test_tool_calling_run_through_vllm(tmp_path, tiny_tool_model_dir):
     trainer = GRPOTrainer(str(tiny_tool_model_dir), [load_reward_function({"name": "accuracy", "math_verify": False})],
                           cfg, products_dataset(16, seed=5), peft_config=default_lora_config(r=16),
                           tools=["calculator"])
-    assert type(trainer.engine.backend).__name__ == "VLLMColocatedRollout"
+    assert type(trainer.rollout.backend).__name__ == "VLLMColocatedRollout"
     trainer.train()
-    trainer.engine.backend.close()
+    trainer.rollout.backend.close()
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert sum(r["tools/calls"] for r in rows) > 0
     assert max(r["sampling/sampling_logp_difference/max"] for r in rows) <= 1e-4

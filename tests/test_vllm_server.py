@@ -152,4 +152,4 @@ def test_a_server_dying_mid_run_is_one_line_and_the_run_resumes(server, untied_m
     resumed = GRPOTrainer(untied_model_dir, score, cfg, arithmetic_dataset(40), peft_config=default_lora_config(r=8))
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     assert resumed.step == 4
-    resumed.engine.backend.close()
+    resumed.rollout.backend.close()

@@ -50,6 +50,14 @@ class RolloutBatch:
     applied), one per row like ``completion_texts``. Extras: ``completion_lengths`` [N] (tokens
     counted by the mask), ``timing`` (seconds per phase, steps, tokens) and ``decode_batch_sizes``
     (the batch size after each compaction, starting with N).
+
+    What some rollouts add (defaults: none): ``tool_mask`` [N, Lc], 1 on tokens the policy
+    generated and 0 on tokens it did not (tool responses, a ``rollout_func``'s ``env_mask``; the
+    loss mask is ``completion_mask * tool_mask``); ``messages``, each row's completion as chat
+    messages; ``num_turns`` [N], assistant turns per row; ``tool_metrics``, the tool loop's
+    numbers; ``extra_columns``, per-row values the reward functions receive as keyword arguments
+    (e.g. ``environments``); ``policy_versions`` [N, Lc], the policy version that sampled each
+    token (asynchronous rollouts; None: the trainer's current weights sampled every token).
     """
 
     prompt_ids: Tensor
@@ -64,6 +72,12 @@ class RolloutBatch:
     completion_lengths: Tensor | None = None
     timing: dict[str, float] = field(default_factory=dict)
     decode_batch_sizes: list[int] = field(default_factory=list)
+    tool_mask: Tensor | None = None
+    messages: list[list[dict[str, Any]]] = field(default_factory=list)
+    num_turns: Tensor | None = None
+    tool_metrics: dict[str, float] = field(default_factory=dict)
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
+    policy_versions: Tensor | None = None
 
     @property
     def num_prompts(self) -> int:

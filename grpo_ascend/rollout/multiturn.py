@@ -8,7 +8,7 @@ concurrently); a row with calls gets its tool responses and the next assistant h
 and keeps decoding, a row without calls is finished. The built-in engine's session
 (:mod:`grpo_ascend.rollout.session`) continues rows on their KV cache, never re-prefilled.
 
-Output: a :class:`MultiTurnBatch`, the engine's :class:`RolloutBatch` plus ``tool_mask`` (1 on
+Output: a :class:`RolloutBatch` with ``tool_mask`` (1 on
 generated tokens, 0 on tool-response tokens and padding), the conversation messages per row and
 tool metrics. ``completion_ids`` hold generated and tool tokens interleaved, ``completion_mask``
 marks them all (the context), ``sampling_logprobs`` are 0 on tool tokens.
@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from grpo_ascend.errors import ConfigError, DataError
 from grpo_ascend.rollout.backend import RolloutBackend, RolloutBatch, RolloutSession, SessionOutput, TurnEnd
@@ -38,25 +37,6 @@ from grpo_ascend.tools.execution import ToolExecutor, tool_metrics
 from grpo_ascend.tools.parsing import get_tool_call_parser
 from grpo_ascend.tools.toolset import Toolset
 from grpo_ascend.tools.turns import run_tool_step
-
-
-@dataclass
-class MultiTurnBatch(RolloutBatch):
-    """A :class:`RolloutBatch` whose completions may hold tool responses.
-
-    ``tool_mask`` [N, Lc] is 1 on tokens the policy generated and 0 on tool-response tokens (and
-    padding): the loss mask is ``completion_mask * tool_mask``. ``messages`` per row: the
-    completion as chat messages (assistant turns with ``tool_calls``, ``tool`` messages).
-    ``num_turns`` [N]: assistant turns per row. ``tool_metrics``: calls per completion, failed
-    calls by reason, tool time, turns per completion, rows cut by the length limit.
-    """
-
-    tool_mask: Tensor | None = None
-    messages: list[list[dict[str, Any]]] = field(default_factory=list)
-    num_turns: Tensor | None = None
-    tool_metrics: dict[str, float] = field(default_factory=dict)
-    #: Per-row values the reward functions receive as keyword arguments (e.g. ``environments``).
-    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -115,7 +95,7 @@ class MultiTurnEngine:
         params: SamplingParams | None = None,
         generator: torch.Generator | None = None,
         toolsets: Sequence[Toolset] | None = None,
-    ) -> MultiTurnBatch:
+    ) -> RolloutBatch:
         """G completions per prompt with tool calls; ``toolsets``: one per row (per-rollout
         environments, rows ``i*G .. i*G+G-1`` of prompt ``i``), default the settings' toolset."""
         params = self.backend.checked(params)
@@ -158,7 +138,7 @@ class MultiTurnEngine:
         }
         return batch
 
-    def _batch(self, prompt_texts: list[str], out: SessionOutput, loop: _Loop, group: int) -> MultiTurnBatch:
+    def _batch(self, prompt_texts: list[str], out: SessionOutput, loop: _Loop, group: int) -> RolloutBatch:
         """The session's completions with the prompts, texts, masks and tool metrics."""
         dev = self.backend.device
         lengths = out.lengths
@@ -170,7 +150,7 @@ class MultiTurnEngine:
         metrics["tools/wall_time_s"] = loop.tool_seconds
         metrics["tools/length_limited"] = float(loop.counts["length_limited"])
         metrics["tools/iteration_limited"] = float(loop.counts["iteration_limited"])
-        return MultiTurnBatch(
+        return RolloutBatch(
             prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
             completion_mask=context.long(), sampling_logprobs=out.sampling_logprobs,
             truncated=torch.tensor(loop.truncated, device=dev),

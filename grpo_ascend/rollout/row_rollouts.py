@@ -1,35 +1,32 @@
 """Rollouts that need the dataset rows, not just the prompts: tool calling with environments, and a
 user's ``rollout_func`` (TRL 1.16's contract).
 
-Both offer ``generate_rows(rows, generator, params=None) -> RolloutBatch`` (rows: this rank's drawn
-dataset rows, one per prompt; params: the call's sampling, default the run's, which evaluation
-replaces with its own); the batch may carry ``extra_columns`` (one value per completion row) that
-the reward functions receive as keyword arguments, like dataset columns. ``ExperienceMaker`` calls
-``generate_rows`` when its engine has it, else ``generate(prompts)``. Evaluation generates with
-``engine.for_evaluation()`` where the engine has it (tools: environments of its own, so that
-evaluation never touches the training rollouts' state).
+Both implement the :class:`~grpo_ascend.rollout.protocol.Rollout` protocol; their batches may
+carry ``extra_columns`` (one value per completion row) that the reward functions receive as
+keyword arguments, like dataset columns. A tool rollout's evaluation copy has environments of its
+own, so that evaluation never touches the training rollouts' state.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from grpo_ascend.errors import ConfigError, DataError
 from grpo_ascend.rollout.backend import RolloutBackend, RolloutBatch
-from grpo_ascend.rollout.multiturn import MultiTurnBatch, MultiTurnEngine, ToolSettings
+from grpo_ascend.rollout.multiturn import MultiTurnEngine, ToolSettings
+from grpo_ascend.rollout.protocol import Rollout
+from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.tools.environments import EnvironmentPool, append_observation
 from grpo_ascend.tools.execution import ToolExecutor
 from grpo_ascend.tools.toolset import Toolset, load_toolset
 from grpo_ascend.tools.turns import check_tool_chat_template
 
 
-class ToolRollout:
+class ToolRollout(Rollout):
     """Multi-turn tool calling over the trainer's engine, with per-rollout environments when given.
 
     Each round: one environment per completion row (``pool.start``), ``reset``'s observation added
@@ -43,10 +40,6 @@ class ToolRollout:
         self.pool = pool
 
     @property
-    def params(self) -> Any:
-        return self.multiturn.backend.params
-
-    @property
     def backend(self) -> RolloutBackend:
         """The backend the tool loop samples with."""
         return self.multiturn.backend
@@ -55,12 +48,8 @@ class ToolRollout:
         """Stop the tool executor's threads (they start again at the next rollout)."""
         self.multiturn.tools.executor.close()
 
-    def generate(self, prompts: list[Any], generator: torch.Generator | None = None, **kwargs: Any) -> MultiTurnBatch:
-        """Tool rollouts of plain prompts (no environments)."""
-        return self.multiturn.generate(prompts, generator=generator, **kwargs)
-
-    def generate_rows(self, rows: Sequence[Mapping[str, Any]], generator: torch.Generator | None = None,
-                      params: Any = None) -> MultiTurnBatch:
+    def generate_rows(self, rows: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
+                      generator: torch.Generator | None = None) -> RolloutBatch:
         """Tool rollouts of ``rows``; ``params``: this call's sampling (default the run's; evaluation passes its own)."""
         prompts = [r["prompt"] for r in rows]
         params = params if params is not None else self.params
@@ -124,15 +113,22 @@ RolloutFunc = Callable[[list[Any], Any], Mapping[str, Any]]
 _REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
 
 
-@dataclass
-class RolloutFuncBatch(RolloutBatch):
-    """A :class:`RolloutBatch` from a user's ``rollout_func``; ``tool_mask`` from its ``env_mask``."""
+class RolloutFuncTrainer:
+    """What a ``rollout_func`` receives as ``trainer``: the trainer, seen with ``rollout_params`` (the
+    call's sampling) added; every other attribute is the trainer's own, read and set through."""
 
-    tool_mask: Tensor | None = None
-    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
+    def __init__(self, trainer: Any, rollout_params: SamplingParams) -> None:
+        object.__setattr__(self, "_trainer", trainer)
+        object.__setattr__(self, "rollout_params", rollout_params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_trainer"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_trainer"), name, value)
 
 
-class RolloutFuncRollout:
+class RolloutFuncRollout(Rollout):
     """Calls a user's ``rollout_func`` (TRL 1.16 contract) and turns its output into a batch.
 
     ``rollout_func(prompts, trainer)`` receives this rank's prompts (no repetition) and returns
@@ -150,19 +146,23 @@ class RolloutFuncRollout:
             raise ConfigError(f"rollout_func must be callable (prompts, trainer) -> dict, got {rollout_func!r}")
         self.rollout_func = rollout_func
         self.trainer = trainer
-        self.backend = backend
+        self._backend = backend
 
     @property
-    def params(self) -> Any:
-        return self.backend.params
+    def backend(self) -> RolloutBackend:
+        return self._backend
 
-    def generate_rows(self, rows: Sequence[Mapping[str, Any]], generator: torch.Generator | None = None,
-                      params: Any = None) -> RolloutFuncBatch:
+    @property
+    def samples_policy_module(self) -> bool:
+        """A rollout_func samples on its own: its log-probs are not the training forward's."""
+        return False
+
+    def generate_rows(self, rows: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
+                      generator: torch.Generator | None = None) -> RolloutBatch:
         prompts = [r["prompt"] for r in rows]
         params = params if params is not None else self.params
         G = params.num_generations
-        self.trainer.rollout_params = params
-        out = self.rollout_func(prompts, self.trainer)
+        out = self.rollout_func(prompts, RolloutFuncTrainer(self.trainer, params))
         if not isinstance(out, Mapping):
             raise DataError(f"rollout_func must return a dict with {list(_REQUIRED)}, got {type(out).__name__}")
         missing = [k for k in _REQUIRED if k not in out]
@@ -190,7 +190,7 @@ class RolloutFuncRollout:
 
     def _batch(self, prompts: list[Any], prompt_ids: list[list[int]], completion_ids: list[list[int]],
                logprobs: Sequence[Sequence[float]], env_mask: Sequence[Sequence[int]] | None,
-               extra: dict[str, list[Any]], G: int) -> RolloutFuncBatch:
+               extra: dict[str, list[Any]], G: int) -> RolloutBatch:
         backend, dev, pad = self.backend, self.backend.device, self.backend.pad_token_id
         lp_width = max(len(p) for p in prompt_ids)
         lc = max(1, max(len(c) for c in completion_ids))
@@ -206,7 +206,7 @@ class RolloutFuncRollout:
             tool = torch.tensor([list(map(int, m)) + [0] * (lc - len(m)) for m in env_mask], dtype=torch.long).to(dev)
         eos = set(backend.eos_token_ids)
         truncated = torch.tensor([not c or c[-1] not in eos for c in completion_ids])
-        return RolloutFuncBatch(
+        return RolloutBatch(
             prompt_ids=p_ids.to(dev), prompt_mask=p_mask.to(dev), completion_ids=c_ids.to(dev),
             completion_mask=c_mask.to(dev), sampling_logprobs=c_lp.to(dev), truncated=truncated.to(dev),
             prompt_texts=backend.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False),

@@ -45,17 +45,19 @@ from grpo_ascend.models.policy import (
     lora_merged,
     trainable_parameters,
 )
+from grpo_ascend.producers.lockstep import LockstepSource
 from grpo_ascend.rollout.backend import PolicyWeights, serving
+from grpo_ascend.rollout.protocol import PromptRollout, Rollout
 from grpo_ascend.tracking.run_tracker import RunTracker
 from grpo_ascend.trainers.best_tracking import BestCheckpointTracker
 from grpo_ascend.trainers.checkpointing import Checkpointer
 from grpo_ascend.trainers.components import (
-    build_engine,
     build_micro_batcher,
     build_optimizer,
     build_policy,
     build_reference,
     build_rewards,
+    build_rollout_backend,
     check_streamed_steps,
     lr_factor,
     merge_lora_for_rollout,
@@ -145,9 +147,10 @@ class RLTrainerBase:
         unsharded_reference = self.strategy.unsharded_reference(
             self.policy, self.is_peft, wants_reference=args.needs_reference_model)
         self.logprob_model, self.optimizer = self.strategy.prepare(self.logprob_model, self.optimizer, self.policy)
-        self.engine = build_engine(self.policy, self.tokenizer, args, self.device)
+        #: What the trainer samples through (rollout/protocol.py); GRPO may wrap it in a tool loop or a rollout_func.
+        self.rollout: Rollout = PromptRollout(build_rollout_backend(self.policy, self.tokenizer, args, self.device))
         # Folding LoRA into the weights speeds up a backend that samples with the policy module itself.
-        self.merge_lora_for_rollout = self.engine.backend.samples_policy_module and merge_lora_for_rollout(
+        self.merge_lora_for_rollout = self.rollout.backend.samples_policy_module and merge_lora_for_rollout(
             self.policy, args.rollout_merge_lora, self.strategy.may_merge_lora(args.rollout_merge_lora, self.is_peft),
             self.is_peft, self.device)
         self.micro_batcher = build_micro_batcher(self.policy, args, plan, self.algorithm, self.strategy, self.ranks,
@@ -167,7 +170,7 @@ class RLTrainerBase:
         self.checkpointer = Checkpointer(args, self.accelerator, self.strategy, run, self._trainable_module(),
                                          self.optimizer, self.scheduler, self.sampler, self.generator, self.tokenizer,
                                          self.model_name, self.best)
-        self.evaluator = Evaluator(args, self.eval_sets, run, self.engine, self.rewards, self.ranks, self.device,
+        self.evaluator = Evaluator(args, self.eval_sets, run, self.rollout, self.rewards, self.ranks, self.device,
                                    self.policy, self._rollout_context, self._trainer_state_for_rewards)
         self.events = EventHub(args, self.accelerator, self._callbacks, run, self.sampler,
                                {"model": self.policy, "processing_class": self.tokenizer, "optimizer": self.optimizer,
@@ -235,22 +238,21 @@ class RLTrainerBase:
         stack.enter_context(self.strategy.whole_weights(self.logprob_model))
         if self.merge_lora_for_rollout:
             stack.enter_context(lora_merged(self.policy, rows=self.plan.prompts_per_rank * self.plan.num_generations))
-        stack.enter_context(serving(self.engine.backend, lambda: PolicyWeights(self.policy, self.step)))
+        stack.enter_context(serving(self.rollout.backend, lambda: PolicyWeights(self.policy, self.step)))
         return stack
 
     def _make_experience_maker(self, mask_truncated_completions: bool = False,
                                importance_sampling: ImportanceSamplingSettings | None = None) -> ExperienceMaker:
-        """The round's experience pipeline over this trainer's sampler, engine, rewards and forwards."""
+        """The round's experience pipeline over this trainer's sampler, rollout, rewards and forwards."""
         args = self.args
+        source = LockstepSource(sampler=self.sampler, rollout=self.rollout, rewards=self.rewards, ranks=self.ranks,
+                                generator=self.generator, rollout_context=self._rollout_context,
+                                mask_truncated_completions=mask_truncated_completions)
         return ExperienceMaker(
-            sampler=self.sampler, engine=self.engine, rewards=self.rewards, ranks=self.ranks,
-            generator=self.generator, num_generations=self.plan.num_generations,
-            micro_batch=self.plan.micro_batch, pad_token_id=self.tokenizer.pad_token_id,
-            rollout_context=self._rollout_context, policy_logprobs=self._policy_logprobs,
+            source=source, micro_batch=self.plan.micro_batch, policy_logprobs=self._policy_logprobs,
             reference_logprobs=self._reference_logprobs if args.needs_reference_model else None,
             # the built-in engine's fp32 log-probs are the training forward's; an external sampler's are not
-            exact_sampling_logps=self.precision == "fp32" and self.engine.backend.samples_policy_module,
-            mask_truncated_completions=mask_truncated_completions,
+            exact_sampling_logps=self.precision == "fp32" and self.rollout.samples_policy_module,
             importance_sampling=importance_sampling,
         )
 
@@ -364,9 +366,8 @@ class RLTrainerBase:
     def _release_rollout(self) -> None:
         """Stop what the rollout keeps running between rounds (the tool executor's threads), at the
         end of ``train`` whether it finished or failed; a later ``train``/``evaluate`` restarts it."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.experience.source.close()
+        self.rollout.close()
 
     def _begin(self, resume_from_checkpoint: str | bool | None) -> None:
         """Resume if asked, prepare the output folder and the tracker."""

@@ -124,7 +124,7 @@ def lr_factor(args: BaseRLConfig, total: int) -> Callable[[int], float]:
     return factor
 
 
-def build_engine(policy: nn.Module, tokenizer: Any, args: BaseRLConfig, device: torch.device) -> Any:
+def build_rollout_backend(policy: nn.Module, tokenizer: Any, args: BaseRLConfig, device: torch.device) -> Any:
     """The rollout backend ``args.rollout_backend`` over ``policy`` with the run's sampling settings
     (length bucket per device)."""
     bucket = args.length_bucket if args.length_bucket is not None else dev.default_length_bucket(device)

@@ -10,8 +10,8 @@ the completions, and the metrics summed over ranks with one collective (see
 grpo_ascend/evaluation.py), are those of one process. Every rank enters one
 rollout context (sharded engines gather the whole weights there, all ranks together);
 inside it generation makes no collective calls, so the ranks' chunk counts may differ.
-Tool-calling and ``rollout_func`` runs evaluate through their own rollout (environments of its
-own for evaluation; ``trainer.rollout_params`` tells a ``rollout_func`` the call's sampling).
+Tool-calling and ``rollout_func`` runs evaluate through the run's rollout (its
+:meth:`~grpo_ascend.rollout.protocol.Rollout.for_evaluation` copy: environments of its own).
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ import torch
 
 from grpo_ascend import device as dev
 from grpo_ascend.config.configs import BaseRLConfig
-from grpo_ascend.data.prompts import check_prompt_dataset, eval_prompt_rows, is_conversational
+from grpo_ascend.data.prompts import check_prompt_dataset, eval_prompt_rows
 from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.evaluation import TOOL_SUMS, eval_sums, finish_eval_metrics, resolved_eval_steps
-from grpo_ascend.experience import completions_for_rewards, tool_counts
+from grpo_ascend.experience import score_rollout, tool_counts
+from grpo_ascend.rollout.protocol import Rollout
 from grpo_ascend.trainers.run_state import RunState
 
 logger = logging.getLogger(__name__)
@@ -86,20 +87,20 @@ class Evaluator:
     LoRA folded in); ``reward_state``: ``trainer_state`` as reward functions receive it.
     """
 
-    def __init__(self, args: BaseRLConfig, sets: EvalSets, run: RunState, engine: Any, rewards: Any, ranks: Ranks,
+    def __init__(self, args: BaseRLConfig, sets: EvalSets, run: RunState, rollout: Rollout, rewards: Any, ranks: Ranks,
                  device: torch.device, policy: Any, rollout_context: Callable[[], contextlib.AbstractContextManager],
                  reward_state: Callable[[], dict[str, Any]]):
         self.args = args
         self.sets = sets
         self.run = run
-        self.engine = engine
+        self.training_rollout = rollout
         self.rewards = rewards
         self.ranks = ranks
         self.policy = policy
         self.rollout_context = rollout_context
         self.reward_state = reward_state
         self.device = device
-        self._eval_rollout: Any = None  # made at the first evaluation (see rollout)
+        self._eval_rollout: Rollout | None = None  # made at the first evaluation (see rollout)
 
     @property
     def enabled(self) -> bool:
@@ -129,7 +130,7 @@ class Evaluator:
     def _eval_sums(self, dataset: Any) -> tuple[dict[str, float], list[str], int]:
         """This rank's additive statistics over its chunks of ``dataset`` (see :func:`eval_chunks`)."""
         args, ranks = self.args, self.ranks
-        base = self.engine.params
+        base = self.training_rollout.params
         n = args.num_generations_eval or base.num_generations
         temperature = args.eval_temperature if args.eval_temperature is not None else base.temperature
         sampled_params = dataclasses.replace(base, num_generations=n, temperature=temperature)
@@ -140,14 +141,14 @@ class Evaluator:
         was_training = self.policy.training
         sampled, greedy = [], []
         try:
-            engine = self.rollout
+            rollout = self.rollout
             with torch.no_grad(), self.rollout_context():  # all ranks enter once (whole weights if sharded)
                 for index, rows in chunks:
                     chunk = [dataset[i] for i in rows]
                     # Seeded by the chunk's place in the eval set: the same completions on any number of ranks.
                     generator.manual_seed(args.seed + _EVAL_SEED_OFFSET + index)
-                    sampled.append(self._eval_generate(engine, chunk, sampled_params, generator))
-                    greedy.append(self._eval_generate(engine, chunk, greedy_params, None))
+                    sampled.append(self._eval_generate(rollout, chunk, sampled_params, generator))
+                    greedy.append(self._eval_generate(rollout, chunk, greedy_params, None))
         finally:
             dev.set_rng_state(saved_rng, self.device)
             self.policy.train(was_training)
@@ -159,12 +160,10 @@ class Evaluator:
         return sums, names, n
 
     @property
-    def rollout(self) -> Any:
-        """The rollout evaluation generates with: the run's engine, or a tool rollout's evaluation copy
-        (environments of its own), made once."""
+    def rollout(self) -> Rollout:
+        """The rollout evaluation generates with: the run's rollout's evaluation copy, made once."""
         if self._eval_rollout is None:
-            for_evaluation = getattr(self.engine, "for_evaluation", None)
-            self._eval_rollout = for_evaluation() if for_evaluation is not None else self.engine
+            self._eval_rollout = self.training_rollout.for_evaluation()
         return self._eval_rollout
 
     def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
@@ -180,24 +179,15 @@ class Evaluator:
                 total[key] = total.get(key, 0.0) + value
         return total
 
-    def _eval_generate(self, engine: Any, rows: list[dict[str, Any]], params: Any, generator: Any) -> dict[str, Any]:
+    def _eval_generate(self, rollout: Rollout, rows: list[dict[str, Any]], params: Any,
+                       generator: Any) -> dict[str, Any]:
         """Generate and score one chunk of eval prompts through the training rollout path (tools,
         environments, ``rollout_func`` included); reward logging calls are ignored."""
-        prompts = [r["prompt"] for r in rows]
-        G = params.num_generations
-        generate_rows = getattr(engine, "generate_rows", None)
-        batch = (generate_rows(rows, generator, params=params) if generate_rows is not None
-                 else engine.generate(prompts, params=params, generator=generator))
-        completions = completions_for_rewards(batch, is_conversational(prompts[0]))
-        lengths = batch.completion_mask.sum(1)
-        completion_ids = [ids[:k] for ids, k in zip(batch.completion_ids.tolist(), lengths.tolist())]
-        columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-        columns.update(getattr(batch, "extra_columns", None) or {})
-        scored = self.rewards([p for p in prompts for _ in range(G)], completions, completion_ids, columns,
-                              trainer_state=self.reward_state(),
-                              log_metric=lambda *a: None, log_extra=lambda *a: None)
-        return {"total": scored.total.float().cpu(), "per_function": scored.per_function.float().cpu(),
-                "lengths": lengths.cpu(), "names": list(scored.names), "tools": tool_counts(batch)}
+        batch = rollout.generate_rows(rows, params, generator)
+        scores = score_rollout(self.rewards, rows, batch, self.reward_state())
+        return {"total": scores.scored.total.float().cpu(), "per_function": scores.scored.per_function.float().cpu(),
+                "lengths": batch.completion_mask.sum(1).cpu(), "names": list(scores.scored.names),
+                "tools": tool_counts(batch)}
 
 
 def eval_chunks(size: int, per_call: int, rank: int, world: int) -> list[tuple[int, range]]:

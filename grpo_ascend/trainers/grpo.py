@@ -123,15 +123,13 @@ class GRPOTrainer(RLTrainerBase):
             )
         self._build_training(reward_funcs, reward_processing_classes=reward_tokenizers)
         if toolset is not None:
-            self.engine = build_tool_rollout(self.engine, self.tokenizer, self.args, toolset, pool)
+            self.rollout = build_tool_rollout(self.rollout.backend, self.tokenizer, self.args, toolset, pool)
         elif rollout_func is not None:
-            self.engine = RolloutFuncRollout(rollout_func, self, self.engine)
+            self.rollout = RolloutFuncRollout(rollout_func, self, self.rollout.backend)
         correction = ImportanceSamplingSettings(
             cfg.importance_sampling_mode, cfg.importance_sampling_clip_max, cfg.importance_sampling_clip_min
         ) if cfg.importance_sampling_correction else None
         self.experience = self._make_experience_maker(cfg.mask_truncated_completions, correction)
-        if rollout_func is not None:  # an external sampler: its log-probs are not the training forward's
-            self.experience.exact_sampling_logps = False
         self._policy_params = [p for p in self.policy.parameters() if p.requires_grad]
         self._build_parts()
 

@@ -297,7 +297,6 @@ class RLTrainerBase:
         """The step's micro-batches, each with whether it is the step's last (where gradients synchronise):
         ``per_device_train_batch_size`` rows each, or packed under ``max_tokens_per_micro_batch``."""
         parts = self.micro_batcher.split(rows, exp.completion_mask, exp.prompt_ids.shape[1], exp.group_ids)
-        self.run.step_micro_batches = len(parts)
         for i, part in enumerate(parts):
             yield part, i == len(parts) - 1
 
@@ -512,10 +511,13 @@ class RLTrainerBase:
         self.accelerator.end_training()
 
     # ------------------------------------------------------------------------------ logging
-    def _end_step(self, step_metrics: dict[str, float], log: RoundLog, exp: Experience, started: float) -> None:
-        """Count the optimizer step just taken, record it (trainers/run_recording.py), fire ``on_step_end``."""
+    def _end_step(self, step_metrics: dict[str, float], log: RoundLog, exp: Experience, started: float,
+                  micro_batches: int) -> None:
+        """Count the optimizer step just taken (``micro_batches``: its micro-batches), record it
+        (trainers/run_recording.py), fire ``on_step_end``."""
         self.run.step += 1
-        micro_batches = self.run.step_micro_batches if self.token_budget is not None else None
+        self.run.step_micro_batches = micro_batches
+        micro_batches = micro_batches if self.token_budget is not None else None
         self.recorder.step(step_metrics, log, exp, started, micro_batches)
         self.events.fire("on_step_end")
 

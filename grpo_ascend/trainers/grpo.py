@@ -206,7 +206,6 @@ class GRPOTrainer(RLTrainerBase):
                         stats["policy_loss"] = self._loss_without_entropy(batch, settings, normaliser)
                     self._backward(loss)
                 accumulate(sums, {"loss": loss, **stats, **self._trained_entropy(batch)})
-        self.run.step_micro_batches = count
         grad_norm, _ = self._clip_and_step(self._policy_params, torch.isfinite(sums["loss"]))
         totals = ranks.sum_scalars(sums)
         step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm, **policy_metrics(totals)}
@@ -218,7 +217,7 @@ class GRPOTrainer(RLTrainerBase):
             self.entropy_control.update(totals["trained_entropy_sum"] / max(totals["trained_tokens"], 1.0))
         if bonus:  # as TRL: the coefficient after this step's update
             step_metrics["entropy_coef"] = self.entropy_control.coef
-        self._end_step(step_metrics, step_log(segments), segments[-1].exp, step_start)
+        self._end_step(step_metrics, step_log(segments), segments[-1].exp, step_start, count)
         self._sync_reference()
 
     def _sync_reference(self) -> None:

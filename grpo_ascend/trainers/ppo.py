@@ -119,7 +119,9 @@ class PPOTrainer(RLTrainerBase):
             normaliser = self._step_normaliser(exp.loss_mask[rows], tokens_global)
             self.policy.train()
             self.critic_model.train()
+            micro_batches = 0
             for micro, last in self._micro_batches(rows, exp):
+                micro_batches += 1
                 inputs, mask = exp.model_inputs(micro), exp.loss_mask[micro]
                 # Critic first, forward *and* backward with its adapter active (gradient checkpointing
                 # recomputes the forward during backward with whatever adapter is active then).
@@ -151,7 +153,7 @@ class PPOTrainer(RLTrainerBase):
                 "grad_norm": grad_norm,
                 **policy_metrics(totals),
             }
-            self._end_step(step_metrics, log, exp, step_start)
+            self._end_step(step_metrics, log, exp, step_start, micro_batches)
 
     @torch.no_grad()
     def _forward_values(self, exp: Experience) -> Tensor:

@@ -31,7 +31,7 @@ class RunState:
     round_index: int = 0
     #: Optimizer steps skipped for a NaN/inf loss or gradient.
     skipped_steps: int = 0
-    #: Micro-batches of the optimizer step being logged.
+    #: Micro-batches of the last optimizer step (written when the step ends).
     step_micro_batches: int = 0
     #: The step of the last checkpoint saved (or resumed from); -1 before any.
     last_saved_step: int = -1

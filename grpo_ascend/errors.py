@@ -38,3 +38,7 @@ def closest(name: str, candidates: Iterable[str]) -> str:
 
 class CompatError(GrpoAscendError, RuntimeError):
     """An installed library changed an internal grpo-ascend relies on (see the distributed/compat_* and models/compat_peft modules)."""
+
+
+class RolloutError(GrpoAscendError, RuntimeError):
+    """A rollout process or producer failed: it died past its restarts, stopped its heartbeat, or a weight sync timed out."""

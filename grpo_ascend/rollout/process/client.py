@@ -1,0 +1,300 @@
+"""The trainer's side of a rollout process: a :class:`RolloutBackend` whose sampling runs elsewhere.
+
+:class:`ProcessBackend` starts the built-in engine in a fresh process (:mod:`.worker`) over a
+stand-alone copy of the policy handed over in shared memory, and pushes later policy versions
+through a :class:`~grpo_ascend.rollout.process.weight_ring.WeightRing`. Every request waits with
+three limits: the process is alive (a dead one is restarted, up to ``max_restarts`` times, and a
+grouped-completions request is sent again), its heartbeat is fresher than
+``heartbeat_stale_after_s``, and the request finishes within ``request_timeout``; past them the run
+stops with one :class:`~grpo_ascend.errors.RolloutError` line instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from grpo_ascend.errors import RolloutError
+from grpo_ascend.models.sampler_copy import sampler_copy, synced_tensors
+from grpo_ascend.rollout.backend import (
+    PolicyWeights,
+    RolloutBackend,
+    RolloutBatch,
+    RolloutSession,
+    SessionOutput,
+    TurnEnd,
+)
+from grpo_ascend.rollout.process.weight_ring import WeightRing, spawn_context
+from grpo_ascend.rollout.process.worker import WorkerSpec, serve, to_device
+from grpo_ascend.rollout.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """Where the rollout process runs and how long the trainer waits for it (docs/async.md)."""
+
+    device: str = "cpu"
+    threads: int | None = None
+    precision: str = "fp32"
+    max_restarts: int = 3
+    heartbeat_stale_after_s: float = 300.0
+    request_timeout: float = 600.0
+    weight_sync_timeout: float = 1800.0
+
+
+class ProcessRestarted(RolloutError):
+    """The rollout process died during a session and was restarted: the session's rows must be sampled again."""
+
+
+class ProcessBackend(RolloutBackend):
+    """The built-in engine in a rollout process of its own (see the module docstring).
+
+    Sampling calls name a policy version through :meth:`pinned` (per calling thread; default the
+    newest pushed); :attr:`last_version` is the version the calling thread's last request sampled with.
+    """
+
+    def __init__(self, policy: nn.Module, tokenizer: Any, params: SamplingParams, settings: ProcessSettings,
+                 device: torch.device, version: int) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.settings = settings
+        self._device = device
+        self._context = spawn_context()
+        self._copy = sampler_copy(policy)
+        self.ring = WeightRing(dict(synced_tensors(policy)), self._context)
+        self._initial_version = version
+        self._lock = threading.RLock()
+        self._local = threading.local()
+        self._sessions = itertools.count()
+        self.restarts = 0
+        self._process: Any = None
+        self._start()
+        self._pad, self._eos = self._call("hello")
+
+    # ------------------------------------------------------------------ the process
+    def _start(self) -> None:
+        self._conn, child = self._context.Pipe()
+        self._heartbeat = self._context.Value("d", time.time())
+        spec = WorkerSpec(self._copy, self.tokenizer, self.params, self.settings.device, self.settings.threads,
+                          self.settings.precision, self._initial_version, self.settings.weight_sync_timeout)
+        self._process = self._context.Process(target=serve, args=(child, spec, self.ring, self._heartbeat),
+                                              daemon=True, name="grpo-ascend-rollout")
+        with _main_script_hidden():
+            self._process.start()
+        child.close()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def _call(self, op: str, *args: Any, retry: bool = True) -> Any:
+        """One request, answered or failed within the limits (see the module docstring)."""
+        with self._lock:
+            while True:
+                try:
+                    return self._exchange(op, args)
+                except _Died as died:
+                    self._restart(str(died))
+                    if not retry:
+                        raise ProcessRestarted(f"the rollout process died during a session ({died}); it was restarted "
+                                               "and the session's rows are sampled again") from None
+
+    def _exchange(self, op: str, args: tuple[Any, ...]) -> Any:
+        try:
+            self._conn.send((op, args))
+        except (BrokenPipeError, OSError) as exc:
+            raise _Died(f"pipe closed: {exc}") from None
+        started = time.monotonic()
+        while not self._conn.poll(_POLL_S):
+            if not self._process.is_alive():
+                raise _Died(f"exit code {self._process.exitcode}")
+            quiet = time.time() - self._heartbeat.value
+            if quiet > self.settings.heartbeat_stale_after_s:
+                self._stop_process()
+                raise RolloutError(f"the rollout process's heartbeat stopped {quiet:.0f} s ago "
+                                   f"(heartbeat_stale_after_s={self.settings.heartbeat_stale_after_s:g}); ending the run "
+                                   "instead of waiting on it")
+            if time.monotonic() - started > self.settings.request_timeout:
+                self._stop_process()
+                raise RolloutError(f"rollout request {op!r} took more than request_timeout="
+                                   f"{self.settings.request_timeout:g} s; raise request_timeout for longer rollouts")
+        try:
+            status, value = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise _Died(f"pipe closed: {exc}") from None
+        if status == "error":
+            raise RolloutError(f"the rollout process failed on {op!r}: {value}")
+        return value
+
+    def _restart(self, why: str) -> None:
+        if self.restarts >= self.settings.max_restarts:
+            raise RolloutError(f"the rollout process died ({why}) after {self.restarts} restarts "
+                               f"(max_rollout_restarts={self.settings.max_restarts}); see its output above")
+        self.restarts += 1
+        logger.warning("the rollout process died (%s); restarting it (%d of %d)", why, self.restarts,
+                       self.settings.max_restarts)
+        self._stop_process()
+        self._start()
+
+    def _stop_process(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+        if self._process is not None:
+            self._process.join(timeout=10)
+        self._conn.close()
+
+    def close(self) -> None:
+        """Stop the rollout process (a later call starts none: make a new backend)."""
+        if self._process is None:
+            return
+        with self._lock:
+            if self._process.is_alive():
+                try:
+                    self._conn.send(("stop", ()))
+                    if self._conn.poll(5):
+                        self._conn.recv()
+                except (BrokenPipeError, EOFError, OSError):
+                    pass
+            self._process.join(timeout=5)
+            self._stop_process()
+            self._process = None
+
+    # ------------------------------------------------------------------ versions
+    def pinned(self, version: int | None) -> _Pin:
+        """Inside the block, this thread's sampling uses policy ``version`` (None: the newest pushed)."""
+        return _Pin(self._local, version)
+
+    @property
+    def last_version(self) -> int:
+        """The version this thread's last sampling request used."""
+        return getattr(self._local, "used", self._initial_version)
+
+    @property
+    def published_version(self) -> int:
+        """The newest version pushed (-1 before the first)."""
+        return int(self.ring.latest.value)
+
+    def _version(self) -> int | None:
+        return getattr(self._local, "version", None)
+
+    # ------------------------------------------------------------------ RolloutBackend
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def pad_token_id(self) -> int:
+        return self._pad
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos)
+
+    def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,
+                     generator: torch.Generator | None = None,
+                     prompt_texts: Sequence[str] | None = None) -> RolloutBatch:
+        params = self.checked(params)
+        batch = self._call("generate", [list(p) for p in prompt_ids], params, _seed(generator),
+                           None if prompt_texts is None else list(prompt_texts), self._version())
+        self._local.used = int(batch.policy_versions.flatten()[0]) if batch.policy_versions.numel() else self._version()
+        return to_device(batch, self._device)
+
+    def start_session(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,
+                      generator: torch.Generator | None = None) -> RolloutSession:
+        params = self.checked(params)
+        sid = next(self._sessions)
+        self._local.used = self._call("start_session", sid, [list(p) for p in prompt_ids], params, _seed(generator),
+                                      self._version())
+        return _ProcessSession(self, sid)
+
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Push ``weights`` as a new version (skipped when that version was the last pushed)."""
+        if weights.version == self.published_version:
+            return
+        self.ring.write(weights.version, synced_tensors(weights.model), self.settings.weight_sync_timeout)
+
+    def release_memory(self) -> None:
+        return None
+
+    def restore_memory(self) -> None:
+        return None
+
+
+class _ProcessSession(RolloutSession):
+    """A :class:`RolloutSession` living in the rollout process; a restart in between raises ProcessRestarted."""
+
+    def __init__(self, backend: ProcessBackend, sid: int) -> None:
+        self.backend = backend
+        self.sid = sid
+        self.restarts = backend.restarts
+
+    def _call(self, op: str, *args: Any) -> Any:
+        if self.backend.restarts != self.restarts:
+            raise ProcessRestarted("the rollout process was restarted; the session's rows are sampled again")
+        return self.backend._call(op, self.sid, *args, retry=False)
+
+    def advance(self) -> list[TurnEnd]:
+        return self._call("advance")
+
+    def append(self, row: int, token_ids: Sequence[int]) -> None:
+        self._call("append", row, list(token_ids))
+
+    def output(self) -> SessionOutput:
+        return to_device(self._call("output"), self.backend.device)
+
+    def close(self) -> None:
+        if self.backend.restarts == self.restarts and self.backend._process is not None:
+            self.backend._call("close_session", self.sid, retry=False)
+
+
+class _Pin:
+    def __init__(self, local: threading.local, version: int | None) -> None:
+        self.local, self.version = local, version
+
+    def __enter__(self) -> None:
+        self.previous = getattr(self.local, "version", None)
+        self.local.version = self.version
+
+    def __exit__(self, *exc: object) -> None:
+        self.local.version = self.previous
+
+
+@contextlib.contextmanager
+def _main_script_hidden() -> Iterator[None]:
+    """Start the process without running the caller's script again: a spawned interpreter re-imports
+    ``__main__`` from its file, which re-runs a training script that has no ``if __name__ == "__main__"``
+    guard. The rollout process needs nothing from it (the model and tokenizer travel pickled)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is not None and getattr(main, "__spec__", None) is None:
+        del main.__file__
+        try:
+            yield
+        finally:
+            main.__file__ = path
+    else:
+        yield
+
+
+class _Died(Exception):
+    """The rollout process is gone (restartable)."""
+
+
+def _seed(generator: torch.Generator | None) -> int | None:
+    """A seed for the rollout process's generator, drawn from the caller's (so the caller's stream advances)."""
+    if generator is None:
+        return None
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())

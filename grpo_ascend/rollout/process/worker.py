@@ -1,0 +1,138 @@
+"""The rollout process's side: the built-in engine on its own copy of the policy, serving requests.
+
+Started by :class:`~grpo_ascend.rollout.process.client.ProcessBackend` in a fresh interpreter.
+Requests arrive over a pipe, one at a time: grouped completions, and multi-turn sessions
+(start, advance, append, output, close) so that tool loops, environments and a ``rollout_func``
+keep running on the producer's side. Before each sampling request the process loads the
+requested policy version from the shared-memory :class:`~grpo_ascend.rollout.process.weight_ring.WeightRing`
+(None: the newest), and every sampled token is tagged with the version that sampled it.
+A daemon thread stamps a heartbeat twice a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from grpo_ascend import device as dev
+from grpo_ascend.rollout.backend import RolloutBatch, RolloutSession, SessionOutput
+from grpo_ascend.rollout.engine import RolloutEngine
+from grpo_ascend.rollout.process.weight_ring import WeightRing, synced_tensors
+from grpo_ascend.rollout.sampling import SamplingParams
+
+HEARTBEAT_PERIOD_S = 0.5
+
+
+@dataclass
+class WorkerSpec:
+    """What a rollout process is started with (pickled into it; the model's tensors as shared memory)."""
+
+    model: nn.Module
+    tokenizer: Any
+    params: SamplingParams
+    device: str
+    threads: int | None
+    precision: str
+    initial_version: int
+    weight_read_timeout: float
+
+
+def to_device(record: Any, device: torch.device | str) -> Any:
+    """A batch or session output with every tensor field moved to ``device``."""
+    moved = {f.name: getattr(record, f.name).to(device) for f in dataclasses.fields(record)
+             if isinstance(getattr(record, f.name), Tensor)}
+    return dataclasses.replace(record, **moved)
+
+
+class _Server:
+    """The engine, its weights' version, and the open sessions of one rollout process."""
+
+    def __init__(self, spec: WorkerSpec, ring: WeightRing) -> None:
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        self.device = torch.device(spec.device)
+        self.spec = spec
+        self.ring = ring
+        self.model = spec.model.to(self.device)
+        self.engine = RolloutEngine(self.model, spec.tokenizer, spec.params)
+        self.targets = synced_tensors(self.model, ring.names)
+        self.version = spec.initial_version
+        self.sessions: dict[int, tuple[RolloutSession, int]] = {}
+        self.ops: dict[str, Callable[..., Any]] = {
+            "hello": self.hello, "generate": self.generate, "start_session": self.start_session,
+            "advance": self.advance, "append": self.append, "output": self.output, "close_session": self.close_session,
+        }
+
+    def _load(self, version: int | None) -> int:
+        wanted = self.ring.latest.value if version is None else version
+        if wanted >= 0 and wanted != self.version:
+            self.version = self.ring.read_into(self.targets, wanted, self.spec.weight_read_timeout)
+        return self.version
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+
+    def hello(self) -> tuple[int, list[int]]:
+        return self.engine.pad_token_id, list(self.engine.eos_token_ids)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int | None,
+                 prompt_texts: list[str] | None, version: int | None) -> RolloutBatch:
+        used = self._load(version)
+        with torch.no_grad(), dev.autocast(self.device, self.spec.precision):
+            batch = self.engine.generate_ids(prompt_ids, params, self._generator(seed), prompt_texts)
+        batch = to_device(batch, "cpu")
+        batch.policy_versions = torch.full_like(batch.completion_ids, used)
+        return batch
+
+    def start_session(self, sid: int, prompt_ids: list[list[int]], params: SamplingParams, seed: int | None,
+                      version: int | None) -> int:
+        used = self._load(version)
+        self.sessions[sid] = (self.engine.start_session(prompt_ids, params, self._generator(seed)), used)
+        return used
+
+    def advance(self, sid: int) -> list[Any]:
+        with torch.no_grad(), dev.autocast(self.device, self.spec.precision):
+            return self.sessions[sid][0].advance()
+
+    def append(self, sid: int, row: int, token_ids: list[int]) -> None:
+        self.sessions[sid][0].append(row, token_ids)
+
+    def output(self, sid: int) -> SessionOutput:
+        return to_device(self.sessions[sid][0].output(), "cpu")
+
+    def close_session(self, sid: int) -> None:
+        session, _ = self.sessions.pop(sid, (None, 0))
+        if session is not None:
+            session.close()
+
+
+def serve(conn: Any, spec: WorkerSpec, ring: WeightRing, heartbeat: Any) -> None:
+    """The rollout process's main: answer requests until the pipe closes or ``stop`` arrives."""
+    def beat() -> None:
+        while True:
+            heartbeat.value = time.time()
+            time.sleep(HEARTBEAT_PERIOD_S)
+
+    heartbeat.value = time.time()
+    threading.Thread(target=beat, daemon=True, name="rollout-heartbeat").start()
+    server = _Server(spec, ring)
+    while True:
+        try:
+            op, args = conn.recv()
+        except EOFError:
+            return
+        if op == "stop":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", server.ops[op](*args)))
+        except Exception as exc:  # the client raises it, with the process's traceback
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))

@@ -169,9 +169,24 @@ class ExperienceSource(Protocol):
     (:class:`grpo_ascend.producers.lockstep.LockstepSource`) or from a producer running ahead of it
     (:class:`grpo_ascend.producers.asynchronous.AsyncSource`)."""
 
+    def start(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
+        """``train()`` begins at optimizer step ``step``; ``trainer_state()`` is what reward functions receive."""
+
     def next_scored(self, prompts_per_rank: int, timer: PhaseTimer,
                     trainer_state: Callable[[], dict[str, Any]]) -> Experience:
         """This rank's next ``prompts_per_rank`` groups, sampled and scored (no old or reference log-probs)."""
+
+    def policy_updated(self, step: int) -> None:
+        """The trainer finished optimizer step ``step`` (every rank together): a source may push the weights."""
+
+    def metrics(self) -> dict[str, float]:
+        """This rank's numbers since the last call (staleness, idle time, ...); empty when it has none."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of the source beyond the sampler's state (None: nothing)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back :meth:`state_dict`'s state when resuming."""
 
     def close(self) -> None:
         """Stop what the source runs between rounds."""
@@ -225,6 +240,10 @@ class ExperienceMaker:
             with timer.phase("old_logprobs"):
                 exp.old_logps = exp.sampling_logps if self.exact_sampling_logps else batched_logprobs(
                     self.policy_logprobs, exp, self.micro_batch)
+            if not self.exact_sampling_logps:  # how far the sampler's log-probs are from the trainer's
+                gap = ((exp.old_logps - exp.sampling_logps).abs() * exp.loss_mask).sum()
+                exp.counts["sampler/logprob_gap_sum"] = float(gap)
+                exp.counts["sampler/logprob_gap_tokens"] = float(exp.loss_mask.sum())
         if self.importance_sampling is not None:
             weights = importance_sampling_weights(exp.sampling_logps, exp.old_logps, exp.loss_mask,
                                                   self.importance_sampling)
@@ -373,6 +392,8 @@ def experience_metrics(exp: Experience, ranks: Ranks) -> dict[str, float]:
     if exp.importance_stats:
         metrics.update(importance_sampling_metrics(reduce_stats(exp.importance_stats, ranks.sum_scalars)))
     metrics.update(ranks.sum_scalars({k: torch.tensor(v, device=exp.rewards.device) for k, v in exp.counts.items()}))
+    if metrics.get("sampler/logprob_gap_tokens"):
+        metrics["sampler/logprob_gap"] = metrics["sampler/logprob_gap_sum"] / metrics["sampler/logprob_gap_tokens"]
     if metrics.get("tools/completions"):
         metrics["tools/calls_per_completion"] = metrics["tools/calls"] / metrics["tools/completions"]
         metrics["tools/turns_per_completion"] = metrics["tools/turns"] / metrics["tools/completions"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from grpo_ascend.config.fields import _check_choice, _f, _positive, _Validated
+from grpo_ascend.config.rollout_modes import check_async_settings
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.evaluation import check_eval_config
 from grpo_ascend.tracking.trackers import check_report_to, installed_trackers
@@ -123,6 +124,43 @@ class BaseRLConfig(_Validated):
         None, "Server mode: the folder adapter versions (and full weights) are written to for the server to load; "
         "the server must read it (same machine or shared storage). null = output_dir/vllm-sync. Not a TRL setting."
     )
+    # --- asynchronous rollouts (TRL's AsyncGRPOConfig names and meanings; docs/async.md) ---
+    rollout_mode: Literal["sync", "one_step_off", "async"] = _f(
+        "sync", "sync: sample, score, then train, each waiting for the other; one_step_off: batch k+1 is sampled "
+        "while batch k trains (every sample one policy version old); async: a producer keeps up to "
+        "max_inflight_tasks prompts in flight into a bounded queue, dropping groups older than max_staleness. "
+        "With the built-in engine, one_step_off and async sample in a rollout process of their own."
+    )
+    max_inflight_tasks: int = _f(
+        -1, "async: prompts sampled ahead of training at most (queued or being sampled); -1 = max(max_staleness, 1) "
+        "× the prompts of one generation round."
+    )
+    max_staleness: int = _f(
+        4, "async: a group sampled more than this many policy versions before the step that would train it is "
+        "dropped (counted as async/dropped_groups) and its prompt sampled again."
+    )
+    queue_maxsize: int = _f(1024, "async: completions the queue between producer and trainer holds at most.")
+    weight_sync_steps: int = _f(
+        1, "async: optimizer steps between weight pushes to the sampler (a policy version is one push)."
+    )
+    heartbeat_stale_after_s: float = _f(
+        300.0, "Seconds without a heartbeat from the rollout process after which the run stops instead of waiting."
+    )
+    request_timeout: float = _f(600.0, "Seconds one rollout request (a batch of prompts) may take before the run stops.")
+    weight_sync_timeout: float = _f(
+        1800.0, "Seconds one weight push to the sampler may take before the run stops with one clear line."
+    )
+    rollout_device: str | None = _f(
+        None, "Where the rollout process samples: a device such as 'npu:1', or 'cpu'; null = the trainer's device "
+        "(its own cores on the CPU). Not a TRL setting."
+    )
+    rollout_threads: int | None = _f(
+        None, "CPU threads of the rollout process; null = half of the trainer's threads (at least 1), the trainer "
+        "keeping the rest. Not a TRL setting."
+    )
+    max_rollout_restarts: int = _f(
+        3, "Times a rollout process that died is restarted before the run stops. Not a TRL setting."
+    )
     # --- rewards ---
     reward_weights: list[float] | None = _f(None, "Weight per reward function (default 1 each).")
     reward_errors: Literal["raise", "zero"] = _f("raise", "A raising reward function stops the run, or scores 0 and is counted.")
@@ -207,6 +245,7 @@ class BaseRLConfig(_Validated):
                 raise ConfigError(f"use_vllm=True conflicts with rollout_backend={self.rollout_backend!r}; set only one")
             self.rollout_backend = "vllm"
         _check_choice("vllm_mode", self.vllm_mode, ("colocate", "server"))
+        check_async_settings(self)
         _positive(self, "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
                   "vllm_max_model_length", "vllm_kv_cache_memory_bytes")
         # TRL's unset values (None) of fields typed more narrowly here: transformers' output folder, a visible
@@ -395,3 +434,4 @@ class BatchPlan:
                f"{self.optimizer_steps_per_round} optimizer step(s)")
             + (f" ({self.num_iterations} iterations)" if self.num_iterations > 1 else "")
         )
+

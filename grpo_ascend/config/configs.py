@@ -164,8 +164,10 @@ class GRPOConfig(BaseRLConfig):
         return self.beta > 0
 
     def __post_init__(self) -> None:
-        if (self.use_vllm or self.rollout_backend == "vllm") and self.vllm_importance_sampling_correction is None:
-            # TRL's default with vLLM: correct the sampler/trainer mismatch (turn off with the TRL name).
+        off_policy = self.use_vllm or self.rollout_backend == "vllm" or self.rollout_mode != "sync"
+        if off_policy and self.vllm_importance_sampling_correction is None:
+            # TRL's default with vLLM, and ours with rollouts ahead of training: correct the sampler/trainer
+            # mismatch (turn off with the TRL name).
             self.importance_sampling_correction = True
         _apply_aliases(self)
         if self.loss_type == "gspo":  # our alias; TRL spells GSPO as sequence-level ratios under the grpo loss
@@ -198,6 +200,7 @@ class GRPOConfig(BaseRLConfig):
                               f"{', '.join(sorted(TOOL_CALL_PARSERS))}{closest(self.tool_call_parser, list(TOOL_CALL_PARSERS))}")
         if self.num_iterations < 1:
             raise ConfigError(f"num_iterations must be >= 1, got {self.num_iterations}")
+
         if self.max_dynamic_sampling_rounds < 0:
             raise ConfigError(f"max_dynamic_sampling_rounds must be >= 0, got {self.max_dynamic_sampling_rounds}")
         self._check_loss_and_correction()

@@ -15,6 +15,7 @@ Modules, one job each:
 - ``ascend``: Ascend runtime environment defaults, CANN version, chip family, HCCL timeouts.
 - ``host_allocator``: glibc's malloc thresholds on CPU runs.
 - ``npu_patches``: optional fused Ascend kernels, per model instance and chip.
+- ``placement``: where a rollout process samples beside the trainer (device, CPU threads).
 - ``doctor_facts`` / ``doctor``: what ``grpo-ascend doctor`` reports, and the command itself.
 
 The public names below are re-exported here and load on first use, so importing the package
@@ -51,6 +52,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "effective_exec_timeout", "soc_name",
     ),
     "npu_patches": ("apply_npu_patches",),
+    "placement": ("RolloutPlacement", "rollout_placement"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

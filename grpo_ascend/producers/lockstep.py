@@ -52,6 +52,9 @@ class LockstepSource:
         self.rollout_context = rollout_context
         self.mask_truncated_completions = mask_truncated_completions
 
+    def start(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
+        return None
+
     def next_scored(self, prompts_per_rank: int, timer: PhaseTimer,
                     trainer_state: Callable[[], dict[str, Any]]) -> Experience:
         rows, group_ids = draw_slice(self.sampler, self.ranks, prompts_per_rank)
@@ -59,6 +62,18 @@ class LockstepSource:
             batch = self.rollout.generate_rows(rows, generator=self.generator)
         return scored_experience(self.rewards, rows, group_ids, batch, trainer_state(), timer,
                                  self.mask_truncated_completions)
+
+    def policy_updated(self, step: int) -> None:
+        return None  # the next round samples inside the trainer's rollout context, with the weights as they are
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None  # the sampler's state (saved by the checkpointer) says it all
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
 
     def close(self) -> None:
         return None

@@ -285,6 +285,11 @@ class RolloutBackend(ABC):
         """Stop what the backend keeps running (threads, an in-process server); default: nothing runs."""
         return None
 
+    def pinned(self, version: int | None) -> contextlib.AbstractContextManager:
+        """Inside the block, the calling thread samples with policy ``version`` (None: the newest synced).
+        A backend holding one version at a time (default) samples with that one."""
+        return contextlib.nullcontext()
+
 
 @contextlib.contextmanager
 def serving(backend: RolloutBackend, weights: Callable[[], PolicyWeights]) -> Iterator[None]:
@@ -305,7 +310,7 @@ BackendFactory = Callable[[nn.Module, Any, SamplingParams, Any], RolloutBackend]
 
 #: name -> factory, or "module:attribute" imported when the name is first built (optional dependencies).
 _BACKENDS: dict[str, BackendFactory | str] = {
-    "builtin": "grpo_ascend.rollout.engine:build_builtin_backend",
+    "builtin": "grpo_ascend.rollout.builtin:build_builtin_backend",
     "vllm": "grpo_ascend.rollout.vllm.factory:build_vllm_backend",
 }
 

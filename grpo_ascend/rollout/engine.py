@@ -55,7 +55,7 @@ from grpo_ascend.rollout.session import BuiltinSession
 from grpo_ascend.rollout.shared_prefix import SharedPrefixKVCache, supports_shared_prefix
 from grpo_ascend.rollout.stop_strings import StopStrings
 
-__all__ = ["Prompt", "RolloutBatch", "RolloutEngine", "build_builtin_backend"]
+__all__ = ["Prompt", "RolloutBatch", "RolloutEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -372,8 +372,3 @@ class RolloutEngine(RolloutBackend):
                     done_at_check = batch.done
                 batch.step()
         return steps
-
-
-def build_builtin_backend(policy: nn.Module, tokenizer: Any, params: SamplingParams, args: Any) -> RolloutEngine:
-    """The ``"builtin"`` rollout backend: this engine over the policy module itself."""
-    return RolloutEngine(policy, tokenizer, params)

@@ -45,7 +45,7 @@ from grpo_ascend.models.policy import (
     lora_merged,
     trainable_parameters,
 )
-from grpo_ascend.producers.lockstep import LockstepSource
+from grpo_ascend.producers.factory import build_source
 from grpo_ascend.rollout.backend import PolicyWeights, serving
 from grpo_ascend.rollout.protocol import PromptRollout, Rollout
 from grpo_ascend.tracking.run_tracker import RunTracker
@@ -245,9 +245,10 @@ class RLTrainerBase:
                                importance_sampling: ImportanceSamplingSettings | None = None) -> ExperienceMaker:
         """The round's experience pipeline over this trainer's sampler, rollout, rewards and forwards."""
         args = self.args
-        source = LockstepSource(sampler=self.sampler, rollout=self.rollout, rewards=self.rewards, ranks=self.ranks,
-                                generator=self.generator, rollout_context=self._rollout_context,
-                                mask_truncated_completions=mask_truncated_completions)
+        source = build_source(args, self.plan, self._push_weights, sampler=self.sampler, rollout=self.rollout,
+                              rewards=self.rewards, ranks=self.ranks, generator=self.generator,
+                              rollout_context=self._rollout_context,
+                              mask_truncated_completions=mask_truncated_completions)
         return ExperienceMaker(
             source=source, micro_batch=self.plan.micro_batch, policy_logprobs=self._policy_logprobs,
             reference_logprobs=self._reference_logprobs if args.needs_reference_model else None,
@@ -255,6 +256,11 @@ class RLTrainerBase:
             exact_sampling_logps=self.precision == "fp32" and self.rollout.samples_policy_module,
             importance_sampling=importance_sampling,
         )
+
+    def _push_weights(self, step: int) -> None:
+        """The policy's weights to the rollout's sampler as version ``step`` (every rank together)."""
+        with self.strategy.whole_weights(self.logprob_model):
+            self.rollout.backend.sync_weights(PolicyWeights(self.policy, step))
 
     def _trainer_state_for_rewards(self) -> dict[str, Any]:
         """``trainer_state`` as reward functions receive it."""
@@ -342,6 +348,7 @@ class RLTrainerBase:
         try:
             if evaluator.enabled and self.args.eval_on_start and run.step == 0:
                 self._evaluate_in_run()
+            self.experience.source.start(run.step, self._trainer_state_for_rewards)
             while run.step < self.max_steps and not self.control.should_training_stop:
                 self._train_round()
                 run.round_index += 1
@@ -390,15 +397,27 @@ class RLTrainerBase:
     # ------------------------------------------------------------------------------ checkpoints
     def _save(self) -> None:
         """A checkpoint of this step (every rank), pushed per ``hub_strategy``; fires ``on_save``."""
-        path = self.checkpointer.save(self._trainer_state(), self._extra_state_tensors())
+        path = self.checkpointer.save({**self._trainer_state(), **self._rollout_ledger()}, self._extra_state_tensors())
         self.publisher.push_checkpoint(path)
         self.events.fire("on_save")
 
     def _load(self, path: Path) -> None:
         """Resume from the checkpoint at ``path``, the algorithm's own state included."""
         resumed = self.checkpointer.load(path)
+        ledgers = resumed.trainer_state.get("rollout_ledger")
+        if ledgers is not None:
+            self.experience.source.load_state_dict(ledgers[self.ranks.rank])
         self._restore_trainer_state(resumed.trainer_state)
         self._restore_extra_state_tensors(resumed.extra_tensors)
+
+    def _rollout_ledger(self) -> dict[str, Any]:
+        """Every rank's experience-source state (prompts in flight ahead of training), when its source has one."""
+        state = self.experience.source.state_dict()
+        if state is None:
+            return {}
+        from accelerate.utils import gather_object
+
+        return {"rollout_ledger": [state] if self.ranks.world == 1 else gather_object([state])}
 
     def _trainer_state(self) -> dict[str, Any]:
         """Subclass hook: the algorithm's own state a checkpoint's trainer_state.json adds (JSON)."""
@@ -517,6 +536,7 @@ class RLTrainerBase:
         (trainers/run_recording.py), fire ``on_step_end``."""
         self.run.step += 1
         self.run.step_micro_batches = micro_batches
+        self.experience.source.policy_updated(self.run.step)
         micro_batches = micro_batches if self.token_budget is not None else None
         self.recorder.step(step_metrics, log, exp, started, micro_batches)
         self.events.fire("on_step_end")

@@ -164,6 +164,7 @@ class GRPOTrainer(RLTrainerBase):
             trainer_state=self._trainer_state_for_rewards, refill=self._refill if args.dynamic_sampling else None,
         )
         metrics = experience_metrics(exp, ranks)
+        metrics.update(ranks.mean_over_ranks(self.experience.source.metrics()))
         grouped = GroupedRewards(ranks.gather(exp.rewards_per_function), ranks.gather(exp.rewards),
                                  torch.tensor(self.rewards.weights, device=self.device), self.plan.num_generations)
         adv = aggregate_advantages(args.multi_objective_aggregation, grouped, args.advantage_estimator,

@@ -107,6 +107,7 @@ class PPOTrainer(RLTrainerBase):
         exp = self.experience.make(self.plan.prompts_per_rank, timer, old_logps=True,
                                    trainer_state=self._trainer_state_for_rewards)
         metrics = experience_metrics(exp, ranks)
+        metrics.update(ranks.mean_over_ranks(self.experience.source.metrics()))
         with timer.phase("values"):
             values = self._forward_values(exp)
         with timer.phase("advantages"):

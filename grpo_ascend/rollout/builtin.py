@@ -1,0 +1,38 @@
+"""The ``"builtin"`` rollout backend: the built-in engine on the policy module itself (``rollout_mode: sync``),
+or in a rollout process of its own with its own copy of the policy (``one_step_off`` / ``async``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from grpo_ascend import device as dev
+from grpo_ascend.rollout.backend import RolloutBackend
+from grpo_ascend.rollout.engine import RolloutEngine
+from grpo_ascend.rollout.process.client import ProcessBackend, ProcessSettings
+from grpo_ascend.rollout.sampling import SamplingParams
+
+
+def build_builtin_backend(policy: nn.Module, tokenizer: Any, params: SamplingParams, args: Any) -> RolloutBackend:
+    """The engine over ``policy`` in this process, or a rollout process placed by the device layer."""
+    if getattr(args, "rollout_mode", "sync") == "sync":
+        return RolloutEngine(policy, tokenizer, params)
+    trainer_device = next(policy.parameters()).device
+    place = dev.rollout_placement(trainer_device, args.rollout_device, args.rollout_threads)
+    if place.trainer_threads is not None:
+        torch.set_num_threads(place.trainer_threads)
+    settings = ProcessSettings(
+        device=place.device, threads=place.threads, precision=_precision(args, place.device), max_restarts=args.max_rollout_restarts,
+        heartbeat_stale_after_s=args.heartbeat_stale_after_s, request_timeout=args.request_timeout,
+        weight_sync_timeout=args.weight_sync_timeout,
+    )
+    return ProcessBackend(policy, tokenizer, params, settings, trainer_device, version=0)
+
+
+def _precision(args: Any, device: str) -> str:
+    """The sampler's autocast precision, chosen as the trainer's rollouts choose theirs (bf16 by default
+    on an accelerator that has it)."""
+    bf16 = args.bf16 if args.bf16 is not None else dev.is_accelerator(device) and dev.bf16_supported(device)
+    return "bf16" if bf16 else "fp16" if args.fp16 else "fp32"

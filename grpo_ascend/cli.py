@@ -74,6 +74,9 @@ COMMANDS: dict[str, Command] = {
     "doctor": Command("report versions, the accelerator and its chip, bf16 support, collective timeouts, runtime env "
                       "vars and free memory", lazy("grpo_ascend.device.doctor:add_arguments"),
                       lazy("grpo_ascend.device.doctor:run")),
+    "smoke": Command("check this node in minutes: doctor, rollout engine vs generate, GRPO steps with LoRA, vLLM "
+                     "log-prob parity, two-device DDP; writes a JSON + markdown report, e.g. smoke --model PATH",
+                     lazy("grpo_ascend.smoke.cli:add_arguments"), lazy("grpo_ascend.smoke.cli:run")),
 }
 
 

@@ -91,6 +91,7 @@ LONGEST_FILES = (
     "test_deepspeed.py",  # 44, two processes
     "test_demo.py",  # 29
     "test_distributed.py",  # 35, two processes
+    "test_two_node.py",  # 40 (one run of it on a busy 2-core machine), two machine ranks then two processes
     "test_grpo_trainer.py",  # 21
     "test_fsdp.py",  # 26, two processes
     "test_compiled_decode.py",  # 18
@@ -99,6 +100,7 @@ LONGEST_FILES = (
     "test_checkpoint.py",  # 11
     "test_sandbox.py",  # 11
     "test_cli_doctor.py",  # 10
+    "test_smoke.py",  # 13 (one run of it)
     "test_evaluation_tools.py",  # 10
 )
 

@@ -21,6 +21,18 @@ The fakes follow torch_npu's documented behaviour:
   11SD, B1SD or BNSD on A2/A3 (D < 896, even) and 11SD with D = 128 on the Atlas training series;
   r1/r2 must lie in [-1, 1].
 The kernels compute with plain torch on CPU tensors and count their calls.
+
+The fakes follow the newest torch_npu API the device layer uses (2.12/2.14, checked against Ascend/pytorch's
+source), so a rename breaks a test here before it breaks a user:
+
+- ``torch.version.cann`` is what torch_npu sets at import from $ASCEND_HOME_PATH's install info, "not known"
+  without it (every release); the runtime's answer is ``torch_npu.utils.get_cann_version(module="CANN")``
+  (also ``torch_npu.npu.utils``);
+- ``torch.npu.is_bf16_supported(including_emulation=False)`` (the argument arrived after 2.5);
+- the names torch_npu deprecated (:data:`DEPRECATED_NPU_APIS`) are absent from the fake runtime, so calling
+  one fails here; tests/test_stack_versions.py also checks the device layer never names them;
+- the HCCL watchdog switches are ``TORCH_HCCL_ASYNC_ERROR_HANDLING`` / ``TORCH_HCCL_BLOCKING_WAIT`` from
+  2.13 on, the older ``HCCL_*`` names still read when the new ones are unset.
 """
 
 from __future__ import annotations
@@ -37,6 +49,19 @@ import torch
 
 from grpo_ascend import device as dev
 
+#: torch.npu names torch_npu deprecated between 2.5 and 2.14 -> what replaces them (torch_npu/npu/memory.py,
+#: torch_npu/npu/amp/autocast_mode.py).
+DEPRECATED_NPU_APIS = {
+    "memory_cached": "memory_reserved",
+    "max_memory_cached": "max_memory_reserved",
+    "reset_max_memory_allocated": "reset_peak_memory_stats",
+    "reset_max_memory_cached": "reset_peak_memory_stats",
+    "custom_fwd": "torch.amp.custom_fwd(device_type=...)",
+    "custom_bwd": "torch.amp.custom_bwd(device_type=...)",
+}
+#: The torch_npu version and CANN the fake reports by default: Ascend's recommended pair (device/stack_versions.py).
+FAKE_TORCH_NPU_VERSION = "2.12.0"
+FAKE_CANN_VERSION = "9.1.0"
 FAMILY_OF_SOC = {"Ascend910B2": "A2", "Ascend910_9391": "A3", "Ascend910ProB": "training", "Ascend310P3": "inference"}
 #: What ``import torch_npu`` raises on a machine whose CANN libraries are not on the library path.
 CANN_MISSING = "libascendcl.so: cannot open shared object file: No such file or directory"
@@ -46,12 +71,19 @@ class NpuKernelError(RuntimeError):
     """What the fake raises where the real operator has no kernel or rejects a shape."""
 
 
-def kernels(soc: str, calls: Counter) -> types.ModuleType:
+def kernels(soc: str, calls: Counter, version: str = FAKE_TORCH_NPU_VERSION,
+            cann: str = FAKE_CANN_VERSION) -> types.ModuleType:
     """A torch_npu module whose three fused kernels check their documented chip and shape limits."""
     family = FAMILY_OF_SOC[soc]
     module = types.ModuleType("torch_npu")
-    module.__version__ = "2.5.1.post1"
-    module.utils = types.SimpleNamespace(get_cann_version=lambda module="CANN": "8.0.RC3")
+    module.__version__ = version
+
+    def get_cann_version(module: str = "CANN") -> str:
+        if module not in ("CANN", "RUNTIME", "COMPILER", "HCCL", "TOOLKIT", "OPP", "OPP_KERNEL", "DRIVER"):
+            raise ValueError(f"unknown CANN module {module!r}")
+        return cann
+
+    module.utils = types.SimpleNamespace(get_cann_version=get_cann_version)
 
     def npu_rms_norm(x, gamma, epsilon=1e-6):
         calls["rms_norm"] += 1
@@ -114,10 +146,10 @@ class FakeRuntime:
         self._rec("set_device", index)
         self.current = index
 
-    def get_device_name(self, index=None):
+    def get_device_name(self, device_name=None):
         return self.soc
 
-    def is_bf16_supported(self):
+    def is_bf16_supported(self, including_emulation: bool = False):
         return self.bf16
 
     def synchronize(self, index=None):
@@ -191,17 +223,19 @@ def fake_npu_devices(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def install(monkeypatch: pytest.MonkeyPatch, soc: str = "Ascend910B2", npu_devices: bool = True,
-            count: int = 1) -> Counter:
-    """Put a fake torch_npu (fused kernels of ``soc``) and a recording torch.npu with ``count``
-    devices in place; returns the kernel call counts. The runtime is ``torch.npu`` afterwards.
+            count: int = 1, version: str = FAKE_TORCH_NPU_VERSION, cann: str = FAKE_CANN_VERSION) -> Counter:
+    """Put a fake torch_npu ``version`` (fused kernels of ``soc``, runtime CANN ``cann``) and a recording
+    torch.npu with ``count`` devices in place; returns the kernel call counts. The runtime is ``torch.npu``
+    afterwards, and ``torch.version.cann`` is "not known", as torch_npu leaves it without $ASCEND_HOME_PATH.
 
     With ``npu_devices`` torch.device('npu:N') returns a FakeDevice (see :func:`fake_npu_devices`).
     """
     calls: Counter = Counter()
-    module = kernels(soc, calls)
+    module = kernels(soc, calls, version, cann)
     module.npu = FakeRuntime(soc, count=count, bf16=FAMILY_OF_SOC[soc] in ("A2", "A3"))
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     monkeypatch.setattr(torch, "npu", module.npu, raising=False)
+    monkeypatch.setattr(torch.version, "cann", "not known", raising=False)
     dev.forget_torch_npu()
     if npu_devices:
         fake_npu_devices(monkeypatch)

@@ -140,7 +140,7 @@ def test_doctor_on_a_fake_npu_shows_chip_and_effective_timeouts(monkeypatch, cap
     assert rows["chip family"] == "Atlas training series" and rows["dist backend"] == "hccl"
     assert rows["ddp_timeout"] == "3600 s (process-group timeout)"
     assert rows["HCCL exec timeout"] == "3540 s (derived from ddp_timeout, 3536 s on this chip)"  # 52 x 68 s
-    assert rows["HCCL watchdog"] == "3600 s (torch_npu 2.5.1.post1)"
+    assert rows["HCCL watchdog"] == "3600 s (torch_npu 2.12.0)"
 
 
 def _doctor_subprocess(tmp_path: Path, *args: str, **env_extra: str) -> subprocess.CompletedProcess:

@@ -236,8 +236,8 @@ def test_npu_seed_and_rng_state(fake_npu):
 
 
 def test_npu_facts_report_versions_and_chip(fake_npu):
-    assert doctor_facts.software_versions()["torch_npu"] == "2.5.1.post1"
-    assert doctor_facts.software_versions()["CANN"] == "8.0.RC3"
+    assert doctor_facts.software_versions()["torch_npu"] == "2.12.0"
+    assert doctor_facts.software_versions()["CANN"] == "9.1.0"  # torch.version.cann is "not known": the runtime is asked
     facts = doctor_facts.device_facts()
     assert facts["device_type"] == "npu" and facts["dist_backend"] == "hccl"
     assert facts["free_memory"] == 2**30 and facts["total_memory"] == 2**32
@@ -535,7 +535,7 @@ def test_npu_run_exports_the_derived_exec_timeout(fake_npu, monkeypatch):
     assert doctor_facts.timeout_facts("npu:0", 1800) == {
         "ddp_timeout": "1800 s (process-group timeout)",
         "HCCL exec timeout": "1740 s (exported, 1700 s on this chip)",
-        "HCCL watchdog": "1800 s (torch_npu 2.5.1.post1)",
+        "HCCL watchdog": "1800 s (torch_npu 2.12.0)",
     }
     monkeypatch.delenv("HCCL_EXEC_TIMEOUT")
     assert doctor_facts.timeout_facts("npu:0", 600)["HCCL exec timeout"] == "540 s (derived from ddp_timeout, 476 s on this chip)"

@@ -46,13 +46,21 @@ def apply_npu_runtime_defaults(env: MutableMapping[str, str] = os.environ) -> di
     return applied
 
 
+#: What torch_npu puts in ``torch.version.cann`` when it finds no CANN install info (every release to 2.14).
+CANN_UNKNOWN = "not known"
+
+
 def cann_version() -> str | None:
-    """CANN toolkit version reported by torch_npu, or None if unknown or torch_npu is unusable."""
+    """CANN toolkit version reported by torch_npu, or None if unknown or torch_npu is unusable.
+
+    torch_npu sets ``torch.version.cann`` at import from $ASCEND_HOME_PATH's install info ("not known"
+    without it); ``get_cann_version(module="CANN")`` (torch_npu.utils, torch_npu.npu.utils) asks the runtime.
+    """
     module = load_torch_npu().module
     if module is None:
         return None
     version = getattr(torch.version, "cann", None)
-    if version:
+    if version and str(version).strip().lower() != CANN_UNKNOWN:
         return str(version)
     for owner in ("utils", "npu.utils"):
         target: Any = module
@@ -65,7 +73,7 @@ def cann_version() -> str | None:
             found = getter(module="CANN")
         except Exception:  # old CANN versions raise or return ''
             continue
-        if found:
+        if found and str(found).strip().lower() != CANN_UNKNOWN:
             return str(found)
     return None
 
@@ -121,6 +129,26 @@ def soc_name(device: torch.device | str | None = None) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 HCCL_WATCHDOG_DEFAULT_S = 1800
+#: The switches that turn torch_npu's HCCL watchdog off, each (current name, the name before torch_npu 2.13),
+#: with the value that turns it off. The current name wins when both are set (ProcessGroupHCCL.hpp).
+WATCHDOG_SWITCHES: tuple[tuple[tuple[str, str], str], ...] = (
+    (("TORCH_HCCL_ASYNC_ERROR_HANDLING", "HCCL_ASYNC_ERROR_HANDLING"), "0"),
+    (("TORCH_HCCL_BLOCKING_WAIT", "HCCL_BLOCKING_WAIT"), "1"),
+)
+
+
+def watchdog_switch(env: Mapping[str, str] = os.environ) -> str:
+    """The variable (``NAME=value``) that turns torch_npu's HCCL watchdog off here, or '' when it is on."""
+    for names, off in WATCHDOG_SWITCHES:
+        name = next((n for n in names if env.get(n) is not None and env.get(n) != ""), None)
+        if name is not None and env[name].strip() == off:
+            return f"{name}={off}"
+    return ""
+
+
+def watchdog_enabled(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether torch_npu's HCCL watchdog runs (on unless one of :data:`WATCHDOG_SWITCHES` turns it off)."""
+    return not watchdog_switch(env)
 #: HCCL_EXEC_TIMEOUT = ddp_timeout - this margin, so HCCL reports a stuck collective (and writes its
 #: plog) before torch_npu's watchdog tears the process group down at ddp_timeout.
 HCCL_EXEC_MARGIN_S = 60

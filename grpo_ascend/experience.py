@@ -240,10 +240,6 @@ class ExperienceMaker:
             with timer.phase("old_logprobs"):
                 exp.old_logps = exp.sampling_logps if self.exact_sampling_logps else batched_logprobs(
                     self.policy_logprobs, exp, self.micro_batch)
-            if not self.exact_sampling_logps:  # how far the sampler's log-probs are from the trainer's
-                gap = ((exp.old_logps - exp.sampling_logps).abs() * exp.loss_mask).sum()
-                exp.counts["sampler/logprob_gap_sum"] = float(gap)
-                exp.counts["sampler/logprob_gap_tokens"] = float(exp.loss_mask.sum())
         if self.importance_sampling is not None:
             weights = importance_sampling_weights(exp.sampling_logps, exp.old_logps, exp.loss_mask,
                                                   self.importance_sampling)
@@ -392,8 +388,6 @@ def experience_metrics(exp: Experience, ranks: Ranks) -> dict[str, float]:
     if exp.importance_stats:
         metrics.update(importance_sampling_metrics(reduce_stats(exp.importance_stats, ranks.sum_scalars)))
     metrics.update(ranks.sum_scalars({k: torch.tensor(v, device=exp.rewards.device) for k, v in exp.counts.items()}))
-    if metrics.get("sampler/logprob_gap_tokens"):
-        metrics["sampler/logprob_gap"] = metrics["sampler/logprob_gap_sum"] / metrics["sampler/logprob_gap_tokens"]
     if metrics.get("tools/completions"):
         metrics["tools/calls_per_completion"] = metrics["tools/calls"] / metrics["tools/completions"]
         metrics["tools/turns_per_completion"] = metrics["tools/turns"] / metrics["tools/completions"]

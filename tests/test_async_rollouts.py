@@ -1,0 +1,143 @@
+"""Rollouts ahead of training: the rollout process (parity, versions, restarts), the producer's staleness
+rules and ledger, and learning under ``one_step_off`` / ``async``."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from helpers import (
+    SMALL_RUN,
+    first_digit_is_one,
+    index_in_group,
+    perturb_weights,
+    rewards_before_and_after_training,
+)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo_ascend import GRPOConfig, GRPOTrainer
+from grpo_ascend.data.synthetic import arithmetic_dataset
+from grpo_ascend.errors import ConfigError, RolloutError
+from grpo_ascend.models.policy import default_lora_config
+from grpo_ascend.rollout.backend import PolicyWeights
+from grpo_ascend.rollout.engine import RolloutEngine
+from grpo_ascend.rollout.process.client import ProcessBackend, ProcessSettings
+from grpo_ascend.rollout.sampling import SamplingParams
+
+
+def _seed_of(seed: int) -> int:
+    """The seed a rollout process's generator gets from a caller's generator seeded with ``seed``."""
+    return int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(seed)).item())
+
+
+def test_rollout_process_samples_as_the_engine_follows_versions_and_survives_a_kill(tiny_model_dir):
+    """Same weights and seed: the same tokens and log-probs as the in-process engine; a pushed version is
+    sampled from (and tagged on every token); a pinned one stays; a killed process is restarted."""
+    model = perturb_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval())
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    params = SamplingParams(num_generations=3, max_completion_length=12, temperature=1.0)
+    engine = RolloutEngine(model, tok, params)
+    ids = [tok("hello there").input_ids, tok("one two").input_ids]
+    remote = ProcessBackend(model, tok, params, ProcessSettings(threads=1, max_restarts=1), torch.device("cpu"), 0)
+    try:
+        local = engine.generate_ids(ids, params, torch.Generator().manual_seed(_seed_of(3)))
+        sampled = remote.generate_ids(ids, params, torch.Generator().manual_seed(3))
+        assert torch.equal(local.completion_ids, sampled.completion_ids)
+        # the same maths; the process may pick another matmul layout (device calibration): float noise only
+        torch.testing.assert_close(local.sampling_logprobs, sampled.sampling_logprobs, rtol=0, atol=1e-5)
+        assert sampled.policy_versions.unique().tolist() == [0]
+
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02)
+        remote.sync_weights(PolicyWeights(model, 5))
+        moved = engine.generate_ids(ids, params, torch.Generator().manual_seed(_seed_of(3)))
+        assert not torch.equal(moved.sampling_logprobs, local.sampling_logprobs)
+        newest = remote.generate_ids(ids, params, torch.Generator().manual_seed(3))
+        assert torch.equal(newest.completion_ids, moved.completion_ids)
+        assert newest.policy_versions.unique().tolist() == [5] and remote.last_version == 5
+
+        os.kill(remote.pid, signal.SIGKILL)
+        again = remote.generate_ids(ids, params, torch.Generator().manual_seed(3))  # restarted, newest weights
+        assert remote.restarts == 1 and torch.equal(again.completion_ids, moved.completion_ids)
+        os.kill(remote.pid, signal.SIGKILL)
+        with pytest.raises(RolloutError, match="after 1 restarts"):
+            remote.generate_ids(ids, params, torch.Generator().manual_seed(3))
+    finally:
+        remote.close()
+
+
+def _trained_groups(trainer):
+    """Wrap the source so each round's trained group ids (and their sampling versions) are recorded."""
+    seen = []
+    take = trainer.experience.source.next_scored
+
+    def recording(*a, **kw):
+        exp = take(*a, **kw)
+        seen.append((trainer.step, exp.group_ids[:: trainer.plan.num_generations].tolist(),
+                     exp.policy_versions.min().item(), exp.policy_versions.max().item()))
+        return exp
+
+    trainer.experience.source.next_scored = recording
+    return seen
+
+
+def _run(tmp_path, model_dir, name, **kw):
+    cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / name), "max_steps": 5, **kw})
+    trainer = GRPOTrainer(str(model_dir), index_in_group(cfg.num_generations), cfg, arithmetic_dataset(40, seed=1),
+                          peft_config=default_lora_config(r=4))
+    seen = _trained_groups(trainer)
+    trainer.train()
+    return trainer, seen
+
+
+def test_one_step_off_samples_each_batch_with_the_weights_one_round_old(tmp_path, tiny_model_dir):
+    """Batch k is sampled with version k - 1 exactly (batch 0 with the start); prompts in draw order, each once."""
+    trainer, seen = _run(tmp_path, tiny_model_dir, "one_step_off", rollout_mode="one_step_off")
+    assert [(step, lo, hi) for step, _, lo, hi in seen] == [(0, 0, 0), (1, 0, 0), (2, 1, 1), (3, 2, 2), (4, 3, 3)]
+    assert [g for _, groups, _, _ in seen for g in groups] == list(range(10))
+    staleness = [r["async/staleness_max"] for r in trainer.state.log_history if "async/staleness_max" in r]
+    assert staleness == [0.0, 1.0, 1.0, 1.0, 1.0]
+    gaps = [r["sampling/sampling_logp_difference/mean"] for r in trainer.state.log_history
+            if "sampling/sampling_logp_difference/mean" in r]
+    # step 1: the sampler's and the trainer's weights are the same (float noise); later, one step apart
+    assert len(gaps) == 5 and gaps[0] < 1e-5 and min(gaps[1:]) > 100 * gaps[0]
+
+
+def test_async_drops_stale_groups_and_samples_their_prompts_again(tmp_path, tiny_model_dir):
+    """max_staleness 0 with the producer running rounds ahead: groups older than the step are dropped and
+    counted, their prompts sampled again; every trained group is fresh, no prompt is lost or trained twice."""
+    trainer, seen = _run(tmp_path, tiny_model_dir, "async", rollout_mode="async", max_staleness=0,
+                         max_inflight_tasks=6)
+    assert all(lo == hi == step for step, _, lo, hi in seen)
+    trained = [g for _, groups, _, _ in seen for g in groups]
+    assert len(trained) == len(set(trained)) == 10
+    dropped = sum(r.get("async/dropped_groups", 0.0) for r in trainer.state.log_history)
+    assert dropped > 0
+    assert trainer.state.log_history[-2]["sampling/importance_sampling_ratio/mean"] > 0  # IS correction on by default
+
+
+def test_rollout_ahead_refuses_what_cannot_run_ahead():
+    with pytest.raises(ConfigError, match="vllm_mode: server"):
+        GRPOConfig(rollout_mode="async", use_vllm=True)
+    with pytest.raises(ConfigError, match="did you mean 'async'"):
+        GRPOConfig(rollout_mode="asinc")
+    with pytest.raises(ConfigError, match="max_staleness"):
+        GRPOConfig(rollout_mode="async", max_staleness=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_reward_rises_with_rollouts_ahead_of_training(tmp_path, tiny_warm_model_dir, mode):
+    """The sync learning test's run (test_grpo_trainer.py) with rollouts ahead: the held-out reward ends far
+    above the control (the same evaluation before training); async at max_staleness 1."""
+    cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / mode), "max_steps": 30,
+                        "per_device_train_batch_size": 32, "num_generations": 8, "learning_rate": 5e-3,
+                        "max_completion_length": 8, "temperature": 1.0, "per_device_eval_batch_size": 256,
+                        "rollout_mode": mode, "max_staleness": 1})
+    trainer = GRPOTrainer(str(tiny_warm_model_dir), first_digit_is_one, cfg, arithmetic_dataset(400, seed=5),
+                          peft_config=default_lora_config(r=8))
+    control, trained = rewards_before_and_after_training(trainer, arithmetic_dataset(64, seed=6))
+    assert trained > control + 0.3, (trained, control)

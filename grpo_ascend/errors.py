@@ -42,3 +42,7 @@ class CompatError(GrpoAscendError, RuntimeError):
 
 class RolloutError(GrpoAscendError, RuntimeError):
     """A rollout process or producer failed: it died past its restarts, stopped its heartbeat, or a weight sync timed out."""
+
+
+class RolloutInterrupted(RolloutError):
+    """A sampler lost the work in flight and recovered (a rollout process restarted mid-session): sample it again."""

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from grpo_ascend.data.prompts import PromptSampler
 from grpo_ascend.distributed.ranks import Ranks
-from grpo_ascend.errors import RolloutError
+from grpo_ascend.errors import RolloutError, RolloutInterrupted
 from grpo_ascend.experience import Experience, scored_experience
 from grpo_ascend.producers.lockstep import draw_slice
 from grpo_ascend.rollout.protocol import Rollout
@@ -226,8 +226,7 @@ class AsyncSource:
                 if version is None and self._stop.is_set():
                     return
                 began = time.perf_counter()
-                with torch.no_grad(), self.rollout.backend.pinned(version):
-                    batch = self.rollout.generate_rows(chunk.rows, generator=self.generator)
+                batch = self._sample(chunk, version)
                 used = version if version is not None else self._published
                 if batch.policy_versions is None:
                     batch.policy_versions = torch.full_like(batch.completion_ids, used)
@@ -242,6 +241,16 @@ class AsyncSource:
             with self._cv:
                 self._error = exc
                 self._cv.notify_all()
+
+    def _sample(self, chunk: _Chunk, version: int | None) -> Any:
+        """``chunk``'s completions; work a recovering sampler lost (a restarted process) is sampled again."""
+        while True:
+            try:
+                with torch.no_grad(), self.rollout.backend.pinned(version):
+                    return self.rollout.generate_rows(chunk.rows, generator=self.generator)
+            except RolloutInterrupted:
+                if self._stop.is_set():
+                    raise
 
     def _next_chunk(self) -> _Chunk | None:
         """A dropped chunk to sample again, else the next draw once there is room (None: stopping)."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from grpo_ascend.errors import RolloutError
+from grpo_ascend.errors import RolloutError, RolloutInterrupted
 from grpo_ascend.models.sampler_copy import sampler_copy, synced_tensors
 from grpo_ascend.rollout.backend import (
     PolicyWeights,
@@ -55,7 +55,7 @@ class ProcessSettings:
     weight_sync_timeout: float = 1800.0
 
 
-class ProcessRestarted(RolloutError):
+class ProcessRestarted(RolloutInterrupted):
     """The rollout process died during a session and was restarted: the session's rows must be sampled again."""
 
 

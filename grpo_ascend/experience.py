@@ -200,7 +200,10 @@ class ExperienceMaker:
     (None: no reference). ``exact_sampling_logps``: the sampler's log-probs equal the training
     forward's (the built-in engine on the policy module in fp32), so the old log-probs need no
     extra forward. ``importance_sampling``: weight each token by the (bounded) ratio of the
-    trainer's old log-probs to the sampler's (see algorithms/importance_sampling.py).
+    trainer's old log-probs to the sampler's (see algorithms/importance_sampling.py). When the batch
+    feeds a single optimizer step (``old_logps=False``), the old policy is the one that step starts
+    from: its log-probs are the training forward's, and the update computes the weights from them
+    (:meth:`importance_weights_deferred`), without a forward of its own (TRL's rule too).
     """
 
     def __init__(
@@ -236,11 +239,11 @@ class ExperienceMaker:
         exp = self.source.next_scored(prompts_per_rank, timer, trainer_state)
         if refill is not None:
             exp = refill(exp, timer)
-        if old_logps or self.importance_sampling is not None:
+        if old_logps or (self.importance_sampling is not None and self.exact_sampling_logps):
             with timer.phase("old_logprobs"):
                 exp.old_logps = exp.sampling_logps if self.exact_sampling_logps else batched_logprobs(
                     self.policy_logprobs, exp, self.micro_batch)
-        if self.importance_sampling is not None:
+        if self.importance_sampling is not None and exp.old_logps is not None:
             weights = importance_sampling_weights(exp.sampling_logps, exp.old_logps, exp.loss_mask,
                                                   self.importance_sampling)
             exp.token_weights, exp.importance_stats = weights.weights, weights.stats
@@ -248,6 +251,10 @@ class ExperienceMaker:
             with timer.phase("reference"):
                 exp.ref_logps = batched_logprobs(self.reference_logprobs, exp, self.micro_batch)
         return exp
+
+    def importance_weights_deferred(self, exp: Experience) -> bool:
+        """Whether the update must weight ``exp``'s tokens itself, from its training forward's log-probs."""
+        return self.importance_sampling is not None and exp.token_weights is None
 
     def sample_and_score(self, prompts_per_rank: int, timer: PhaseTimer,
                          trainer_state: Callable[[], dict[str, Any]]) -> Experience:

@@ -21,9 +21,12 @@ from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.data.synthetic import arithmetic_dataset
 from grpo_ascend.errors import ConfigError, RolloutError
 from grpo_ascend.models.policy import default_lora_config
+from grpo_ascend.models.sampler_copy import sampler_copy, synced_tensors
 from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.engine import RolloutEngine
 from grpo_ascend.rollout.process.client import ProcessBackend, ProcessSettings
+from grpo_ascend.rollout.process.weight_ring import WeightRing, spawn_context
+from grpo_ascend.rollout.process.worker import RolloutServer, WorkerSpec
 from grpo_ascend.rollout.sampling import SamplingParams
 
 
@@ -141,3 +144,38 @@ def test_reward_rises_with_rollouts_ahead_of_training(tmp_path, tiny_warm_model_
                           peft_config=default_lora_config(r=8))
     control, trained = rewards_before_and_after_training(trainer, arithmetic_dataset(64, seed=6))
     assert trained > control + 0.3, (trained, control)
+
+
+@pytest.mark.parametrize("mode", ["continue", "abort"])
+def test_a_version_pushed_mid_request_is_taken_as_partial_rollouts_says(tiny_model_dir, mode):
+    """continue: later tokens are sampled (and tagged) with the new version, earlier ones keep theirs, and
+    they are the tokens the new weights give from that point; abort: the request starts again once with the
+    new version (its tokens as if it had started with it), the thrown-away token slots counted.
+    The rollout process's server runs in this process here, a push landing after its 5th token."""
+    model = perturb_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval())
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    params = SamplingParams(num_generations=2, max_completion_length=24, temperature=0.0, ignore_eos=True)
+    ring = WeightRing(dict(synced_tensors(model)), spawn_context())
+    spec = WorkerSpec(sampler_copy(model), tok, params, "cpu", None, "fp32", 0, 10.0, mode)
+    server = RolloutServer(spec, ring)
+    newer = perturb_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), seed=3)
+    take = server.take_newer_weights
+
+    def push_then_take(sampled):
+        if sampled == 5:
+            ring.write(7, synced_tensors(newer), timeout=10)
+        take(sampled)
+
+    server.take_newer_weights = push_then_take
+    ids = [tok("hello there").input_ids]
+    batch = server.generate(ids, params, None, None, None)
+    versions = batch.policy_versions[0].tolist()
+    fresh = RolloutEngine(newer, tok, params).generate_ids(ids, params)
+    if mode == "continue":
+        assert versions == [0] * 5 + [7] * 19 and batch.timing["aborted_tokens"] == 0
+        old = RolloutEngine(model, tok, params).generate_ids(ids, params)
+        assert batch.completion_ids[0, :5].tolist() == old.completion_ids[0, :5].tolist()
+        assert batch.completion_ids[0].tolist() != old.completion_ids[0].tolist()
+    else:
+        assert versions == [7] * 24 and batch.timing["aborted_tokens"] == 5 * 2
+        assert torch.equal(batch.completion_ids, fresh.completion_ids)

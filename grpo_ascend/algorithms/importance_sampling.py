@@ -133,6 +133,19 @@ def importance_sampling_weights(
     return ImportanceWeights(weights=weights, stats=stats)
 
 
+def merge_stats(into: dict[str, Tensor], stats: dict[str, Tensor]) -> None:
+    """Fold one micro-batch's ``stats`` into ``into`` (sums and counts add, ``_min``/``_max`` keep the extreme)."""
+    for key, value in stats.items():
+        if key not in into:
+            into[key] = value
+        elif key.endswith("_min"):
+            into[key] = torch.minimum(into[key], value)
+        elif key.endswith("_max"):
+            into[key] = torch.maximum(into[key], value)
+        else:
+            into[key] = into[key] + value
+
+
 def reduce_stats(
     stats: dict[str, Tensor], reduce: Callable[[dict[str, Tensor], str], dict[str, float]]
 ) -> dict[str, float]:

@@ -151,12 +151,17 @@ class BaseRLConfig(_Validated):
         1800.0, "Seconds one weight push to the sampler may take before the run stops with one clear line."
     )
     rollout_device: str | None = _f(
-        None, "Where the rollout process samples: a device such as 'npu:1', or 'cpu'; null = the trainer's device "
-        "(its own cores on the CPU). Not a TRL setting."
+        None, "Where the rollout process samples: a torch device string (the second accelerator, say), or 'cpu'; null = the "
+        "trainer's device (its own cores on the CPU). Not a TRL setting."
     )
     rollout_threads: int | None = _f(
         None, "CPU threads of the rollout process; null = half of the trainer's threads (at least 1), the trainer "
         "keeping the rest. Not a TRL setting."
+    )
+    partial_rollouts: Literal["continue", "abort"] = _f(
+        "continue", "async: a newer policy version pushed while a request samples: continue under it (each token "
+        "tagged with the version that sampled it; nothing thrown away) or abort and sample the request again "
+        "once with it. Not a TRL setting."
     )
     max_rollout_restarts: int = _f(
         3, "Times a rollout process that died is restarted before the run stops. Not a TRL setting."

@@ -17,6 +17,8 @@ def check_async_settings(cfg: Any) -> None:
                           f"{closest(str(cfg.rollout_mode), ROLLOUT_MODES)}")
     _positive(cfg, "queue_maxsize", "weight_sync_steps", "heartbeat_stale_after_s", "request_timeout",
               "weight_sync_timeout")
+    if cfg.partial_rollouts not in ("continue", "abort"):
+        raise ConfigError(f"partial_rollouts must be 'continue' or 'abort', got {cfg.partial_rollouts!r}")
     if cfg.max_staleness < 0:
         raise ConfigError(f"max_staleness must be >= 0 policy versions, got {cfg.max_staleness}")
     if cfg.max_inflight_tasks != -1 and cfg.max_inflight_tasks < 1:

@@ -82,6 +82,7 @@ class _Scored:
 class _RoundStats:
     staleness: list[float] = field(default_factory=list)
     dropped: int = 0
+    aborted_tokens: float = 0.0
     producer_idle_s: float = 0.0
     producer_busy_s: float = 0.0
     trainer_wait_s: float = 0.0
@@ -189,6 +190,7 @@ class AsyncSource:
             "async/staleness_mean": sum(stale) / len(stale),
             "async/staleness_max": max(stale),
             "async/dropped_groups": float(stats.dropped),
+            "async/aborted_tokens": stats.aborted_tokens,
             "async/producer_idle_fraction": stats.producer_idle_s / busy if busy else 0.0,
             "async/trainer_wait_s": stats.trainer_wait_s,
             "async/queued_groups": float(sum(len(s.chunk.rows) for s in self._queue)),
@@ -231,6 +233,7 @@ class AsyncSource:
                 if batch.policy_versions is None:
                     batch.policy_versions = torch.full_like(batch.completion_ids, used)
                 sampled = int(batch.policy_versions.min()) if batch.policy_versions.numel() else used
+                self._stats.aborted_tokens += batch.timing.get("aborted_tokens", 0.0)
                 exp = scored_experience(self.rewards, chunk.rows, chunk.group_ids, batch, self._trainer_state(),
                                         PhaseTimer(batch.completion_ids.device), self.mask_truncated_completions)
                 self._stats.producer_busy_s += time.perf_counter() - began

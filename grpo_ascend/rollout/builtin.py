@@ -26,7 +26,7 @@ def build_builtin_backend(policy: nn.Module, tokenizer: Any, params: SamplingPar
     settings = ProcessSettings(
         device=place.device, threads=place.threads, precision=_precision(args, place.device), max_restarts=args.max_rollout_restarts,
         heartbeat_stale_after_s=args.heartbeat_stale_after_s, request_timeout=args.request_timeout,
-        weight_sync_timeout=args.weight_sync_timeout,
+        weight_sync_timeout=args.weight_sync_timeout, partial_rollouts=args.partial_rollouts,
     )
     return ProcessBackend(policy, tokenizer, params, settings, trainer_device, version=0)
 

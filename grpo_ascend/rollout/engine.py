@@ -38,7 +38,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -86,6 +86,9 @@ class RolloutEngine(RolloutBackend):
         self.model = model
         self.tokenizer = tokenizer
         self.params = params if params is not None else SamplingParams()
+        #: Called at each host check of a single-turn decode with the number of tokens sampled so far, before
+        #: the next step's forward: a rollout process swaps in newer weights there (partial rollouts).
+        self.between_steps: Callable[[int], None] | None = None
         self.compact = compact
         self._compiled: tuple[str, nn.Module] | None = None  # (device type, compiled decode model)
         self._prefix_supported: bool | None = None  # supports_shared_prefix(model), asked once
@@ -370,5 +373,7 @@ class RolloutEngine(RolloutBackend):
                         break
                     batch.compact(n_alive)
                     done_at_check = batch.done
+                    if self.between_steps is not None:
+                        self.between_steps(t + 1)
                 batch.step()
         return steps

@@ -21,7 +21,13 @@ import torch
 from grpo_ascend import device as dev
 from grpo_ascend.algorithms.advantages import ADVANTAGE_ESTIMATORS, select_informative_groups
 from grpo_ascend.algorithms.entropy_control import EntropyControl
-from grpo_ascend.algorithms.importance_sampling import ImportanceSamplingSettings
+from grpo_ascend.algorithms.importance_sampling import (
+    ImportanceSamplingSettings,
+    importance_sampling_metrics,
+    importance_sampling_weights,
+    merge_stats,
+    reduce_stats,
+)
 from grpo_ascend.algorithms.losses import (
     POLICY_LOSSES,
     PolicyLossBatch,
@@ -186,19 +192,27 @@ class GRPOTrainer(RLTrainerBase):
         settings = dataclasses.replace(self.loss_settings, entropy_coef=self.entropy_control.applied())
         bonus = self.entropy_control.enabled
         self.policy.train()
+        importance: dict[str, torch.Tensor] = {}
         for k, (segment, normaliser) in enumerate(zip(segments, normalisers)):
             exp = segment.exp
+            deferred = self.experience.importance_weights_deferred(exp)
             for micro, last in self._micro_batches(segment.rows, exp):
                 count += 1
                 with self._no_sync(self.logprob_model, last and k == len(segments) - 1):
                     logps, entropies = self.logprob_model(*exp.model_inputs(micro), temperature=args.temperature,
                                                           with_entropy=True, entropy_grad=bonus)
+                    weights = None if exp.token_weights is None else exp.token_weights[micro]
+                    if deferred:  # the step's old policy is this forward's: the weights come from it
+                        computed = importance_sampling_weights(exp.sampling_logps[micro], logps.detach(),
+                                                               exp.loss_mask[micro], self.experience.importance_sampling)
+                        weights = computed.weights
+                        merge_stats(importance, computed.stats)
                     batch = PolicyLossBatch(
                         logps=logps, advantages=exp.advantages[micro], mask=exp.loss_mask[micro],
                         old_logps=None if exp.old_logps is None else exp.old_logps[micro],
                         ref_logps=None if exp.ref_logps is None else exp.ref_logps[micro],
                         entropies=entropies if bonus or entropies is None else entropies.detach(),
-                        weights=None if exp.token_weights is None else exp.token_weights[micro],
+                        weights=weights,
                         sampling_logps=exp.sampling_logps[micro],
                         selection=self._high_entropy_tokens(entropies, exp.loss_mask[micro]),
                     )
@@ -212,6 +226,8 @@ class GRPOTrainer(RLTrainerBase):
         step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm, **policy_metrics(totals)}
         if bonus:
             step_metrics["policy_loss"] = totals["policy_loss"] / ranks.world
+        if importance:
+            step_metrics.update(importance_sampling_metrics(reduce_stats(importance, ranks.sum_scalars)))
         if args.needs_reference_model:
             step_metrics["kl"] = totals.get("kl_sum", 0.0) / max(totals.get("token_count", 0.0), 1.0)
         if args.use_adaptive_entropy:

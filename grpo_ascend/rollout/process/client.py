@@ -53,6 +53,7 @@ class ProcessSettings:
     heartbeat_stale_after_s: float = 300.0
     request_timeout: float = 600.0
     weight_sync_timeout: float = 1800.0
+    partial_rollouts: str = "continue"
 
 
 class ProcessRestarted(RolloutInterrupted):
@@ -89,7 +90,8 @@ class ProcessBackend(RolloutBackend):
         self._conn, child = self._context.Pipe()
         self._heartbeat = self._context.Value("d", time.time())
         spec = WorkerSpec(self._copy, self.tokenizer, self.params, self.settings.device, self.settings.threads,
-                          self.settings.precision, self._initial_version, self.settings.weight_sync_timeout)
+                          self.settings.precision, self._initial_version, self.settings.weight_sync_timeout,
+                          self.settings.partial_rollouts)
         self._process = self._context.Process(target=serve, args=(child, spec, self.ring, self._heartbeat),
                                               daemon=True, name="grpo-ascend-rollout")
         with _main_script_hidden():

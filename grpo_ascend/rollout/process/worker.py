@@ -43,6 +43,9 @@ class WorkerSpec:
     precision: str
     initial_version: int
     weight_read_timeout: float
+    #: A newer version pushed while a single-turn request samples: "continue" swaps it in between two decode
+    #: steps (later tokens tagged with it), "abort" starts the request again once with it (tokens thrown away).
+    partial_rollouts: str = "continue"
 
 
 def to_device(record: Any, device: torch.device | str) -> Any:
@@ -52,7 +55,7 @@ def to_device(record: Any, device: torch.device | str) -> Any:
     return dataclasses.replace(record, **moved)
 
 
-class _Server:
+class RolloutServer:
     """The engine, its weights' version, and the open sessions of one rollout process."""
 
     def __init__(self, spec: WorkerSpec, ring: WeightRing) -> None:
@@ -85,12 +88,42 @@ class _Server:
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int | None,
                  prompt_texts: list[str] | None, version: int | None) -> RolloutBatch:
+        """Grouped completions; unpinned (``version`` None), a version pushed meanwhile is taken per
+        ``partial_rollouts``. ``timing["aborted_tokens"]``: token slots sampled and thrown away."""
         used = self._load(version)
-        with torch.no_grad(), dev.autocast(self.device, self.spec.precision):
-            batch = self.engine.generate_ids(prompt_ids, params, self._generator(seed), prompt_texts)
+        self.swaps: list[tuple[int, int]] = []  # (first column sampled with it, version)
+        self.may_abort = self.spec.partial_rollouts == "abort"
+        self.engine.between_steps = self.take_newer_weights if version is None else None
+        aborted = 0
+        try:
+            while True:
+                try:
+                    with torch.no_grad(), dev.autocast(self.device, self.spec.precision):
+                        batch = self.engine.generate_ids(prompt_ids, params, self._generator(seed), prompt_texts)
+                    break
+                except _Superseded as superseded:
+                    aborted += superseded.steps * len(prompt_ids) * params.num_generations
+                    used = self._load(None)
+        finally:
+            self.engine.between_steps = None
         batch = to_device(batch, "cpu")
-        batch.policy_versions = torch.full_like(batch.completion_ids, used)
+        versions = torch.full_like(batch.completion_ids, used)
+        for column, newer in self.swaps:
+            versions[:, column:] = newer
+        batch.policy_versions = versions
+        batch.timing["aborted_tokens"] = float(aborted)
         return batch
+
+    def take_newer_weights(self, sampled: int) -> None:
+        """Between two decode steps (``sampled`` tokens so far): a version pushed since the request began is
+        swapped in (``continue``) or restarts the request once (``abort``)."""
+        latest = self.ring.latest.value
+        if latest <= self.version:
+            return
+        if self.may_abort:
+            self.may_abort = False  # once per request: a request is never starved by frequent pushes
+            raise _Superseded(sampled)
+        self.swaps.append((sampled, self._load(latest)))
 
     def start_session(self, sid: int, prompt_ids: list[list[int]], params: SamplingParams, seed: int | None,
                       version: int | None) -> int:
@@ -114,6 +147,14 @@ class _Server:
             session.close()
 
 
+class _Superseded(Exception):
+    """A newer version arrived mid-request under ``partial_rollouts: abort``."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(steps)
+        self.steps = steps
+
+
 def serve(conn: Any, spec: WorkerSpec, ring: WeightRing, heartbeat: Any) -> None:
     """The rollout process's main: answer requests until the pipe closes or ``stop`` arrives."""
     def beat() -> None:
@@ -123,7 +164,7 @@ def serve(conn: Any, spec: WorkerSpec, ring: WeightRing, heartbeat: Any) -> None
 
     heartbeat.value = time.time()
     threading.Thread(target=beat, daemon=True, name="rollout-heartbeat").start()
-    server = _Server(spec, ring)
+    server = RolloutServer(spec, ring)
     while True:
         try:
             op, args = conn.recv()

@@ -2,7 +2,8 @@
 
 Runs the same GRPO configuration (long completions, so that sampling and training take comparable
 time) as: sync at 2 threads; sync at 1 thread (each side alone: its generation and training times);
-one_step_off and async with the rollout process on 1 core and the trainer on the other. Prints each
+one_step_off and async with the rollout process on 1 core and the trainer on the other (async with
+partial_rollouts continue, the default, and abort: the token slots each throws away). Prints each
 run's steady-state seconds per step (the first steps, start-up included, left out), each side's
 idle fraction, the staleness, and the ratio asked of the overlap:
 async step time / max(generation alone, training alone) at the same per-side thread count.
@@ -53,14 +54,14 @@ def _model(random_model: bool) -> str:
     return folder
 
 
-def run(model: str, mode: str, threads: int, steps: int, skip: int) -> dict[str, float]:
+def run(model: str, mode: str, threads: int, steps: int, skip: int, partial: str = "continue") -> dict[str, float]:
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
             output_dir=out, max_steps=steps, num_generations=8, per_device_train_batch_size=32,
             max_completion_length=96, max_prompt_length=64, learning_rate=1e-4, logging_steps=1, save_steps=0,
             disable_tqdm=True, log_completions_steps=0, seed=0, lr_scheduler_type="constant", rollout_mode=mode,
-            max_staleness=2, rollout_threads=1 if mode != "sync" else None,
+            max_staleness=2, rollout_threads=1 if mode != "sync" else None, partial_rollouts=partial,
         )
         trainer = GRPOTrainer(model, _reward, cfg, arithmetic_dataset(2000, seed=3),
                               peft_config=default_lora_config(r=8))
@@ -73,7 +74,8 @@ def run(model: str, mode: str, threads: int, steps: int, skip: int) -> dict[str,
     mean = lambda key: sum(r.get(key, 0.0) for r in logs) / len(logs)  # noqa: E731
     return {"s_per_step": per_step, "generation_s": mean("time/generation"), "training_s": mean("time/training"),
             "staleness_mean": mean("async/staleness_mean"), "producer_idle": mean("async/producer_idle_fraction"),
-            "trainer_wait_s": mean("async/trainer_wait_s")}
+            "trainer_wait_s": mean("async/trainer_wait_s"), "aborted_tokens": mean("async/aborted_tokens"),
+            "tokens": mean("tokens_generated")}
 
 
 class _Stamps(TrainerCallback):
@@ -99,6 +101,7 @@ def main() -> None:
         "sync@1": run(model, "sync", 1, args.steps, args.skip),
         "one_step_off@1+1": run(model, "one_step_off", 1, args.steps, args.skip),
         "async@1+1": run(model, "async", 1, args.steps, args.skip),
+        "async-abort@1+1": run(model, "async", 1, args.steps, args.skip, partial="abort"),
     }
     alone = results["sync@1"]
     bound = max(alone["generation_s"], alone["training_s"])
@@ -109,6 +112,9 @@ def main() -> None:
     print(f"generation alone {alone['generation_s']:.2f} s, training alone {alone['training_s']:.2f} s (1 thread each)")
     for name in ("one_step_off@1+1", "async@1+1"):
         print(f"{name}: step / max(generation alone, training alone) = {results[name]['s_per_step'] / bound:.2f}")
+    for name in ("async@1+1", "async-abort@1+1"):
+        r = results[name]
+        print(f"{name}: token slots thrown away per step {r['aborted_tokens']:.0f} of {r['tokens']:.0f} kept")
     print(f"speed-up over sync@2: async {results['sync@2']['s_per_step'] / results['async@1+1']['s_per_step']:.2f}x")
     print(json.dumps(results))
 

@@ -28,6 +28,7 @@ from grpo_ascend.rollout.process.client import ProcessBackend, ProcessSettings
 from grpo_ascend.rollout.process.weight_ring import WeightRing, spawn_context
 from grpo_ascend.rollout.process.worker import RolloutServer, WorkerSpec
 from grpo_ascend.rollout.sampling import SamplingParams
+from grpo_ascend.tracking.plot import panels_of
 
 
 def _seed_of(seed: int) -> int:
@@ -179,3 +180,16 @@ def test_a_version_pushed_mid_request_is_taken_as_partial_rollouts_says(tiny_mod
     else:
         assert versions == [7] * 24 and batch.timing["aborted_tokens"] == 5 * 2
         assert torch.equal(batch.completion_ids, fresh.completion_ids)
+
+
+def test_plot_panels_follow_what_a_run_logged():
+    """A sync run without KL gets no KL panel; an asynchronous run gets its staleness and idle panels."""
+    sync = [{"step": 1, "reward": 0.5, "rewards/acc/mean": 0.5, "time/step": 1.0, "completion_length/mean": 9.0}]
+    titles = [title for title, _ in panels_of(sync)]
+    assert titles == ["reward", "completion length (tokens)", "seconds per step"]
+    assert panels_of(sync)[0][1] == ["reward", "rewards/acc/mean"]
+    ahead = [{**sync[0], "kl": 0.1, "async/staleness_mean": 1.0, "async/staleness_max": 2.0,
+              "async/producer_idle_fraction": 0.3, "async/trainer_idle_fraction": 0.0}]
+    assert [title for title, _ in panels_of(ahead)] == [
+        "reward", "KL to reference", "completion length (tokens)", "seconds per step", "staleness (policy versions)",
+        "idle fraction (asynchronous rollouts)"]

@@ -128,6 +128,7 @@ class AsyncSource:
         self._thread: threading.Thread | None = None
         self._trainer_state: Callable[[], dict[str, Any]] = dict
         self._stats = _RoundStats()
+        self._metrics_at = time.perf_counter()
         # the ledger: sampler state before each chunk still open, and the draws trained past the oldest
         self._open: dict[int, dict[str, Any]] = {}
         self._remaining: dict[int, int] = {}
@@ -184,6 +185,8 @@ class AsyncSource:
     def metrics(self) -> dict[str, float]:
         """This rank's numbers since the last call: staleness, dropped groups, each side's idle time."""
         stats, self._stats = self._stats, _RoundStats()
+        now = time.perf_counter()
+        span, self._metrics_at = now - self._metrics_at, now
         stale = stats.staleness or [0.0]
         busy = stats.producer_busy_s + stats.producer_idle_s
         return {
@@ -193,6 +196,7 @@ class AsyncSource:
             "async/aborted_tokens": stats.aborted_tokens,
             "async/producer_idle_fraction": stats.producer_idle_s / busy if busy else 0.0,
             "async/trainer_wait_s": stats.trainer_wait_s,
+            "async/trainer_idle_fraction": min(stats.trainer_wait_s / span, 1.0) if span > 0 else 0.0,
             "async/queued_groups": float(sum(len(s.chunk.rows) for s in self._queue)),
         }
 

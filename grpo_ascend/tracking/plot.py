@@ -1,6 +1,6 @@
 """``grpo-ascend plot RUN_DIR [RUN_DIR ...]``: reward (per function; eval reward, greedy reward and pass@1
-when the run evaluated), KL (tool calls per completion for a tool run without KL), length and step
-time vs step."""
+when the run evaluated), KL, tool calls, length, step time, and for asynchronous rollouts staleness
+and each side's idle time, vs step; panels a run never logged are left out."""
 
 from __future__ import annotations
 
@@ -11,20 +11,30 @@ from typing import Any
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.tracking.run_tracker import METRICS_FILE, read_jsonl
 
+#: (title, metric names) of each panel a run may fill, in order; a panel none of whose metrics a run logged is
+#: left out (no empty KL panel when beta is 0). The reward panel also takes every ``rewards/<fn>/mean``.
+PANELS: list[tuple[str, list[str]]] = [
+    ("reward", ["reward", "eval/reward", "eval/greedy/reward", "eval/pass@1"]),
+    ("KL to reference", ["kl"]),
+    ("tool calls per completion", ["tools/calls_per_completion"]),
+    ("completion length (tokens)", ["completion_length/mean", "eval/completion_length/mean"]),
+    ("seconds per step", ["time/step", "time/generation", "time/training"]),
+    ("staleness (policy versions)", ["async/staleness_mean", "async/staleness_max"]),
+    ("idle fraction (asynchronous rollouts)", ["async/producer_idle_fraction", "async/trainer_idle_fraction"]),
+]
 
-def _panels(records: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+
+def panels_of(records: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The panels ``records`` fill, each with the metrics they logged."""
     keys = {k for r in records for k in r}
-    reward_keys = ["reward", *sorted(k for k in keys if k.startswith("rewards/") and k.endswith("/mean"))]
-    eval_keys = [k for k in ("eval/reward", "eval/greedy/reward", "eval/pass@1") if k in keys]
-    panels = [("reward", [k for k in reward_keys if k in keys] + eval_keys)]
-    if "kl" not in keys and "tools/calls_per_completion" in keys:  # a tool run without KL: its tool use
-        panels.append(("tool calls per completion", ["tools/calls_per_completion"]))
-    else:
-        panels.append(("KL to reference", ["kl"] if "kl" in keys else []))
-    panels.append(("completion length (tokens)",
-                   [k for k in ("completion_length/mean", "eval/completion_length/mean") if k in keys]))
-    panels.append(("seconds per step", [k for k in ("time/step", "time/generation", "time/training") if k in keys]))
-    return panels
+    per_function = sorted(k for k in keys if k.startswith("rewards/") and k.endswith("/mean"))
+    out = []
+    for title, names in PANELS:
+        wanted = names[:1] + per_function + names[1:] if title == "reward" else names
+        logged = [k for k in wanted if k in keys]
+        if logged:
+            out.append((title, logged))
+    return out
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None, smooth: int = 1) -> Path:
@@ -40,8 +50,11 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None, smooth:
         if not records:
             raise ConfigError(f"no metrics in {str(Path(d) / METRICS_FILE)!r}; is {str(d)!r} a run directory?")
         runs.append((Path(d), records))
-    panels = _panels([r for _, recs in runs for r in recs])
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    panels = panels_of([r for _, recs in runs for r in recs])
+    rows = max(1, (len(panels) + 1) // 2)
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
     for ax, (title, keys) in zip(axes.flat, panels):
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -55,10 +68,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None, smooth:
                 values = _moving_average(list(values), smooth)
                 label = key if len(runs) == 1 else f"{run_dir.name}: {key}"
                 ax.plot(steps, values, label=label)
-        if ax.lines:
-            ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(out) if out is not None else runs[0][0] / "plot.png"
     path.parent.mkdir(parents=True, exist_ok=True)

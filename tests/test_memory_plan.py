@@ -243,3 +243,26 @@ def test_trainer_resolves_auto_budget_through_the_plan(tiny_model_dir, monkeypat
     assert trainer.token_budget == tokens_of(settings, 5) == 5 * 64 + 2 * 64
     with pytest.raises(ConfigError, match="no micro-batch that fits"):
         _auto_trainer(tiny_model_dir, monkeypatch, 1 << 20)
+
+
+def test_a_rollout_process_moves_sampling_out_of_the_trainers_phases():
+    """Asynchronous rollouts on the built-in engine: the rollout process's weights copy and sampling memory are
+    held beside every phase of the trainer (same device), or in a column of their own (another device); on the
+    CPU the two shared-memory weight versions count too; the trainer has no generation phase."""
+    shape = load_model_shape("x", CONFIGS / "qwen2.5-7b.json")
+    s = RunSettings(weight_bytes=2, activation_bytes=2, prompts_per_rank=2, num_generations=8, prompt_length=256,
+                    completion_length=1024, micro_batch_rows=1, rows_per_step=16, lora_r=16)
+    sync = plan_memory(shape, s, plain_layout(1))
+    same = plan_memory(shape, RunSettings(**{**s.__dict__, "rollout_process": "same", "ring_in_device_memory": True}),
+                       plain_layout(1))
+    own = plan_memory(shape, RunSettings(**{**s.__dict__, "rollout_process": "own"}), plain_layout(1))
+    kv = {t.name: t for t in sync.terms}["rollout KV cache"].nbytes
+    terms = {t.name: t for t in same.terms}
+    assert "generation" not in same.phases and "rollout KV cache" not in terms
+    assert terms["rollout process: rollout KV cache"].nbytes == kv
+    assert terms["rollout process: weights"].nbytes == shape.num_params * 2
+    assert terms["weight ring"].nbytes == 2 * shape.adapted_linear_params(None) * 2
+    assert same.phase_bytes("training") == sync.phase_bytes("training") + sum(
+        t.nbytes for name, t in terms.items() if name.startswith(("rollout process", "weight ring")))
+    assert own.phases[-1] == "rollout device" and own.phase_bytes("training") < same.phase_bytes("training")
+    assert own.phase_bytes("rollout device") == sum(t.nbytes for t in own.terms if t.name.startswith("rollout process"))

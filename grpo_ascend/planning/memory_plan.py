@@ -172,6 +172,10 @@ def run_settings(args: Any, device: str, world_size: int, *, algorithm: str, use
                           "(grpo-ascend plan --prompt-length N, or set max_prompt_length)")
     shared = args.shared_prefix_decode if args.shared_prefix_decode is not None else dev.default_shared_prefix_decode(device)
     budget = plan.max_tokens_per_micro_batch
+    ahead = args.rollout_mode != "sync" and args.rollout_backend == "builtin"
+    rollout_process = None if not ahead else "own" if args.rollout_device not in (None, device) else "same"
+    # the sampler's log-probs are the training forward's: the in-process engine in fp32 (see ExperienceMaker)
+    exact = activation == 4 and args.rollout_backend == "builtin" and not ahead
     return RunSettings(
         algorithm=algorithm, use_peft=use_peft, lora_r=lora_r, lora_targets=lora_targets,
         weight_bytes=weight_bytes, activation_bytes=activation,
@@ -183,11 +187,11 @@ def run_settings(args: Any, device: str, world_size: int, *, algorithm: str, use
         gradient_checkpointing=args.gradient_checkpointing, share_prompt_prefill=args.share_prompt_prefill,
         shared_prefix_decode=shared, merge_lora=args.rollout_merge_lora,
         filtered_sampling=args.top_k > 0 or args.top_p < 1 or args.min_p is not None,
-        old_logprobs=(plan.optimizer_steps_per_generation > 1 and activation != 4)
-        or bool(getattr(args, "importance_sampling_correction", False)),
+        old_logprobs=plan.optimizer_steps_per_generation > 1 and not exact,
         entropy_grad=bool(getattr(args, "entropy_coef", 0.0)),
         grouped_attention_bytes=dev.grouped_attention_max_bytes(device) if activation == 4 else 0,
         critic_shares_base=getattr(args, "critic_init", "policy") == "policy",
+        rollout_process=rollout_process, ring_in_device_memory=rollout_process is not None and not dev.is_accelerator(device),
     )
 
 

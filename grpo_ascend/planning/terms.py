@@ -17,8 +17,9 @@ from grpo_ascend.errors import ConfigError
 from grpo_ascend.planning.shape import ModelShape
 
 GiB = 2**30
-#: Phases in the order a round runs them.
-PHASES = ("generation", "old_logprobs", "reference", "values", "training")
+#: Phases in the order a round runs them; "rollout device" is a rollout process's own device (asynchronous
+#: rollouts with ``rollout_device`` another device), its memory beside the trainer's phases.
+PHASES = ("generation", "old_logprobs", "reference", "values", "training", "rollout device")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,11 @@ class RunSettings:
     entropy_grad: bool = False
     grouped_attention_bytes: int = 0
     critic_shares_base: bool = True
+    #: Asynchronous rollouts on the built-in engine: None (the trainer samples), "same" (a rollout process on the
+    #: trainer's device, all the time beside every phase) or "own" (on a device of its own).
+    rollout_process: str | None = None
+    #: The weight ring (two versions in host shared memory) counts on this device: a CPU run.
+    ring_in_device_memory: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,8 @@ class MemoryPlan:
     def phases(self) -> list[str]:
         """The phases this run has (old_logprobs, reference and values only when it runs them)."""
         s = self.settings
-        has = {"generation": True, "old_logprobs": s.old_logprobs, "reference": s.reference,
-               "values": s.algorithm == "ppo", "training": True}
+        has = {"generation": s.rollout_process is None, "old_logprobs": s.old_logprobs, "reference": s.reference,
+               "values": s.algorithm == "ppo", "training": True, "rollout device": s.rollout_process == "own"}
         return [p for p in PHASES if has[p]]
 
     def phase_bytes(self, phase: str) -> int:
@@ -245,29 +251,19 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
             terms.append(Term("critic (backbone copy)", backbone * (w + w + 2 * w), everywhere,
                               "weights, gradients, Adam"))
     # --- rollout ---
-    kv_token = m.kv_bytes_per_token(a)
     lp, lc = s.prompt_length, s.completion_length
-    if s.shared_prefix_decode and G > 1:
-        kv = kv_token * (P * lp + B * lc)
-        kv_note = "prompt once per group + completions per row"
+    sampler = _rollout_terms(m, s, layout, terms, device_memory, everywhere)
+    if s.rollout_process is None:
+        terms.extend(sampler)
     else:
-        kv = kv_token * (B * (lp + lc) + P * lp)
-        kv_note = "prompt copied per row (+ prefill cache)"
-    terms.append(Term("rollout KV cache", kv, ("generation",), f"{B} rows x ({lp} + {lc}) tokens; {kv_note}"))
-    sampling_units = 6 if s.filtered_sampling else 3
-    terms.append(Term("sampling buffers", B * m.vocab_size * (a + sampling_units * 4), ("generation",),
-                      f"logits + {sampling_units} float32 [rows, vocabulary]"))
-    terms.append(Term("prefill activations", P * lp * _layer_transient_elements(m) * a, ("generation",),
-                      "one layer at a time"))
-    merged = m.adapted_linear_params(s.lora_targets) * w
-    if s.merge_lora is None and device_memory is not None:
-        left = device_memory - sum(t.nbytes for t in terms if "generation" in t.phases)
-        merge = merged <= left // 4
-    else:
-        merge = s.merge_lora is not False
-    if s.use_peft and merge and layout.may_merge_lora:
-        terms.append(Term("merged LoRA copy", merged, ("generation",),
-                          "rollout_merge_lora" + (" (null: fits a quarter of what is left)" if s.merge_lora is None else "")))
+        held = everywhere if s.rollout_process == "same" else ("rollout device",)
+        synced = (m.adapted_linear_params(s.lora_targets) if s.use_peft else m.num_params) * w
+        terms.append(Term("rollout process: weights", m.num_params * w, held, "its own copy, LoRA folded in"))
+        terms.extend(Term(f"rollout process: {t.name}", t.nbytes, held, t.note) for t in sampler
+                     if t.name not in ("merged LoRA copy", "whole weights for rollout"))
+        if s.ring_in_device_memory:
+            terms.append(Term("weight ring", 2 * synced, everywhere,
+                              "two versions in shared memory: " + ("adapted layers merged" if s.use_peft else "every weight")))
     terms.append(Term("rollout / experience tensors", B * (16 * lp + 40 * lc), everywhere,
                       "ids, masks, log-probs per row"))
     # --- forwards over the experience ---
@@ -281,3 +277,36 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
     terms.extend(_forward_terms(m, s, rows, True, "training"))
     return MemoryPlan(terms=[t for t in terms if t.nbytes > 0], settings=s, layout=layout, shape=m,
                       device_memory=device_memory)
+
+
+def _rollout_terms(m: ModelShape, s: RunSettings, layout: MemoryLayout, terms: list[Term], device_memory: int | None,
+                   everywhere: tuple[str, ...]) -> list[Term]:
+    """What sampling holds in the generation phase (``terms``: the run's so far, for the merge decision)."""
+    w, a = s.weight_bytes, s.activation_bytes
+    G, P = s.num_generations, s.prompts_per_rank
+    B = P * G
+    out: list[Term] = []
+    kv_token = m.kv_bytes_per_token(a)
+    lp, lc = s.prompt_length, s.completion_length
+    if s.shared_prefix_decode and G > 1:
+        kv = kv_token * (P * lp + B * lc)
+        kv_note = "prompt once per group + completions per row"
+    else:
+        kv = kv_token * (B * (lp + lc) + P * lp)
+        kv_note = "prompt copied per row (+ prefill cache)"
+    out.append(Term("rollout KV cache", kv, ("generation",), f"{B} rows x ({lp} + {lc}) tokens; {kv_note}"))
+    sampling_units = 6 if s.filtered_sampling else 3
+    out.append(Term("sampling buffers", B * m.vocab_size * (a + sampling_units * 4), ("generation",),
+                      f"logits + {sampling_units} float32 [rows, vocabulary]"))
+    out.append(Term("prefill activations", P * lp * _layer_transient_elements(m) * a, ("generation",),
+                      "one layer at a time"))
+    merged = m.adapted_linear_params(s.lora_targets) * w
+    if s.merge_lora is None and device_memory is not None:
+        left = device_memory - sum(t.nbytes for t in [*terms, *out] if "generation" in t.phases)
+        merge = merged <= left // 4
+    else:
+        merge = s.merge_lora is not False
+    if s.use_peft and merge and layout.may_merge_lora:
+        out.append(Term("merged LoRA copy", merged, ("generation",),
+                          "rollout_merge_lora" + (" (null: fits a quarter of what is left)" if s.merge_lora is None else "")))
+    return out

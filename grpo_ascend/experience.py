@@ -374,15 +374,19 @@ def tool_counts(batch: RolloutBatch) -> dict[str, float]:
 
 
 def experience_metrics(exp: Experience, ranks: Ranks) -> dict[str, float]:
-    """Reward (total and per function), length and truncation statistics over every rank's rows."""
+    """Reward (total and per function), length and truncation statistics over every rank's rows. As TRL, the
+    total's statistics leave out completions no reward function scored (all None; their total is 0)."""
+    per_fn = ranks.gather(exp.rewards_per_function)
     rewards = ranks.gather(exp.rewards)
+    if per_fn.shape[1]:
+        rewards = rewards[~per_fn.isnan().all(dim=1)]
     lengths = ranks.gather(exp.completion_mask.sum(1).float())
     truncated = ranks.gather(exp.truncated.float())
-    stats = torch.stack([rewards.mean(), rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
+    stats = torch.stack([rewards.mean() if rewards.numel() else rewards.new_tensor(float("nan")),
+                         rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
                          lengths.mean(), lengths.min(), lengths.max(), truncated.mean()]).tolist()
     metrics = dict(zip(["reward", "reward_std", "completion_length/mean", "completion_length/min",
                         "completion_length/max", "truncated_fraction"], stats))
-    per_fn = ranks.gather(exp.rewards_per_function)
     means = torch.nanmean(per_fn, dim=0).tolist()
     stds = [float(per_fn[:, i][~per_fn[:, i].isnan()].std()) if per_fn.shape[0] > 1 else 0.0
             for i in range(per_fn.shape[1])]

@@ -429,15 +429,15 @@ class RewardSet:
             row = int(torch.isnan(per).all(dim=1).nonzero()[0]) if f else 0
             example = {**{k: v[row] for k, v in batch.columns.items()}, "prompt": batch.prompts[row],
                        "completion": batch.completions[row]}
-            # TRL 1.16's wording (users grep for it), with what happens here and how often it is said
+            # TRL 1.16's wording first (users and TRL's tests match it), then what happens here and how often
             logger.warning(
-                "All reward functions returned None for %d of %d completions (%s); the first one's kwargs:\n%s\n"
-                "Please ensure that at least one reward function returns a valid reward. Such a completion's total "
-                "reward is 0 (warned once per run).",
+                "All reward functions returned None for the following kwargs:\n%s\nPlease ensure that at least one "
+                "reward function returns a valid reward. (%d of %d completions of this batch, reward functions %s; "
+                "such a completion's total reward is 0; warned once per run.)",
+                example,
                 all_none,
                 n,
                 ", ".join(self.names),
-                example,
             )
         flat = torch.cat([per.reshape(-1), total])
         if self.device is not None and flat.device != self.device:

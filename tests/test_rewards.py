@@ -234,9 +234,9 @@ def test_none_is_nan_and_ignored_in_the_sum(caplog):
     warned = [r.getMessage() for r in caplog.records if "All reward functions returned None" in r.getMessage()]
     assert len(warned) == 1  # once, in TRL 1.16's words, with the first such completion's kwargs as TRL shows them
     kwargs = {"answer": "9", "difficulty": 2, "prompt": "What is 3 * 3?", "completion": "<answer>9</answer>"}
-    assert warned[0].startswith(f"All reward functions returned None for 1 of 4 completions (sometimes, other); the "
-                                f"first one's kwargs:\n{kwargs}\nPlease ensure that at least one reward function "
-                                "returns a valid reward.")
+    assert warned[0].startswith(f"All reward functions returned None for the following kwargs:\n{kwargs}\nPlease "
+                                "ensure that at least one reward function returns a valid reward. (1 of 4 "
+                                "completions of this batch, reward functions sometimes, other;")
 
 
 @pytest.mark.parametrize(

@@ -109,17 +109,17 @@ def test_constant_schedule_has_no_warmup_and_default_loss_metric_becomes_ours(tm
 
 
 def test_one_warning_lists_every_ignored_field_and_nothing_else(tmp_path):
-    cfg = _config(tmp_path, torch_compile=True, dataloader_num_workers=2, run_name="x", vllm_group_port=9000,
-                  learning_rate=1e-4)
+    cfg = _config(tmp_path, torch_compile=True, dataloader_pin_memory=False, run_name="x", vllm_group_port=9000,
+                  learning_rate=1e-4, dataloader_num_workers=2)
     ours, caught = _convert(cfg)
     assert len(caught) == 1
     message = str(caught[0].message)
-    for name in ("torch_compile=True", "dataloader_num_workers=2", "run_name='x'", "vllm_group_port=9000"):
+    for name in ("torch_compile=True", "dataloader_pin_memory=False", "run_name='x'", "vllm_group_port=9000"):
         assert name in message
     # transformers derives torch_compile_backend from torch_compile: also not at its default, also listed
     assert "5 setting(s)" in message and "torch_compile_backend='inductor'" in message
-    assert "learning_rate" not in message and "bf16" not in message
-    assert ours.learning_rate == 1e-4
+    assert "learning_rate" not in message and "bf16" not in message and "dataloader_num_workers" not in message
+    assert ours.learning_rate == 1e-4 and ours.dataloader_num_workers == 2  # kept, as TRL keeps it
 
 
 @pytest.mark.parametrize("changes, expected", [

@@ -62,13 +62,14 @@ def test_supported_trl_fields_are_mapped_as_for_a_trl_config():
 
 
 def test_one_warning_lists_exactly_the_ignored_fields_changed_from_trls_defaults():
-    cfg, caught = _build(use_liger_kernel=True, dataloader_num_workers=2, accelerator_config={"split_batches": True},
-                         run_name="x", tf32=None, learning_rate=1e-4)
+    cfg, caught = _build(use_liger_kernel=True, dataloader_pin_memory=False, dataloader_drop_last=True,
+                         run_name="x", tf32=None, learning_rate=1e-4, dataloader_num_workers=2)
     assert len(caught) == 1 and caught[0].filename == __file__  # points at the caller's line
     message = str(caught[0].message)
     assert message.startswith("GRPOConfig: 4 setting(s) have no effect here and are ignored: use_liger_kernel=True, "
-                              "dataloader_num_workers=2, accelerator_config={'split_batches': True}, run_name='x'")
+                              "dataloader_pin_memory=False, dataloader_drop_last=True, run_name='x'")
     assert "tf32" not in message and cfg.learning_rate == 1e-4
+    assert cfg.dataloader_num_workers == 2  # our own field now (kept as TRL keeps it), not an ignored one
 
 
 def test_refused_fields_fail_only_when_changed_and_say_why():

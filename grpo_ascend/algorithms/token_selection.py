@@ -50,16 +50,31 @@ def high_entropy_mask(
 ) -> Tensor:
     """Bool [B, T]: valid tokens whose entropy is >= the (1 − ρ) quantile of all valid tokens' entropies.
 
-    ``gather`` collects the valid entropies of every rank (a 1-D tensor each, padded to one length with
-    a negative sentinel, which is dropped again: entropies are never negative); None = this rank alone.
-    ρ = 1 keeps every valid token; ρ = 0 keeps the highest-entropy token(s) only.
+    ρ = 1 keeps every valid token; ρ = 0 keeps the highest-entropy token(s) only. ``gather`` as for
+    :func:`entropy_quantile_mask`.
     """
     check_quantile(top_entropy_quantile)
+    return entropy_quantile_mask(entropies, mask, 1.0 - top_entropy_quantile, gather)
+
+
+def entropy_quantile_mask(
+    entropies: Tensor, mask: Tensor, quantile: float, gather: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """Bool [B, T]: valid tokens whose entropy is >= the ``quantile`` quantile (in [0, 1]) of the valid tokens'
+    entropies (TRL's ``get_high_entropy_mask`` threshold: 0 keeps every valid token, 0.8 the top 20%).
+
+    ``gather`` collects the valid entropies of every rank (a 1-D tensor each, padded to one length with
+    a negative sentinel, which is dropped again: entropies are never negative); None = this rank alone.
+    No valid token anywhere gives an all-False mask.
+    """
+    if not 0.0 <= quantile <= 1.0:
+        raise ConfigError(f"the entropy quantile threshold must be in [0, 1] (0 keeps every valid token, 0.8 the "
+                          f"top 20% by entropy), got {quantile!r}")
     valid = mask.bool()
     local = entropies.detach()[valid].float()
     pooled = local if gather is None else gather(local)
     pooled = pooled[pooled >= 0]
     if pooled.numel() == 0:
         return torch.zeros_like(valid)
-    threshold = torch.quantile(pooled, 1.0 - top_entropy_quantile)
+    threshold = torch.quantile(pooled, quantile)
     return (entropies.detach() >= threshold) & valid  # a 0-dim threshold takes the entropies' dtype, as TRL's

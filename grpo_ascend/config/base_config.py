@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from grpo_ascend.config.fields import _check_choice, _f, _positive, _Validated
+from grpo_ascend.config.loader_settings import accelerator_config
 from grpo_ascend.config.rollout_modes import check_async_settings
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.evaluation import check_eval_config
@@ -243,6 +244,17 @@ class BaseRLConfig(_Validated):
         "launch); raise it when ranks' rollouts or checkpoint saves take longer. On Ascend HCCL_EXEC_TIMEOUT "
         "is derived from it (ddp_timeout - 60 s; at least 128 there)."
     )
+    # --- transformers' data-loading fields (TRL's rules for streams; grpo_ascend/config/loader_settings.py) ---
+    dataloader_num_workers: int = _f(
+        0, "transformers' DataLoader workers. Prompts are drawn by the trainer's own sampler, so no worker starts; "
+        "kept as TRL keeps it: a streamed train_dataset sets it to 0 (with TRL's warning), a map-style one keeps it."
+    )
+    accelerator_config: Any = _f(
+        None, "transformers' AcceleratorConfig options (a mapping, or a JSON file's path; null = its defaults): "
+        "split_batches, dispatch_batches, even_batches, use_seedable_sampler, non_blocking, "
+        "gradient_accumulation_kwargs, use_configured_state. Only dispatch_batches is read: a streamed train or "
+        "eval dataset needs it false (true is refused, unset becomes false), as TRL; the others have no effect."
+    )
 
     def __post_init__(self) -> None:
         if self.use_vllm:
@@ -251,6 +263,9 @@ class BaseRLConfig(_Validated):
             self.rollout_backend = "vllm"
         _check_choice("vllm_mode", self.vllm_mode, ("colocate", "server"))
         check_async_settings(self)
+        self.accelerator_config = accelerator_config(self.accelerator_config)
+        if self.dataloader_num_workers < 0:
+            raise ConfigError(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
         _positive(self, "vllm_server_timeout", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
                   "vllm_max_model_length", "vllm_kv_cache_memory_bytes")
         # TRL's unset values (None) of fields typed more narrowly here: transformers' output folder, a visible

@@ -111,6 +111,11 @@ class GRPOConfig(BaseRLConfig):
     entropy_coef_max: float = _f(1.0, "use_adaptive_entropy: upper bound of entropy_coef.")
     entropy_coef_delta: float = _f(0.005, "use_adaptive_entropy: change of entropy_coef per optimizer step.")
     entropy_target: float = _f(0.2, "use_adaptive_entropy: target mean per-token entropy (nats).")
+    router_aux_loss_coef: float | None = _f(
+        None, "TRL's weight of a Mixture-of-Experts model's load-balancing loss; null = the model config's. "
+        "grpo-ascend does not add that loss: an MoE model whose coefficient is not 0 is refused, and 0.0 trains "
+        "without it (TRL's way to turn it off); a non-MoE model needs null or 0."
+    )
     cast_lm_head_to_fp32: bool = _f(
         False, "Compute the output head (logits) in float32 in training, the reference and the rollout, whatever the "
         "model's dtype or autocast (ScaleRL); a head tied to the input embeddings keeps them in its float32 weight."

@@ -93,7 +93,25 @@ TRAINER_SURFACE: list[tuple[str, str, str]] = [
     ("GRPOTrainer(tools=...)", "supported", "docs/tools.md"),
     ("GRPOTrainer(rollout_func=...)", "supported", ""),
     ("GRPOTrainer(environment_factory=...)", "supported", "docs/tools.md"),
-    ("model", "supported", "the PEFT-wrapped policy with LoRA, else the policy"),
+    ("model", "differs", "the PEFT-wrapped policy with LoRA, else the policy; assigning a module with the same "
+     "parameters copies its weights into the trained policy (optimizer and engines keep theirs), the same model is "
+     "a no-op, anything else is refused"),
+    ("ref_model", "supported", "the reference model (moved by sync_ref_model); None when beta is 0 or under LoRA "
+     "(the policy with adapters disabled), as TRL's None for PEFT"),
+    ("reward_processing_classes", "supported", "one entry per reward function: a reward model's tokenizer (given, "
+     "else its own), None for other functions"),
+    ("entropy_coef", "supported", "the entropy-bonus coefficient, moved by use_adaptive_entropy; settable"),
+    ("aux_loss_enabled", "differs", "always False: the MoE load-balancing loss is not added, and a model where TRL "
+     "would add it is refused (router_aux_loss_coef=0.0 trains without it)"),
+    ("get_high_entropy_mask(entropies, mask, threshold)", "supported", "TRL's signature: the tokens at or above "
+     "the threshold quantile of every rank's valid entropies; training calls it (with 1 - top_entropy_quantile), "
+     "so an override selects the trained tokens"),
+    ("get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold)",
+     "supported", "TRL's static method: [B, 1] in mask's dtype, 1 = keep"),
+    ("training_step(model, inputs, num_items_in_batch)", "differs", "called once per micro-batch as in TRL (a "
+     "wrapper or override sees every one): loss, backward, statistics; returns the detached loss. inputs is a "
+     "MicroBatchInputs (the generation batch and the micro-batch's rows; TRL: the raw prompt rows), "
+     "num_items_in_batch the step's loss normaliser"),
     ("args", "differs", "always our GRPOConfig (a TRL config is converted)"),
     ("state", "supported", "a transformers.TrainerState: global_step, epoch, num_input_tokens_seen, total_flos, "
      "log_history (TRL's metric names beside ours, every logging_steps; transformers' closing summary entry)"),

@@ -308,10 +308,12 @@ TRL_FIELDS: dict[str, TRLField] = {
     "seed": same(),
     "data_seed": ignored("the prompt order is seeded by seed"),
     "use_cpu": to("device", "true becomes device='cpu'", _use_cpu),
-    "accelerator_config": ignored("accelerate's batching options; the trainer draws prompts itself"),
+    "accelerator_config": same("transformers' options, kept; only dispatch_batches is read (false with a streamed "
+                               "dataset, as TRL): the trainer draws prompts itself", differs=True),
     "parallelism_config": refused("tensor / context / sequence parallelism is not implemented"),
     "dataloader_drop_last": ignored(_LOADER),
-    "dataloader_num_workers": ignored(_LOADER),
+    "dataloader_num_workers": same("kept with TRL's rule (0 for a streamed train set); no worker starts: prompts "
+                                   "are drawn by the trainer's own sampler", differs=True),
     "dataloader_pin_memory": ignored(_LOADER),
     "dataloader_persistent_workers": ignored(_LOADER),
     "dataloader_prefetch_factor": ignored(_LOADER),
@@ -337,7 +339,8 @@ TRL_FIELDS: dict[str, TRLField] = {
     # --- TRL GRPOConfig ---
     "model_init_kwargs": to("model_init_kwargs", "dtype defaults to float32, as TRL", _model_init_kwargs),
     "trust_remote_code": to("model_init_kwargs", "becomes model_init_kwargs['trust_remote_code']", _trust_remote_code),
-    "router_aux_loss_coef": refused("the MoE load-balancing loss is not added to the GRPO loss"),
+    "router_aux_loss_coef": same("the MoE load-balancing loss is not added: 0.0 trains without it, an MoE model "
+                                 "with another coefficient (its config's when unset) is refused", differs=True),
     "disable_dropout": same("every nn.Dropout (LoRA's included) gets p=0, as TRL"),
     "cast_lm_head_to_fp32": same("the head's matmul runs in float32 in training, reference and rollout (a tied "
                                  "head's embeddings still output the model's dtype, as TRL)"),

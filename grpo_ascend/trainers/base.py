@@ -107,7 +107,7 @@ class RLTrainerBase:
         args = self.args
         self.eval_sets = EvalSets(eval_dataset, args)  # before loading anything: refuse eval settings without a dataset
         self.eval_dataset = eval_dataset
-        check_streamed_steps(args, train_dataset)
+        check_streamed_steps(args, train_dataset, eval_dataset)
         dev.seed_everything(args.seed)
         self.accelerator, self.precision = make_accelerator(args)
         # Chosen once; refuses a launch its engine can't run. The trainer never asks which engine runs.

@@ -14,6 +14,7 @@ from torch import nn
 
 from grpo_ascend import device as dev
 from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
+from grpo_ascend.config.loader_settings import apply_stream_rules
 from grpo_ascend.data.prompts import is_stream
 from grpo_ascend.device.npu_patches import apply_npu_patches
 from grpo_ascend.errors import ConfigError
@@ -86,8 +87,10 @@ def build_optimizer(params: Sequence[nn.Parameter], args: BaseRLConfig) -> torch
                              eps=args.adam_epsilon, weight_decay=args.weight_decay)
 
 
-def check_streamed_steps(args: BaseRLConfig, train_dataset: Any) -> None:
-    """A streamed train set (no length) needs ``max_steps``, as in transformers: refused before loading anything."""
+def check_streamed_steps(args: BaseRLConfig, train_dataset: Any, eval_dataset: Any = None) -> None:
+    """A streamed train set (no length) needs ``max_steps``, as in transformers, and TRL's data-loading rules apply
+    to streams (config/loader_settings.py): refused or adjusted before loading anything."""
+    apply_stream_rules(args, train_dataset, eval_dataset)
     if is_stream(train_dataset) and args.max_steps <= 0:
         raise ConfigError(
             f"train_dataset is a stream ({type(train_dataset).__name__}, no length), so num_train_epochs cannot "

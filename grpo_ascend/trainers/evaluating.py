@@ -27,6 +27,7 @@ import torch
 
 from grpo_ascend import device as dev
 from grpo_ascend.config.configs import BaseRLConfig
+from grpo_ascend.config.loader_settings import check_stream_dispatch
 from grpo_ascend.data.prompts import check_prompt_dataset, eval_prompt_rows
 from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
@@ -47,6 +48,7 @@ class EvalSets:
 
     def __init__(self, eval_dataset: Any, args: BaseRLConfig):
         self._rows: dict[int, Any] = {}  # by id, streams read once into rows
+        self.args = args
         if isinstance(eval_dataset, Mapping):
             if not eval_dataset:
                 raise ConfigError("eval_dataset is an empty dict: give {name: dataset, ...} or one dataset")
@@ -77,7 +79,10 @@ class EvalSets:
         if isinstance(dataset, Mapping):
             return [entry for name, part in dataset.items() for entry in self.resolve(part, f"{prefix}_{name}")]
         rows = self._rows.get(id(dataset))
-        return [(prefix, rows if rows is not None else _checked_eval_rows(dataset))]
+        if rows is None:  # a set given to evaluate() only: TRL's rule for streams applies to it now
+            check_stream_dispatch(self.args, dataset)
+            rows = _checked_eval_rows(dataset)
+        return [(prefix, rows)]
 
 
 class Evaluator:

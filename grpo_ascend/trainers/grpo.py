@@ -35,7 +35,6 @@ from grpo_ascend.algorithms.losses import (
     policy_loss,
 )
 from grpo_ascend.algorithms.reward_aggregation import GroupedRewards, aggregate_advantages
-from grpo_ascend.algorithms.token_selection import high_entropy_mask
 from grpo_ascend.config.configs import GRPOConfig
 from grpo_ascend.config.trl_compat import from_trl_config, is_trl_grpo_config
 from grpo_ascend.errors import ConfigError
@@ -46,6 +45,7 @@ from grpo_ascend.tracking.phases import PhaseTimer
 from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
 from grpo_ascend.trainers.step_metrics import accumulate, policy_metrics
 from grpo_ascend.trainers.step_segments import Segment, step_log, step_parts, straddling_normalisers
+from grpo_ascend.trainers.trl_api import MicroBatchInputs, TRLTrainerAPI, check_router_aux_loss
 
 logger = logging.getLogger(__name__)
 #: Loss types that sum per-token terms, so sequence-level ratios weigh each sequence by its length.
@@ -54,7 +54,7 @@ NO_REWARD_SOURCE = ("No reward source provided. Pass `reward_funcs`, or an `envi
                     "defines a `get_reward` method.")
 
 
-class GRPOTrainer(RLTrainerBase):
+class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
     """GRPO trainer on accelerate; ``model`` is a path, hub id, ``builtin:*`` name or a loaded model."""
 
     config_class = GRPOConfig
@@ -120,6 +120,7 @@ class GRPOTrainer(RLTrainerBase):
         if not _as_list(reward_funcs):  # reward_funcs may be left out only when an environment scores rollouts
             raise ConfigError(NO_REWARD_SOURCE)
         super().__init__(model, cfg, train_dataset, processing_class, peft_config, callbacks, eval_dataset)
+        check_router_aux_loss(self.policy, cfg.router_aux_loss_coef)
         if cfg.sync_ref_model and self.is_peft:
             raise ConfigError(
                 "sync_ref_model=True with a LoRA (PEFT) policy: the reference is the base model with the adapters "
@@ -189,38 +190,14 @@ class GRPOTrainer(RLTrainerBase):
             normalisers = [self._step_normaliser(segments[0].exp.loss_mask[segments[0].rows], segments[0].tokens_global)]
         else:
             normalisers = straddling_normalisers(segments, ranks, self.plan.grad_accum, self.plan.steps_per_generation)
-        settings = dataclasses.replace(self.loss_settings, entropy_coef=self.entropy_control.applied())
         bonus = self.entropy_control.enabled
         self.policy.train()
         importance: dict[str, torch.Tensor] = {}
         for k, (segment, normaliser) in enumerate(zip(segments, normalisers)):
-            exp = segment.exp
-            deferred = self.experience.importance_weights_deferred(exp)
-            for micro, last in self._micro_batches(segment.rows, exp):
+            for micro, last in self._micro_batches(segment.rows, segment.exp):
                 count += 1
-                with self._no_sync(self.logprob_model, last and k == len(segments) - 1):
-                    logps, entropies = self.logprob_model(*exp.model_inputs(micro), temperature=args.temperature,
-                                                          with_entropy=True, entropy_grad=bonus)
-                    weights = None if exp.token_weights is None else exp.token_weights[micro]
-                    if deferred:  # the step's old policy is this forward's: the weights come from it
-                        computed = importance_sampling_weights(exp.sampling_logps[micro], logps.detach(),
-                                                               exp.loss_mask[micro], self.experience.importance_sampling)
-                        weights = computed.weights
-                        merge_stats(importance, computed.stats)
-                    batch = PolicyLossBatch(
-                        logps=logps, advantages=exp.advantages[micro], mask=exp.loss_mask[micro],
-                        old_logps=None if exp.old_logps is None else exp.old_logps[micro],
-                        ref_logps=None if exp.ref_logps is None else exp.ref_logps[micro],
-                        entropies=entropies if bonus or entropies is None else entropies.detach(),
-                        weights=weights,
-                        sampling_logps=exp.sampling_logps[micro],
-                        selection=self._high_entropy_tokens(entropies, exp.loss_mask[micro]),
-                    )
-                    loss, stats = policy_loss(args.loss_type, batch, settings, normaliser)
-                    if bonus:  # TRL's policy_loss: the loss without the entropy bonus
-                        stats["policy_loss"] = self._loss_without_entropy(batch, settings, normaliser)
-                    self._backward(loss)
-                accumulate(sums, {"loss": loss, **stats, **self._trained_entropy(batch)})
+                inputs = MicroBatchInputs(segment.exp, micro, last and k == len(segments) - 1, sums, importance)
+                self.training_step(self.logprob_model, inputs, normaliser)
         grad_norm, _ = self._clip_and_step(self._policy_params, torch.isfinite(sums["loss"]))
         totals = ranks.sum_scalars(sums)
         step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm, **policy_metrics(totals)}
@@ -237,6 +214,45 @@ class GRPOTrainer(RLTrainerBase):
         self._end_step(step_metrics, step_log(segments), segments[-1].exp, step_start, count)
         self._sync_reference()
 
+    def training_step(self, model: Any, inputs: MicroBatchInputs, num_items_in_batch: Any = None) -> torch.Tensor:
+        """One micro-batch of an optimizer step (transformers' / TRL's ``training_step``): the policy loss of
+        ``inputs``' rows through ``model`` (the trainer's log-prob model; the policy itself means the same),
+        its backward (gradients reduced over ranks only when ``inputs.sync_gradients``), its statistics added
+        to ``inputs.stats``; returns the loss, detached. ``num_items_in_batch`` is the step's loss normaliser
+        (a LossNormaliser: token and sequence counts over the step's micro-batches and all ranks); None
+        normalises over these rows alone, as a step of one micro-batch (every rank must call). The train loop
+        calls it once per micro-batch, so a subclass may wrap it, as TRL's own wraps transformers'."""
+        args, exp, micro = self.args, inputs.experience, inputs.rows
+        forward = self.logprob_model if model is None or model is self.policy else model
+        normaliser = num_items_in_batch if num_items_in_batch is not None else self._step_normaliser(
+            exp.loss_mask[micro], self.ranks.reduce(exp.loss_mask[micro].sum()))
+        settings = dataclasses.replace(self.loss_settings, entropy_coef=self.entropy_control.applied())
+        bonus = self.entropy_control.enabled
+        with self._no_sync(self.logprob_model, inputs.sync_gradients):
+            logps, entropies = forward(*exp.model_inputs(micro), temperature=args.temperature, with_entropy=True,
+                                       entropy_grad=bonus)
+            weights = None if exp.token_weights is None else exp.token_weights[micro]
+            if self.experience.importance_weights_deferred(exp):  # the step's old policy is this forward's
+                computed = importance_sampling_weights(exp.sampling_logps[micro], logps.detach(), exp.loss_mask[micro],
+                                                       self.experience.importance_sampling)
+                weights = computed.weights
+                merge_stats(inputs.importance_stats, computed.stats)
+            batch = PolicyLossBatch(
+                logps=logps, advantages=exp.advantages[micro], mask=exp.loss_mask[micro],
+                old_logps=None if exp.old_logps is None else exp.old_logps[micro],
+                ref_logps=None if exp.ref_logps is None else exp.ref_logps[micro],
+                entropies=entropies if bonus or entropies is None else entropies.detach(),
+                weights=weights,
+                sampling_logps=exp.sampling_logps[micro],
+                selection=self._high_entropy_tokens(entropies, exp.loss_mask[micro]),
+            )
+            loss, stats = policy_loss(args.loss_type, batch, settings, normaliser)
+            if bonus:  # TRL's policy_loss: the loss without the entropy bonus
+                stats["policy_loss"] = self._loss_without_entropy(batch, settings, normaliser)
+            self._backward(loss)
+        accumulate(inputs.stats, {"loss": loss, **stats, **self._trained_entropy(batch)})
+        return loss.detach()
+
     def _sync_reference(self) -> None:
         """TR-DPO: every ``ref_model_sync_steps`` optimizer steps, reference ← α·policy + (1 − α)·reference."""
         if not self.args.sync_ref_model or self.step % self.args.ref_model_sync_steps:
@@ -248,14 +264,7 @@ class GRPOTrainer(RLTrainerBase):
         """The micro-batch's tokens in the top ``top_entropy_quantile`` by entropy over all ranks (None: all)."""
         if self.args.top_entropy_quantile >= 1.0 or entropies is None:
             return None
-        return high_entropy_mask(entropies, mask, self.args.top_entropy_quantile, self._gather_ragged)
-
-    def _gather_ragged(self, local: torch.Tensor) -> torch.Tensor:
-        """Every rank's 1-D ``local`` concatenated, padded to one length with −1e9 (non-negative values only)."""
-        if self.ranks.world == 1:
-            return local
-        longest = int(self.ranks.reduce(torch.tensor(local.numel(), device=local.device), "max"))
-        return self.ranks.gather(torch.nn.functional.pad(local, (0, longest - local.numel()), value=-1e9))
+        return self.get_high_entropy_mask(entropies, mask, 1.0 - self.args.top_entropy_quantile)
 
     def _trained_entropy(self, batch: PolicyLossBatch) -> dict[str, torch.Tensor]:
         """Entropy sum and count over the tokens the policy term trains on, for adaptive entropy control."""

@@ -24,6 +24,7 @@ The first step of each run is a warm-up and not counted. Examples::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -82,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer = GRPOTrainer(args.model, lambda completions, **kw: [0.0] * len(completions), cfg,
                           arithmetic_dataset(64), peft_config=default_lora_config(r=16))
     exp = fixed_round(args, trainer.tokenizer.pad_token_id, trainer.device)
-    trainer.experience.make = lambda *a, **k: exp
+    trainer.experience.make = lambda *a, complete=None, **k: (dataclasses.replace(exp, **complete(exp)[0]), {})
     cost = TokenCost(args.prompt, args.long, share_prompts=cfg.share_prompt_prefill, length_bucket=1)
     lengths = exp.completion_mask.sum(1).tolist()
     step_tokens: list[int] = []

@@ -37,10 +37,13 @@ from grpo_ascend.tracking.phases import PhaseTimer
 LogprobFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Experience:
     """A round's completions on this rank; rows ``i*G .. i*G+G-1`` share prompt ``i``.
 
+    Immutable: :class:`ExperienceMaker` builds the round's in one place (sampled and scored, then the
+    old / reference log-probs and the algorithm's fields); a new view is a new object
+    (:meth:`select`, :meth:`concat`, ``dataclasses.replace``).
     Tensors live on the training device. ``group_ids`` number the prompts of the global draw
     (equal ids = one group, also across ranks). ``advantages`` is [B] (one per completion) or
     [B, Lc] (per token); ``extras`` holds an algorithm's own per-row tensors (PPO's values and
@@ -192,6 +195,11 @@ class ExperienceSource(Protocol):
         """Stop what the source runs between rounds."""
 
 
+#: ``complete(exp) -> (fields, metrics)``: an algorithm's own Experience fields (``advantages``, ``extras``, ...)
+#: and its round metrics, from the annotated experience.
+Completion = Callable[["Experience"], tuple[dict[str, Any], dict[str, float]]]
+
+
 class ExperienceMaker:
     """Annotates a source's scored completions with what the update needs.
 
@@ -231,26 +239,34 @@ class ExperienceMaker:
         old_logps: bool,
         trainer_state: Callable[[], dict[str, Any]],
         refill: Callable[[Experience, PhaseTimer], Experience] | None = None,
-    ) -> Experience:
-        """The next round: scored groups from the source (``refill`` may replace groups), then log-probs.
+        complete: Completion | None = None,
+    ) -> tuple[Experience, dict[str, float]]:
+        """The next round, built once: scored groups from the source (``refill`` may replace groups), the
+        old / reference log-probs and importance weights, then the algorithm's own fields and round metrics
+        from ``complete`` (GRPO: advantages; PPO: values, returns, token advantages).
 
         ``trainer_state()`` is what reward functions receive as ``trainer_state``.
         """
         exp = self.source.next_scored(prompts_per_rank, timer, trainer_state)
         if refill is not None:
             exp = refill(exp, timer)
+        fields: dict[str, Any] = {}
         if old_logps or (self.importance_sampling is not None and self.exact_sampling_logps):
             with timer.phase("old_logprobs"):
-                exp.old_logps = exp.sampling_logps if self.exact_sampling_logps else batched_logprobs(
+                fields["old_logps"] = exp.sampling_logps if self.exact_sampling_logps else batched_logprobs(
                     self.policy_logprobs, exp, self.micro_batch)
-        if self.importance_sampling is not None and exp.old_logps is not None:
-            weights = importance_sampling_weights(exp.sampling_logps, exp.old_logps, exp.loss_mask,
+        if self.importance_sampling is not None and "old_logps" in fields:
+            weights = importance_sampling_weights(exp.sampling_logps, fields["old_logps"], exp.loss_mask,
                                                   self.importance_sampling)
-            exp.token_weights, exp.importance_stats = weights.weights, weights.stats
+            fields["token_weights"], fields["importance_stats"] = weights.weights, weights.stats
         if self.reference_logprobs is not None:
             with timer.phase("reference"):
-                exp.ref_logps = batched_logprobs(self.reference_logprobs, exp, self.micro_batch)
-        return exp
+                fields["ref_logps"] = batched_logprobs(self.reference_logprobs, exp, self.micro_batch)
+        annotated = dataclasses.replace(exp, **fields)
+        if complete is None:
+            return annotated, {}
+        own, metrics = complete(annotated)
+        return dataclasses.replace(annotated, **own), metrics
 
     def importance_weights_deferred(self, exp: Experience) -> bool:
         """Whether the update must weight ``exp``'s tokens itself, from its training forward's log-probs."""

@@ -96,23 +96,31 @@ def make_experience(prompt_ids, prompt_mask, completion_ids, completion_mask, re
     return Experience(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, completion_mask=completion_mask,
         loss_mask=completion_mask.float(), sampling_logps=torch.zeros(n, width), truncated=torch.zeros(n, dtype=bool),
-        rewards=rewards, rewards_per_function=rewards[:, None], reward_names=["fixed"], group_ids=torch.arange(n),
-        prompts=["p"] * n, completions=["c"] * n, **fields,
+        rewards=rewards, rewards_per_function=rewards[:, None], reward_names=["fixed"],
+        **{"group_ids": torch.arange(n), **fields}, prompts=["p"] * n, completions=["c"] * n,
     )
 
 
-def run_round(trainer, exp, values=None, advantages=None, returns=None):
+def run_round(trainer, exp, values=None, advantages=None, returns=None, made=None):
     """Run one training round on the fixed experience ``exp`` and return its last step's metrics record.
 
-    PPO: ``values``/``advantages``/``returns`` replace the critic pass and GAE.
+    ``exp`` stands for the sampled, scored and annotated round; the algorithm completes it as in training
+    (GRPO: advantages from its rewards). PPO: ``values``/``advantages``/``returns`` replace the critic pass
+    and GAE. ``made``: a list that receives the completed experience the round trained on.
     """
+    import dataclasses
 
     def fixed_advantages(exp, _values):
-        exp.advantages = advantages
-        exp.extras.update(values=values, returns=returns)
-        return {}
+        return {"advantages": advantages, "extras": {**exp.extras, "values": values, "returns": returns}}, {}
 
-    trainer.experience.make = lambda *args, **kwargs: exp
+    def make(*args, complete=None, **kwargs):
+        own, metrics = complete(exp) if complete is not None else ({}, {})
+        completed = dataclasses.replace(exp, **own)
+        if made is not None:
+            made.append(completed)
+        return completed, metrics
+
+    trainer.experience.make = make
     if values is not None:
         trainer._forward_values = lambda exp: values
         trainer._advantages = fixed_advantages

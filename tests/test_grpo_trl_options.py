@@ -5,6 +5,7 @@ TR-DPO's formula, the head runs in float32, reward_funcs may be left to an envir
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -65,12 +66,13 @@ def test_normalize_then_sum_reaches_the_advantages(tmp_path, tiny_model_dir):
     trainer = _trainer(tmp_path, str(tiny_model_dir), cfg, reward_funcs=[first_digit_is_one, second])
     exp = fixed_experience()
     per = torch.randn(exp.size, 2, generator=torch.Generator().manual_seed(3)) * torch.tensor([1.0, 40.0])
-    exp.rewards_per_function, exp.rewards = per, per @ torch.tensor([1.0, 3.0])
-    exp.reward_names = ["first_digit_is_one", "second"]
-    run_round(trainer, exp)
+    exp = dataclasses.replace(exp, rewards_per_function=per, rewards=per @ torch.tensor([1.0, 3.0]),
+                              reward_names=["first_digit_is_one", "second"])
+    made = []
+    run_round(trainer, exp, made=made)
     expected = aggregate_advantages("normalize_then_sum", GroupedRewards(per, exp.rewards, torch.tensor([1.0, 3.0]), 2),
                                     "grpo", "group").advantages
-    assert torch.equal(exp.advantages, expected)
+    assert torch.equal(made[0].advantages, expected)
     summed = aggregate_advantages("sum_then_normalize", GroupedRewards(per, exp.rewards, torch.tensor([1.0, 3.0]), 2),
                                   "grpo", "group").advantages
     assert (expected - summed).abs().max() > 0.1

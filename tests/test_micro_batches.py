@@ -176,9 +176,8 @@ def varied_experience(n=8, lp=6, lc=12, G=2, **fields):
     comp = torch.randint(5, 500, (n, lc), generator=g)
     lengths = torch.tensor([1, 12, 3, 2, 11, 12, 4, 1][:n])
     cm = (torch.arange(lc) < lengths[:, None]).long()
-    exp = make_experience(prompt, pm, comp, cm, rewards=torch.randn(n, generator=g), **fields)
-    exp.group_ids = torch.arange(n) // G
-    return exp
+    return make_experience(prompt, pm, comp, cm, rewards=torch.randn(n, generator=g),
+                           **{"group_ids": torch.arange(n) // G, **fields})
 
 
 def step_gradients(trainer, exp, **ppo_fixed):
@@ -311,7 +310,7 @@ def test_ppo_budget_micro_batches_give_the_one_batch_gradient(tmp_path, tiny_mod
     g = torch.Generator().manual_seed(4)
     exp = varied_experience()
     cm = exp.completion_mask
-    exp.old_logps = (-3 - torch.rand(8, 12, generator=g)) * cm
+    exp = dataclasses.replace(exp, old_logps=(-3 - torch.rand(8, 12, generator=g)) * cm)
     fixed = {k: torch.randn(8, 12, generator=g) * cm for k in ("values", "advantages", "returns")}
     one, metrics = step_gradients(trainer, exp, **fixed)
     trainer.micro_batcher.token_budget = 40

@@ -42,8 +42,9 @@ def test_steps_straddle_generation_batches_in_trls_order(tmp_path, tiny_model_di
     make, optimizer_step = trainer.experience.make, trainer._optimizer_step
 
     def recording_make(*args, **kwargs):
-        made.append((make(*args, **kwargs), kwargs["old_logps"]))
-        return made[-1][0]
+        exp, metrics = make(*args, **kwargs)
+        made.append((exp, kwargs["old_logps"]))
+        return exp, metrics
 
     def recording_step(segments):
         steps.append([(id(s.exp), s.rows.tolist()) for s in segments])

@@ -206,8 +206,9 @@ def test_training_step_runs_once_per_micro_batch(tmp_path, tiny_model_dir):
 
 def test_training_step_returns_the_micro_batch_loss(tmp_path, tiny_model_dir):
     """Called alone (num_items_in_batch None) on a step's rows it gives that one-micro-batch step's loss."""
-    exp = fixed_experience()
-    logged = run_round(_trainer(tmp_path / "a", tiny_model_dir, max_steps=1), exp)["loss"]
+    made = []
+    logged = run_round(_trainer(tmp_path / "a", tiny_model_dir, max_steps=1), fixed_experience(), made=made)["loss"]
+    exp = made[0]  # the round's experience, its advantages computed
     seen = []
 
     class Wrapping(GRPOTrainer):
@@ -220,7 +221,7 @@ def test_training_step_returns_the_micro_batch_loss(tmp_path, tiny_model_dir):
                        arithmetic_dataset(8), peft_config=default_lora_config(r=4))
     assert run_round(trainer, fixed_experience())["loss"] == pytest.approx(logged, rel=1e-6)
     assert len(seen) == 1 and not seen[0].requires_grad and seen[0].item() == pytest.approx(logged, rel=1e-6)
-    fresh = _trainer(tmp_path / "c", tiny_model_dir, max_steps=1)  # exp's advantages are the first run's
+    fresh = _trainer(tmp_path / "c", tiny_model_dir, max_steps=1)
     direct = fresh.training_step(fresh.model, MicroBatchInputs(exp, torch.arange(exp.size)))
     assert direct.item() == pytest.approx(logged, rel=1e-5)
     assert any(p.grad is not None for p in fresh.model.parameters() if p.requires_grad)  # backward ran

@@ -164,22 +164,26 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
     def _generate(self, generation: int) -> tuple[Experience, torch.Tensor, RoundLog]:
         """A generation batch with its advantages, its valid tokens over all ranks (the loss normaliser's,
         see LossNormaliser) and the log its steps carry."""
-        args, ranks = self.args, self.ranks
         timer, started = PhaseTimer(self.device), time.perf_counter()
-        exp = self.experience.make(
+        exp, metrics = self.experience.make(
             self.plan.prompts_per_rank, timer, old_logps=self.plan.old_logps_needed(generation),
-            trainer_state=self._trainer_state_for_rewards, refill=self._refill if args.dynamic_sampling else None,
+            trainer_state=self._trainer_state_for_rewards, refill=self._refill if self.args.dynamic_sampling else None,
+            complete=self._group_advantages,
         )
+        tokens_global = self.ranks.reduce(exp.loss_mask.sum())
+        return exp, tokens_global, RoundLog(metrics, timer, prep_seconds=time.perf_counter() - started)
+
+    def _group_advantages(self, exp: Experience) -> tuple[dict[str, Any], dict[str, float]]:
+        """This rank's group-relative advantages (rewards of every rank grouped), and the round's metrics."""
+        args, ranks = self.args, self.ranks
         metrics = experience_metrics(exp, ranks)
         metrics.update(ranks.mean_over_ranks(self.experience.source.metrics()))
         grouped = GroupedRewards(ranks.gather(exp.rewards_per_function), ranks.gather(exp.rewards),
                                  torch.tensor(self.rewards.weights, device=self.device), self.plan.num_generations)
         adv = aggregate_advantages(args.multi_objective_aggregation, grouped, args.advantage_estimator,
                                    args.scale_rewards)
-        exp.advantages = adv.advantages[ranks.rank * exp.size : (ranks.rank + 1) * exp.size].float()
         metrics.update(adv.metrics())
-        tokens_global = ranks.reduce(exp.loss_mask.sum())
-        return exp, tokens_global, RoundLog(metrics, timer, prep_seconds=time.perf_counter() - started)
+        return {"advantages": adv.advantages[ranks.rank * exp.size : (ranks.rank + 1) * exp.size].float()}, metrics
 
     def _optimizer_step(self, segments: list[Segment]) -> None:
         """One optimizer step over its segments' micro-batches (gradients synchronise on the very last)."""
@@ -341,12 +345,12 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
             filled += n
         out = Experience.concat(kept, self.tokenizer.pad_token_id)
         # Counts are summed over ranks: the extra rounds (the same on every rank) are entered per rank.
-        out.counts = {**counts,
+        return dataclasses.replace(out, counts={
+            **counts,
             "dynamic_sampling/extra_rounds": rounds / self.ranks.world,
             "dynamic_sampling/groups_sampled": float(sampled),
             "dynamic_sampling/zero_std_groups_kept": float(filled),
-        }
-        return out
+        })
 
 
 def _refuse_trl_only(quantization_config: Any, optimizers: Any) -> None:

@@ -104,14 +104,9 @@ class PPOTrainer(RLTrainerBase):
         """Experience → values → KL-penalised token rewards and GAE → epochs of critic + policy steps → log."""
         args, ranks, critic = self.args, self.ranks, self.critic
         timer, started = PhaseTimer(self.device), time.perf_counter()
-        exp = self.experience.make(self.plan.prompts_per_rank, timer, old_logps=True,
-                                   trainer_state=self._trainer_state_for_rewards)
-        metrics = experience_metrics(exp, ranks)
-        metrics.update(ranks.mean_over_ranks(self.experience.source.metrics()))
-        with timer.phase("values"):
-            values = self._forward_values(exp)
-        with timer.phase("advantages"):
-            metrics.update(self._advantages(exp, values))
+        exp, metrics = self.experience.make(self.plan.prompts_per_rank, timer, old_logps=True,
+                                            trainer_state=self._trainer_state_for_rewards,
+                                            complete=lambda annotated: self._values_and_advantages(annotated, timer))
         tokens_global = ranks.reduce(exp.loss_mask.sum())
         log = RoundLog(metrics, timer, prep_seconds=time.perf_counter() - started)
 
@@ -166,23 +161,34 @@ class PPOTrainer(RLTrainerBase):
                 out.append(self.critic_model(*exp.model_inputs(slice(start, start + size))))
         return torch.cat(out).float() * exp.completion_mask
 
-    def _advantages(self, exp: Experience, values: Tensor) -> dict[str, float]:
-        """Token rewards (−β·KL, the score on the last token), GAE and returns into ``exp`` (see
-        algorithms/token_advantages.py); their metrics over all ranks. Adapts the KL coefficient.
+    def _values_and_advantages(self, exp: Experience, timer: PhaseTimer) -> tuple[dict[str, Any], dict[str, float]]:
+        """The critic's values, then GAE (see :meth:`_advantages`); the round's metrics."""
+        metrics = experience_metrics(exp, self.ranks)
+        metrics.update(self.ranks.mean_over_ranks(self.experience.source.metrics()))
+        with timer.phase("values"):
+            values = self._forward_values(exp)
+        with timer.phase("advantages"):
+            fields, advantage_metrics = self._advantages(exp, values)
+        metrics.update(advantage_metrics)
+        return fields, metrics
 
-        Sets ``exp.advantages`` [B, Tc] (whitened over every rank's tokens unless ``whiten_advantages``
-        is off), ``exp.old_logps`` masked to the completion, and ``exp.extras['values'/'returns']``.
+    def _advantages(self, exp: Experience, values: Tensor) -> tuple[dict[str, Any], dict[str, float]]:
+        """Token rewards (−β·KL, the score on the last token), GAE and returns (see
+        algorithms/token_advantages.py), and their metrics over all ranks. Adapts the KL coefficient.
+
+        The fields: ``advantages`` [B, Tc] (whitened over every rank's tokens unless ``whiten_advantages``
+        is off), ``old_logps`` masked to the completion, and ``extras`` with ``values`` and ``returns``.
         """
         args, ranks, mask = self.args, self.ranks, exp.loss_mask
-        exp.old_logps = exp.old_logps.float() * mask
-        out = gae_token_advantages(exp.rewards, exp.old_logps, exp.ref_logps, values, mask, self.kl_ctl.value,
+        old_logps = exp.old_logps.float() * mask
+        out = gae_token_advantages(exp.rewards, old_logps, exp.ref_logps, values, mask, self.kl_ctl.value,
                                    args.gamma, args.lam, args.whiten_advantages, reduce=ranks.reduce)
-        exp.advantages = out.advantages
-        exp.extras.update(values=values, returns=out.returns)
         metrics, sequences = out.metrics(values, mask, ranks.reduce, ranks.gather)
         if args.needs_reference_model:
             self.kl_ctl.update(metrics["kl/sequence"], sequences)
-        return metrics
+        fields = {"advantages": out.advantages, "old_logps": old_logps,
+                  "extras": {**exp.extras, "values": values, "returns": out.returns}}
+        return fields, metrics
 
     # ------------------------------------------------------------------------------ checkpoints
     def _trainer_state(self) -> dict[str, Any]:

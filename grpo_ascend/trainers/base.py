@@ -167,18 +167,25 @@ class RLTrainerBase:
         (tools, a ``rollout_func``) and the module a checkpoint holds."""
         args, run = self.args, self.run
         self.best = BestCheckpointTracker(args, run, self.is_main_process)
-        self.checkpointer = Checkpointer(args, self.accelerator, self.strategy, run, self._trainable_module(),
-                                         self.optimizer, self.scheduler, self.sampler, self.generator, self.tokenizer,
-                                         self.model_name, self.best)
-        self.evaluator = Evaluator(args, self.eval_sets, run, self.rollout, self.rewards, self.ranks, self.device,
-                                   self.policy, self._rollout_context, self._trainer_state_for_rewards)
-        self.events = EventHub(args, self.accelerator, self._callbacks, run, self.sampler,
-                               {"model": self.policy, "processing_class": self.tokenizer, "optimizer": self.optimizer,
-                                "lr_scheduler": self.scheduler})
-        self.publisher = ModelPublisher(args, self.accelerator, self.strategy, run, self.policy, self.tokenizer,
-                                        self.model_name, self.is_peft, self.checkpointer.gathered)
-        self.recorder = RunRecorder(args, self.plan, run, self.events, self.ranks, self.device,
-                                    self.scheduler, self.sampler, self.policy, self.is_main_process)
+        self.checkpointer = Checkpointer(
+            args=args, accelerator=self.accelerator, strategy=self.strategy, run=run, module=self._trainable_module(),
+            optimizer=self.optimizer, scheduler=self.scheduler, sampler=self.sampler, generator=self.generator,
+            tokenizer=self.tokenizer, model_name=self.model_name, best=self.best)
+        self.evaluator = Evaluator(
+            args=args, sets=self.eval_sets, run=run, rollout=self.rollout, rewards=self.rewards, ranks=self.ranks,
+            device=self.device, policy=self.policy, rollout_context=self._rollout_context,
+            reward_state=self._trainer_state_for_rewards)
+        self.events = EventHub(
+            args=args, accelerator=self.accelerator, callbacks=self._callbacks, run=run, sampler=self.sampler,
+            objects={"model": self.policy, "processing_class": self.tokenizer, "optimizer": self.optimizer,
+                     "lr_scheduler": self.scheduler})
+        self.publisher = ModelPublisher(
+            args=args, accelerator=self.accelerator, strategy=self.strategy, run=run, policy=self.policy,
+            tokenizer=self.tokenizer, model_name=self.model_name, is_peft=self.is_peft,
+            gathered=self.checkpointer.gathered)
+        self.recorder = RunRecorder(
+            args=args, plan=self.plan, run=run, events=self.events, ranks=self.ranks, device=self.device,
+            scheduler=self.scheduler, sampler=self.sampler, policy=self.policy, is_main_process=self.is_main_process)
 
     # ------------------------------------------------------------------------------ the run's counters
     @property

@@ -42,7 +42,7 @@ class Checkpointer:
     keeps and writes the ``best`` pointer.
     """
 
-    def __init__(self, args: BaseRLConfig, accelerator: Any, strategy: Strategy, run: RunState, module: nn.Module,
+    def __init__(self, *, args: BaseRLConfig, accelerator: Any, strategy: Strategy, run: RunState, module: nn.Module,
                  optimizer: Any, scheduler: Any, sampler: PromptSampler | StreamSampler, generator: torch.Generator, tokenizer: Any,
                  model_name: str, best: BestCheckpointTracker):
         self.args = args

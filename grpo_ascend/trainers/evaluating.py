@@ -92,7 +92,7 @@ class Evaluator:
     LoRA folded in); ``reward_state``: ``trainer_state`` as reward functions receive it.
     """
 
-    def __init__(self, args: BaseRLConfig, sets: EvalSets, run: RunState, rollout: Rollout, rewards: Any, ranks: Ranks,
+    def __init__(self, *, args: BaseRLConfig, sets: EvalSets, run: RunState, rollout: Rollout, rewards: Any, ranks: Ranks,
                  device: torch.device, policy: Any, rollout_context: Callable[[], contextlib.AbstractContextManager],
                  reward_state: Callable[[], dict[str, Any]]):
         self.args = args

@@ -25,7 +25,7 @@ class ModelPublisher:
     ``gathered``: context with the trainable parameters whole on every rank (sharded engines).
     """
 
-    def __init__(self, args: BaseRLConfig, accelerator: Any, strategy: Strategy, run: RunState, policy: nn.Module,
+    def __init__(self, *, args: BaseRLConfig, accelerator: Any, strategy: Strategy, run: RunState, policy: nn.Module,
                  tokenizer: Any, model_name: str, is_peft: bool,
                  gathered: Callable[[], contextlib.AbstractContextManager]):
         self.args = args

@@ -38,7 +38,7 @@ class RunRecorder:
     gives the logged learning rate, ``sampler`` the epoch.
     """
 
-    def __init__(self, args: BaseRLConfig, plan: BatchPlan, run: RunState, events: EventHub,
+    def __init__(self, *, args: BaseRLConfig, plan: BatchPlan, run: RunState, events: EventHub,
                  ranks: Ranks, device: Any, scheduler: Any, sampler: Any, policy: nn.Module, is_main_process: bool):
         self.args = args
         self.plan = plan

@@ -36,7 +36,7 @@ class EventHub:
     every event receives (``model``, ``processing_class``, ``optimizer``, ``lr_scheduler``).
     """
 
-    def __init__(self, args: BaseRLConfig, accelerator: Any, callbacks: Sequence[Any] | None,
+    def __init__(self, *, args: BaseRLConfig, accelerator: Any, callbacks: Sequence[Any] | None,
                  run: RunState, sampler: Any, objects: dict[str, Any]):
         from transformers import TrainerControl, TrainerState
 

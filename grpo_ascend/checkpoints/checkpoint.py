@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from grpo_ascend.checkpoints import files as io
-from grpo_ascend.checkpoints.adapters import unwrap_model
 from grpo_ascend.checkpoints.files import MANIFEST_NAME
 from grpo_ascend.checkpoints.weights import (  # noqa: F401  (the weight files' names, re-exported)
     ADAPTER_CONFIG_NAME,
@@ -51,6 +50,7 @@ from grpo_ascend.checkpoints.weights import (  # noqa: F401  (the weight files' 
 )
 from grpo_ascend.device import rng_state, set_rng_state
 from grpo_ascend.errors import CheckpointError
+from grpo_ascend.models.wrappers import unwrap_model
 
 logger = logging.getLogger(__name__)
 

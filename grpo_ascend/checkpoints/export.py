@@ -28,15 +28,14 @@ from grpo_ascend.checkpoints.adapters import (
     adapter_state_dict,
     check_tensors,
     copy_tensors_into,
-    is_peft,
     load_adapter_state_dict,
     non_adapter_trainable,
-    unwrap_model,
 )
 from grpo_ascend.checkpoints.best import best_checkpoint, resolve_best_path
 from grpo_ascend.errors import CheckpointError, ConfigError, closest
 from grpo_ascend.models.policy import apply_peft
 from grpo_ascend.models.tiny_model import resolve_builtin
+from grpo_ascend.models.wrappers import is_peft, unwrap_model
 
 logger = logging.getLogger(__name__)
 

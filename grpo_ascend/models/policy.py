@@ -15,15 +15,15 @@ import torch
 from torch import Tensor, nn
 
 from grpo_ascend import device as dev
-from grpo_ascend.checkpoints.adapters import is_peft
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.length_buckets import round_up
 from grpo_ascend.models import compat_peft
 from grpo_ascend.models.attention_switch import activation_checkpointing_on
 from grpo_ascend.models.compat_peft import base_weight, delta_weight, plain_lora_parts, set_adapter_path
 from grpo_ascend.models.grouped_attention import grouped_attention
 from grpo_ascend.models.logprobs import token_logprobs_from_hidden
 from grpo_ascend.models.tiny_model import resolve_builtin
-from grpo_ascend.rollout.kv_cache import round_up
+from grpo_ascend.models.wrappers import is_peft
 
 logger = logging.getLogger(__name__)
 

@@ -32,9 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from grpo_ascend.checkpoints import checkpoint as ckpt
-from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
 from grpo_ascend.distributed import compat_deepspeed as compat
-from grpo_ascend.distributed.base import SaveState
+from grpo_ascend.distributed.base import SaveState, StepPlan, StrategyArgs
 from grpo_ascend.distributed.memory_layout import MemoryLayout, deepspeed_layout
 from grpo_ascend.distributed.plain import PlainStrategy
 from grpo_ascend.errors import ConfigError
@@ -49,7 +48,7 @@ def zero_stage(accelerator: Any) -> int:
     return int(plugin.zero_stage) if plugin is not None else 0
 
 
-def fill_config(ds: dict[str, Any], args: BaseRLConfig, plan: BatchPlan, world_size: int) -> None:
+def fill_config(ds: dict[str, Any], args: StrategyArgs, plan: StepPlan, world_size: int) -> None:
     """Fill the DeepSpeed config ``ds`` from this run's config: micro-batch, accumulation and clipping.
 
     The engine's own accumulation scaling is bypassed (see the module docstring), so these values
@@ -116,7 +115,7 @@ class DeepSpeedStrategy(PlainStrategy):
                 "ZeRO-2 (recipes/accelerate/deepspeed_zero2.yaml)"
             )
 
-    def configure(self, policy: nn.Module, plan: BatchPlan) -> None:
+    def configure(self, policy: nn.Module, plan: StepPlan) -> None:
         fill_config(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args, plan, self.world_size)
         self.accelerator.gradient_accumulation_steps = plan.grad_accum  # accelerate warns when it disagrees
 

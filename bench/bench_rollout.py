@@ -59,7 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo_ascend import device as devmod  # noqa: E402
-from grpo_ascend.models.tiny_model import _WORDS, build_tiny_model  # noqa: E402
+from grpo_ascend.models.tiny_model import build_tiny_model  # noqa: E402
+from grpo_ascend.models.tiny_tokenizer import _WORDS  # noqa: E402
 from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
 from grpo_ascend.rollout.sampling import SamplingParams  # noqa: E402
 from grpo_ascend.rollout.vllm import VLLMColocatedRollout  # noqa: E402

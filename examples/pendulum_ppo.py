@@ -1,7 +1,7 @@
 """PPO on gymnasium's Pendulum-v1 with a vector of environments, the data kept on the device.
 
-The classic-control run the design notes start from, using the same on-device rollout buffer,
-vectorised GAE and PPO losses as the language-model trainer (see grpo_ascend/rl/control.py)::
+The classic-control run the design notes start from: an on-device rollout buffer and the same
+vectorised GAE and PPO losses as the language-model trainer (see grpo_ascend/examples_support/pendulum/)::
 
     python examples/pendulum_ppo.py                          # 8 sync envs, 100k steps (~1 min on a CPU)
     python examples/pendulum_ppo.py --vectorization-mode async --num-envs 16
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_ascend.rl import ControlPPOConfig, train_control_ppo
+from grpo_ascend.examples_support.pendulum import ControlPPOConfig, train_control_ppo
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ControlPPOConfig, argparse.Namespace]:

@@ -17,6 +17,7 @@ from grpo_ascend.models.policy import default_lora_config, load_causal_lm, resol
 from grpo_ascend.tools import load_environment_factory, load_toolset
 from grpo_ascend.trainers.grpo import GRPOTrainer
 from grpo_ascend.trainers.ppo import PPOTrainer
+from reward_models import load_reward_function
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +95,6 @@ def _model_path(name: str) -> str:
 
 def _reward_specs(specs: list[Any], args: BaseRLConfig) -> list[Any]:
     """Reward specs from YAML; built-ins that need the completion limit get it from the config."""
-    from reward_models import load_reward_function
-
     out = []
     for spec in specs:
         if isinstance(spec, dict) and spec.get("name") == "overlong":

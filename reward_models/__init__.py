@@ -7,10 +7,11 @@ concurrently. :class:`RewardSet` loads, calls, checks and combines several of th
 """
 
 from reward_models.calling import TrainerStateView
-from reward_models.core import RewardOutput, RewardSet, processing_classes_per_function
 from reward_models.loading import BUILTIN_REWARDS, load_reward_function, register_reward, reward_name
 from reward_models.math_answer import AccuracyReward, answers_match, extract_answer, parse_number
 from reward_models.reward_model import RewardModelScorer
+from reward_models.reward_output import RewardOutput
+from reward_models.reward_set import RewardSet, processing_classes_per_function
 from reward_models.rules import DEFAULT_FORMAT_PATTERN, FormatReward, LengthPenalty, OverlongPenalty
 from reward_models.text import completion_text
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from grpo_ascend import device as dev
 from grpo_ascend.errors import ConfigError, RewardError
 from reward_models.text import completion_text, is_conversational
 
@@ -17,9 +18,7 @@ logger = logging.getLogger(__name__)
 
 def _default_device() -> torch.device:
     """The training device picked by the project's device module (``auto``)."""
-    from grpo_ascend.device import resolve_device
-
-    return resolve_device("auto")
+    return dev.resolve_device("auto")
 
 
 def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

@@ -1,5 +1,5 @@
-"""The import graph of the ``grpo_ascend`` package, read from the source (every import statement,
-function-local ones included), for the tests that keep it acyclic."""
+"""The import graph of the ``grpo_ascend`` and ``reward_models`` packages, read from the source (every import
+statement, function-local ones included), for the tests that keep it acyclic."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "grpo_ascend"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "grpo_ascend"
+#: The packages whose imports of each other the graph holds (reward_models imports grpo_ascend and is imported by it).
+PACKAGES = (PACKAGE, ROOT / "reward_models")
 
 
 @dataclass(frozen=True)
@@ -18,14 +21,15 @@ class Edge:
     local: bool  # inside a function body: runs on first call, not at import
 
 
-def module_files(root: Path = PACKAGE) -> dict[str, Path]:
-    """Dotted module name → source file, for every module of the package."""
+def module_files(roots: Path | tuple[Path, ...] = PACKAGES) -> dict[str, Path]:
+    """Dotted module name → source file, for every module of the packages."""
     out = {}
-    for path in sorted(root.rglob("*.py")):
-        parts = list(path.relative_to(root.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
+    for root in (roots,) if isinstance(roots, Path) else roots:
+        for path in sorted(root.rglob("*.py")):
+            parts = list(path.relative_to(root.parent).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
     return out
 
 
@@ -38,9 +42,9 @@ def _resolve(name: str, modules: set[str]) -> str | None:
     return None
 
 
-def edges(root: Path = PACKAGE) -> list[Edge]:
-    """Every import of a package module by a package module."""
-    files = module_files(root)
+def edges(roots: Path | tuple[Path, ...] = PACKAGES) -> list[Edge]:
+    """Every import of a package module by a package module (of any of ``roots``)."""
+    files = module_files(roots)
     modules = set(files)
     found = []
     for source, path in files.items():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_ascend.errors import ConfigError, DataError
-from grpo_ascend.rl.buffer import FieldSpec, RolloutBuffer
+from grpo_ascend.examples_support.pendulum.buffer import FieldSpec, RolloutBuffer
 
 
 def make(capacity: int = 5) -> RolloutBuffer:

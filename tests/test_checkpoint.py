@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from grpo_ascend.checkpoints import checkpoint as ckpt
 from grpo_ascend.checkpoints import files as checkpoint_io
+from grpo_ascend.checkpoints import run_folders
 from grpo_ascend.errors import CheckpointError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,7 +251,7 @@ def test_latest_resolve_and_save_total_limit(tmp_path, tiny_model_dir):
     assert ckpt.resolve_checkpoint(None, tmp_path) is None
     for step in (5, 10, 15):
         ckpt.save_checkpoint(tmp_path, step, ckpt.CheckpointContents(model=model, trainer_state={}), save_total_limit=2)
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-15"]
+    assert [p.name for p in run_folders.list_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-15"]
     # leftovers of a crashed save and a half-written final folder are not "latest"
     (tmp_path / ".tmp-checkpoint-20-abc").mkdir()
     (tmp_path / "checkpoint-25").mkdir()
@@ -264,7 +265,7 @@ def test_latest_resolve_and_save_total_limit(tmp_path, tiny_model_dir):
         ckpt.resolve_checkpoint(tmp_path / "checkpoint-25", tmp_path)
     # a limit of 1 keeps the one just written, even when it is not the highest step
     path = ckpt.save_checkpoint(tmp_path, 12, ckpt.CheckpointContents(model=model, trainer_state={}), save_total_limit=1)
-    assert ckpt.list_checkpoints(tmp_path) == [path]
+    assert run_folders.list_checkpoints(tmp_path) == [path]
     assert not (tmp_path / ".tmp-checkpoint-20-abc").exists()
 
 

@@ -11,12 +11,11 @@ from grpo_ascend.checkpoints import files as io
 from grpo_ascend.checkpoints.adapters import (
     adapter_names,
     adapter_state_dict,
-    is_peft,
     load_adapter_state_dict,
     non_adapter_trainable,
-    unwrap_model,
 )
 from grpo_ascend.errors import CheckpointError
+from grpo_ascend.models.wrappers import is_peft, unwrap_model
 
 
 def _write(folder, files):

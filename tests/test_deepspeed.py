@@ -296,27 +296,28 @@ def test_deepspeed_config_is_filled_from_the_run_config(caplog):
 
 def test_optimizer_shards_round_trip_and_refuse_another_world_size(tmp_path, tiny_model):
     from grpo_ascend.checkpoints import checkpoint as ckpt
+    from grpo_ascend.checkpoints import optimizer_shards
     from grpo_ascend.errors import CheckpointError
 
     model, _ = tiny_model
-    staging = ckpt.make_staging_dir(tmp_path, 3)
+    staging = optimizer_shards.make_staging_dir(tmp_path, 3)
     states = [{"base_optimizer_state": {"state": {}, "param_groups": []}, "part": torch.full((3,), float(r))}
               for r in range(2)]
     for r, state in enumerate(states):
-        ckpt.write_optimizer_shard(staging, r, state)
+        optimizer_shards.write_optimizer_shard(staging, r, state)
     path = ckpt.save_checkpoint(tmp_path, 3, ckpt.CheckpointContents(model=model, trainer_state={"step": 3}),
                                 staging_dir=staging, optimizer_shards=2)
     assert not staging.exists() and path.name == "checkpoint-3"
     for r in range(2):
-        assert torch.equal(ckpt.load_optimizer_shard(path, r, 2)["part"], states[r]["part"])
+        assert torch.equal(optimizer_shards.load_optimizer_shard(path, r, 2)["part"], states[r]["part"])
     with pytest.raises(CheckpointError, match="shards of 2 ranks but this run has 4"):
-        ckpt.load_optimizer_shard(path, 0, 4)
+        optimizer_shards.load_optimizer_shard(path, 0, 4)
     optimizer = torch.optim.AdamW([p for p in model.parameters()][:1])
     with pytest.raises(CheckpointError, match="sharded over 2 ranks.*ZeRO"):
         ckpt.load_checkpoint(path, model=model, optimizer=optimizer)
     # A save whose shards did not all arrive never becomes a checkpoint.
-    staging = ckpt.make_staging_dir(tmp_path, 4)
-    ckpt.write_optimizer_shard(staging, 0, states[0])
+    staging = optimizer_shards.make_staging_dir(tmp_path, 4)
+    optimizer_shards.write_optimizer_shard(staging, 0, states[0])
     with pytest.raises(CheckpointError, match=r"rank\(s\) \[1\] are missing"):
         ckpt.save_checkpoint(tmp_path, 4, ckpt.CheckpointContents(model=model, trainer_state={"step": 4}),
                              staging_dir=staging, optimizer_shards=2)

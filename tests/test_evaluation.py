@@ -17,7 +17,7 @@ from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.cli import main as cli_main
 from grpo_ascend.data.synthetic import arithmetic_dataset
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.evaluation import eval_ks, eval_sums, finish_eval_metrics, pass_at_k
+from grpo_ascend.eval_metrics import eval_ks, eval_sums, finish_eval_metrics, pass_at_k
 from grpo_ascend.models.policy import default_lora_config
 from grpo_ascend.trainers.evaluating import eval_chunks
 

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from import_graph import PACKAGE, cycles, edges
+from import_graph import PACKAGES, cycles, edges
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = ROOT / "docs" / "layout.md"
@@ -20,6 +20,10 @@ LAZY_LOCAL_IMPORTS = {
     # the fused LoRA kernel subclasses peft's layer when imported: peft loads only when a run uses the kernel
     ("grpo_ascend.trainers.base", "grpo_ascend.models"),
     ("grpo_ascend.trainers.base", "grpo_ascend.models.lora_kernel"),
+    # nothing forces these two to be lazy (reward_models never imports the trainers); they stay while
+    # trainers/* is being changed by other work, and should move to the top of their modules.
+    ("grpo_ascend.trainers.components", "reward_models"),
+    ("grpo_ascend.trainers.grpo", "reward_models"),
 }
 
 
@@ -98,6 +102,6 @@ def test_import_graph_reader_sees_local_and_relative_imports(tmp_path):
 
 @pytest.mark.parametrize("limit", [560])
 def test_no_module_is_much_longer_than_500_lines(limit):
-    long = {p.relative_to(PACKAGE.parent).as_posix(): n for p in PACKAGE.rglob("*.py")
+    long = {p.relative_to(ROOT).as_posix(): n for package in PACKAGES for p in package.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > limit}
     assert not long, f"split these by concern: {long}"

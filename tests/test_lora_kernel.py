@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 from grpo_ascend.models import compat_peft, lora_kernel
-from grpo_ascend.models.policy import lora_merged
+from grpo_ascend.models.lora_merge import lora_merged
 
 
 class Net(nn.Module):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from grpo_ascend.models.policy import apply_peft, default_lora_config, lora_merge_bytes, lora_merged
+from grpo_ascend.models.lora_merge import lora_merge_bytes, lora_merged
+from grpo_ascend.models.policy import apply_peft, default_lora_config
 from grpo_ascend.rollout.engine import RolloutEngine
 from grpo_ascend.rollout.sampling import SamplingParams
 

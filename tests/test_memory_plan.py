@@ -97,9 +97,9 @@ def test_accelerate_configs_map_to_their_layouts():
     zero3 = layout_from_accelerate_config(folder / "deepspeed_zero3.yaml")
     assert (zero3.world_size, zero3.shards_weights, zero3.whole_head_in_training) == (8, True, True)
     assert layout_from_accelerate_config(folder / "deepspeed_zero2.yaml", 2).shards_gradients
-    assert layout_from_accelerate_config(folder / "fsdp2_1node_8cards.yaml").engine == "FSDP2"
+    assert layout_from_accelerate_config(folder / "fsdp2_1node_8cards.yaml").strategy_name == "FSDP2"
     assert layout_from_accelerate_config(folder / "npu_1node_8cards.yaml").gradient_buckets
-    assert layout_from_accelerate_config(None, 1).engine == "single process"
+    assert layout_from_accelerate_config(None, 1).strategy_name == "single process"
 
 
 def test_auto_budget_is_the_largest_micro_batch_whose_plan_fits():

@@ -14,7 +14,12 @@ import torch
 pytest.importorskip("gymnasium")
 
 from grpo_ascend.errors import ConfigError  # noqa: E402
-from grpo_ascend.rl import ControlPPOConfig, GaussianActorCritic, random_policy_return, train_control_ppo  # noqa: E402
+from grpo_ascend.examples_support.pendulum import (  # noqa: E402
+    ControlPPOConfig,
+    GaussianActorCritic,
+    random_policy_return,
+    train_control_ppo,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pendulum_ppo.py"
 

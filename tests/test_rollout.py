@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from grpo_ascend.errors import ConfigError, DataError
+from grpo_ascend.length_buckets import round_up
 from grpo_ascend.rollout.engine import RolloutEngine
-from grpo_ascend.rollout.kv_cache import BucketedKVCache, round_up
+from grpo_ascend.rollout.kv_cache import BucketedKVCache
 from grpo_ascend.rollout.sampling import SamplingParams, filter_logits, next_tokens
 
 PROMPTS = [

@@ -9,12 +9,8 @@ import torch
 
 from grpo_ascend.data.synthetic import arithmetic_dataset, arithmetic_problems
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models.tiny_model import (
-    COMPACT_TOOLS_CHAT_TEMPLATE,
-    build_model,
-    build_tokenizer,
-    resolve_builtin,
-)
+from grpo_ascend.models.tiny_model import build_model, resolve_builtin
+from grpo_ascend.models.tiny_tokenizer import COMPACT_TOOLS_CHAT_TEMPLATE, build_tokenizer
 
 
 def test_tokenizer_is_deterministic_and_has_chat_template():

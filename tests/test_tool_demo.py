@@ -10,12 +10,8 @@ from transformers import AutoTokenizer
 from grpo_ascend.data.prompts import load_prompt_dataset
 from grpo_ascend.data.synthetic import product_problems
 from grpo_ascend.errors import ConfigError, DataError
-from grpo_ascend.models.tiny_model import (
-    CHAT_TEMPLATE,
-    COMPACT_TOOLS_CHAT_TEMPLATE,
-    FLAVOURS,
-    resolve_builtin,
-)
+from grpo_ascend.models.tiny_model import FLAVOURS, resolve_builtin
+from grpo_ascend.models.tiny_tokenizer import CHAT_TEMPLATE, COMPACT_TOOLS_CHAT_TEMPLATE
 from grpo_ascend.models.tiny_tool_warm import tool_transcript
 from grpo_ascend.tools import Toolset, calculator, check_tool_chat_template, load_toolset, render_tool_suffix
 from grpo_ascend.tools.execution import ToolResult

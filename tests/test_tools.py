@@ -410,7 +410,7 @@ def test_environment_without_reset_is_rejected_and_observation_appended():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from grpo_ascend.models.tiny_model import build_tokenizer
+    from grpo_ascend.models.tiny_tokenizer import build_tokenizer
 
     return build_tokenizer()
 
@@ -516,7 +516,8 @@ def test_check_tool_chat_template(tokenizer):
 def test_tool_tokens_extend_the_vocabulary_without_changing_the_rest(tokenizer):
     import torch
 
-    from grpo_ascend.models.tiny_model import TOOL_TOKENS, _build_base_model, build_model
+    from grpo_ascend.models.tiny_model import _build_base_model, build_model
+    from grpo_ascend.models.tiny_tokenizer import TOOL_TOKENS
 
     base = tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False)
     assert tokenizer.convert_tokens_to_ids(TOOL_TOKENS) == list(range(base, base + len(TOOL_TOKENS)))

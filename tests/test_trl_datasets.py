@@ -15,7 +15,7 @@ from helpers import SMALL_RUN, preempt_and_resume
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.data.prompts import StreamSampler, make_prompt_sampler
 from grpo_ascend.errors import ConfigError, DataError
-from grpo_ascend.evaluation import best_metric_key
+from grpo_ascend.eval_metrics import best_metric_key
 from grpo_ascend.models.policy import default_lora_config
 from reward_models import RewardSet
 

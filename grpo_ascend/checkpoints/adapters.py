@@ -8,7 +8,6 @@ any adapter (a PPO value head), and strict name-and-shape checks before copying 
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,27 +29,6 @@ ADAPTER_CONFIG_FIELDS = (
     "bias",
     "lora_bias",
 )
-
-
-def is_peft(model: nn.Module) -> bool:
-    """Whether ``model`` itself is a ``peft.PeftModel`` (unwrap DDP/compile wrappers first).
-
-    A model can only be one if peft was imported, so a full fine-tuning run never imports peft here.
-    """
-    peft = sys.modules.get("peft")
-    peft_model = getattr(peft, "PeftModel", None) if peft is not None else None
-    return peft_model is not None and isinstance(model, peft_model)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DistributedDataParallel/DataParallel and torch.compile wrappers."""
-    while True:
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model
 
 
 def adapter_names(model: nn.Module) -> list[str]:

@@ -8,10 +8,11 @@ tokenizer and any extra tensors the trainer needs (a sampling generator's state,
 :class:`CheckpointContents` groups these for :func:`save_checkpoint`.
 
 With an optimizer sharded over the ranks (ZeRO-1/2) every rank writes its own shard
-(``optimizer_shards/rank{R}.pt``) into the same temporary folder — :func:`make_staging_dir` on the
-main rank, :func:`write_optimizer_shard` on each rank, a barrier — before the main rank finishes
-the checkpoint with ``save_checkpoint(..., staging_dir=..., optimizer_shards=N)``; each rank reads
-its shard back with :func:`load_optimizer_shard`.
+(``optimizer_shards/rank{R}.pt``) into the same temporary folder — ``make_staging_dir`` on the
+main rank, ``write_optimizer_shard`` on each rank, a barrier (:mod:`grpo_ascend.checkpoints.optimizer_shards`) —
+before the main rank finishes the checkpoint with ``save_checkpoint(..., staging_dir=..., optimizer_shards=N)``;
+each rank reads its shard back with ``load_optimizer_shard``. Finding, listing and pruning the
+``checkpoint-N`` folders and their manifest: :mod:`grpo_ascend.checkpoints.run_folders`.
 
 Saving is atomic (:class:`~grpo_ascend.checkpoints.files.AtomicFolder`): everything is written into a
 hidden temporary folder next to the final one, ``manifest.json`` (sizes and sha256 of every file)
@@ -27,11 +28,9 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,9 +38,19 @@ from typing import Any
 import torch
 
 from grpo_ascend.checkpoints import files as io
-from grpo_ascend.checkpoints.adapters import unwrap_model
-from grpo_ascend.checkpoints.files import MANIFEST_NAME
-from grpo_ascend.checkpoints.weights import (  # noqa: F401  (the weight files' names, re-exported)
+from grpo_ascend.checkpoints.files import MANIFEST_NAME  # noqa: F401  (a checkpoint's file names, re-exported)
+from grpo_ascend.checkpoints.optimizer_shards import _shard_name
+from grpo_ascend.checkpoints.run_folders import (  # noqa: F401  (find / resolve: documented here, docs/checkpoints.md)
+    CHECKPOINT_PREFIX,
+    _clean_leftovers,
+    _prune,
+    _require,
+    _write_manifest,
+    find_latest_checkpoint,
+    read_manifest,
+    resolve_checkpoint,
+)
+from grpo_ascend.checkpoints.weights import (  # noqa: F401  (a checkpoint's file names, re-exported)
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     EXTRA_TRAINABLE_NAME,
@@ -51,15 +60,10 @@ from grpo_ascend.checkpoints.weights import (  # noqa: F401  (the weight files' 
 )
 from grpo_ascend.device import rng_state, set_rng_state
 from grpo_ascend.errors import CheckpointError
+from grpo_ascend.models.wrappers import unwrap_model
 
 logger = logging.getLogger(__name__)
 
-
-CHECKPOINT_PREFIX = "checkpoint-"
-TMP_PREFIX = io.TMP_PREFIX + CHECKPOINT_PREFIX
-TRASH_PREFIX = io.TRASH_PREFIX + CHECKPOINT_PREFIX
-FORMAT_NAME = "grpo-ascend-checkpoint"
-FORMAT_VERSION = 1
 
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
@@ -70,15 +74,11 @@ TRAINER_STATE_NAME = "trainer_state.json"
 # trainer config under it breaks AutoTokenizer/AutoConfig.from_pretrained on the checkpoint.
 TRAINER_CONFIG_NAME = "trainer_config.json"
 EXTRA_TENSORS_NAME = "extra.safetensors"
-OPTIMIZER_SHARDS_DIR = "optimizer_shards"
 
 #: Test hook: seconds to sleep after part of the files are written (crash-safety tests kill the
 #: process while it sleeps). A line starting with PAUSE_MARKER is printed before sleeping.
 PAUSE_ENV = "GRPO_ASCEND_TEST_PAUSE_IN_SAVE"
 PAUSE_MARKER = "GRPO_ASCEND_SAVE_PAUSED"
-
-_STEP_RE = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}(\d+)$")
-
 
 @dataclass
 class CheckpointContents:
@@ -119,166 +119,6 @@ class LoadedCheckpoint:
     path: Path | None = None
 
 
-def checkpoint_step(path: str | os.PathLike) -> int | None:
-    """The step in a ``checkpoint-N`` folder name, or None for any other name."""
-    match = _STEP_RE.match(Path(path).name)
-    return int(match.group(1)) if match else None
-
-
-# --------------------------------------------------------------------------------------------
-# manifest
-# --------------------------------------------------------------------------------------------
-
-
-def _write_manifest(folder: Path, step: int, weights: Mapping[str, Any]) -> None:
-    """The checkpoint's manifest: format, step, how the weights are stored, and every file's hash."""
-    header = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "step": step,
-        "created": time.time(),
-        "torch": torch.__version__,
-        **weights,
-    }
-    io.write_manifest(folder, header)
-
-
-def read_manifest(path: str | os.PathLike, verify_hashes: bool = True) -> dict[str, Any]:
-    """Validate a checkpoint folder against its manifest and return the manifest.
-
-    Every listed file must exist with its recorded size (and, with ``verify_hashes``, its sha256).
-    Raises CheckpointError naming the first missing, truncated or damaged file.
-    """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint {str(folder)!r} does not exist or is not a folder")
-    manifest_path = folder / MANIFEST_NAME
-    if not manifest_path.is_file():
-        raise CheckpointError(
-            f"{manifest_path} is missing: {folder.name} is not a complete grpo-ascend checkpoint (the save "
-            f"was interrupted, or the folder was not written by grpo-ascend); use an earlier checkpoint"
-        )
-    manifest = io.read_json(manifest_path)
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{manifest_path} is not a grpo-ascend checkpoint manifest")
-    if int(manifest.get("format_version", 0)) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{manifest_path} has format version {manifest.get('format_version')} but this grpo-ascend reads "
-            f"up to {FORMAT_VERSION}; upgrade grpo-ascend"
-        )
-    io.check_manifest_files(folder, manifest["files"], verify_hashes)
-    return manifest
-
-
-def _incomplete_reason(folder: Path) -> str | None:
-    """None for a complete checkpoint (manifest valid, sizes match), else why it is not."""
-    try:
-        read_manifest(folder, verify_hashes=False)
-    except CheckpointError as exc:
-        return str(exc)
-    return None
-
-
-# --------------------------------------------------------------------------------------------
-# finding checkpoints
-# --------------------------------------------------------------------------------------------
-
-
-def _step_folders(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every ``checkpoint-N`` folder in ``root``, complete or not, oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted((step, p) for p in root.iterdir() if p.is_dir() and (step := checkpoint_step(p)) is not None)
-
-
-def list_checkpoints(output_dir: str | os.PathLike, complete_only: bool = True) -> list[Path]:
-    """``checkpoint-N`` folders in ``output_dir``, oldest step first (only complete ones by default)."""
-    return [p for _, p in _step_folders(Path(output_dir)) if not complete_only or _incomplete_reason(p) is None]
-
-
-def find_latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest step in ``output_dir``; temp and broken folders are skipped."""
-    for _, path in reversed(_step_folders(Path(output_dir))):
-        reason = _incomplete_reason(path)
-        if reason is None:
-            return path
-        logger.warning("skipping checkpoint %s: %s", path, reason)
-    return None
-
-
-def resolve_checkpoint(spec: str | bool | os.PathLike | None, output_dir: str | os.PathLike) -> Path | None:
-    """Turn ``resume_from_checkpoint`` into a validated folder: None/False → None, 'latest'/True → newest."""
-    if spec is None or spec is False or spec == "":
-        return None
-    if spec is True or (isinstance(spec, str) and spec.strip().lower() == "latest"):
-        latest = find_latest_checkpoint(output_dir)
-        if latest is None:
-            raise CheckpointError(
-                f"resume_from_checkpoint='latest' but {str(output_dir)!r} has no complete "
-                f"{CHECKPOINT_PREFIX}N folder; start without resume_from_checkpoint or give a checkpoint path"
-            )
-        return latest
-    path = Path(spec)
-    if not path.exists() and not path.is_absolute() and (Path(output_dir) / path).exists():
-        path = Path(output_dir) / path
-    read_manifest(path, verify_hashes=False)
-    return path
-
-
-# --------------------------------------------------------------------------------------------
-# optimizer shards
-# --------------------------------------------------------------------------------------------
-
-
-def make_staging_dir(output_dir: str | os.PathLike, step: int) -> Path:
-    """Create the hidden temporary folder a checkpoint of ``step`` is written into (main rank only).
-
-    Pass it to :func:`write_optimizer_shard` on every rank and then to ``save_checkpoint(staging_dir=...)``.
-    """
-    return io.make_staging_dir(Path(output_dir) / f"{CHECKPOINT_PREFIX}{step}")
-
-
-def _shard_name(rank: int) -> str:
-    return f"{OPTIMIZER_SHARDS_DIR}/rank{rank}.pt"
-
-
-def write_optimizer_shard(staging_dir: str | os.PathLike, rank: int, state: dict[str, Any]) -> Path:
-    """Write this rank's optimizer shard (plain tensors and Python values) into a staging folder, fsynced."""
-    folder = Path(staging_dir)
-    if not folder.name.startswith(TMP_PREFIX) or not folder.is_dir():
-        raise CheckpointError(f"{str(folder)!r} is not a checkpoint staging folder made by make_staging_dir")
-    path = folder / _shard_name(rank)
-    path.parent.mkdir(exist_ok=True)
-    io.torch_save(state, path)
-    io.fsync_file(path)
-    return path
-
-
-def load_optimizer_shard(path: str | os.PathLike, rank: int, world_size: int) -> dict[str, Any]:
-    """Read rank ``rank``'s optimizer shard from a checkpoint written by ``world_size`` ranks.
-
-    The checkpoint's manifest is verified first; a checkpoint written by a different number of ranks
-    (or without shards) is a CheckpointError, since each shard holds one rank's slice of the state.
-    """
-    folder = Path(path)
-    manifest = read_manifest(folder, verify_hashes=True)
-    saved = manifest.get("optimizer_shards")
-    if saved is None:
-        raise CheckpointError(
-            f"{folder} holds one whole optimizer state, not per-rank shards: it was written without a sharded "
-            "optimizer (no ZeRO); resume it the way it was trained"
-        )
-    if int(saved) != world_size:
-        raise CheckpointError(
-            f"{folder} holds optimizer shards of {saved} ranks but this run has {world_size}: the sharded "
-            f"optimizer state can only be resumed with {saved} processes"
-        )
-    state = io.torch_load(_require(folder, manifest, _shard_name(rank), f"rank {rank}'s optimizer shard"))
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{folder / _shard_name(rank)} does not hold an optimizer state dict")
-    return state
-
-
 # --------------------------------------------------------------------------------------------
 # save
 # --------------------------------------------------------------------------------------------
@@ -291,33 +131,6 @@ def _pause_for_tests(folder: Path) -> None:
     print(f"{PAUSE_MARKER} {folder}", flush=True)
     sys.stdout.flush()
     time.sleep(float(seconds))
-
-
-def _prune(root: Path, keep: int, protect: Iterable[Path]) -> None:
-    """Delete the oldest complete checkpoints beyond ``keep``; never those in ``protect``."""
-    protect = {Path(p) for p in protect}
-    complete = list_checkpoints(root)
-    excess = len(complete) - keep
-    for path in complete:
-        if excess <= 0:
-            break
-        if path in protect:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        logger.info("deleted old checkpoint %s (save_total_limit=%d)", path, keep)
-        excess -= 1
-
-
-def _clean_leftovers(root: Path, keep: Iterable[Path]) -> None:
-    """Put back checkpoints a crashed swap moved aside, then remove temp/trash folders of crashed saves.
-
-    Only one process saves per output_dir, so every such folder not in ``keep`` is a leftover.
-    """
-    io.restore_interrupted_swaps(root)
-    keep = set(keep)
-    for path in root.iterdir():
-        if path.is_dir() and path.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and path not in keep:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _check_save_arguments(step: int, contents: CheckpointContents, save_total_limit: int | None) -> None:
@@ -380,7 +193,7 @@ def save_checkpoint(
     same step is replaced only after the new one is complete. With ``save_total_limit`` the oldest
     complete checkpoints beyond that number are deleted afterwards (never the one just written, nor
     ``keep``: the best checkpoint).
-    ``staging_dir`` (from :func:`make_staging_dir`) is the temporary folder to finish, into which
+    ``staging_dir`` (from ``optimizer_shards.make_staging_dir``) is the temporary folder to finish, into which
     ``optimizer_shards`` ranks already wrote their optimizer shards; the manifest covers them too.
     """
     _check_save_arguments(step, contents, save_total_limit)
@@ -402,15 +215,6 @@ def save_checkpoint(
 # --------------------------------------------------------------------------------------------
 # load
 # --------------------------------------------------------------------------------------------
-
-
-def _require(folder: Path, manifest: Mapping[str, Any], name: str, what: str) -> Path:
-    if name not in manifest["files"]:
-        raise CheckpointError(
-            f"{folder} has no {name}: it was saved without {what}, so {what} cannot be resumed from it; "
-            f"resume without passing {what}, or use a checkpoint that has one"
-        )
-    return folder / name
 
 
 def _check_optimizer_state(state: Any, optimizer: torch.optim.Optimizer, path: Path) -> None:

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from grpo_ascend.checkpoints import checkpoint as ckpt
 from grpo_ascend.checkpoints import files as io
+from grpo_ascend.checkpoints import run_folders
 from grpo_ascend.checkpoints import weights as stored
 from grpo_ascend.checkpoints.adapters import (
     adapter_config_dict,
@@ -28,15 +28,14 @@ from grpo_ascend.checkpoints.adapters import (
     adapter_state_dict,
     check_tensors,
     copy_tensors_into,
-    is_peft,
     load_adapter_state_dict,
     non_adapter_trainable,
-    unwrap_model,
 )
 from grpo_ascend.checkpoints.best import best_checkpoint, resolve_best_path
 from grpo_ascend.errors import CheckpointError, ConfigError, closest
 from grpo_ascend.models.policy import apply_peft
 from grpo_ascend.models.tiny_model import resolve_builtin
+from grpo_ascend.models.wrappers import is_peft, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -250,8 +249,8 @@ def _full_from_checkpoint(out: Path, folder: Path, base: str, dtype: torch.dtype
 
 def _checkpoint_folder(path: Path) -> Path:
     """A checkpoint folder, or the latest checkpoint of a run folder that holds checkpoint-N folders."""
-    if path.is_dir() and not (path / ckpt.MANIFEST_NAME).exists():
-        latest = ckpt.find_latest_checkpoint(path)
+    if path.is_dir() and not (path / io.MANIFEST_NAME).exists():
+        latest = run_folders.find_latest_checkpoint(path)
         if latest is not None:
             logger.info("%s is a run folder; exporting its latest checkpoint %s", path, latest.name)
             return latest
@@ -305,7 +304,7 @@ def export_checkpoint(
         return out
 
     folder = _checkpoint_folder(Path(checkpoint_or_model))
-    manifest = ckpt.read_manifest(folder, verify_hashes=True)
+    manifest = run_folders.read_manifest(folder, verify_hashes=True)
     kind = manifest.get("kind")
     _check_out_dir(out, [folder])
     with io.AtomicFolder(out.resolve()) as tmp:
@@ -334,7 +333,7 @@ def export_checkpoint(
                 logger.info("%s is a full fine-tuning checkpoint: exporting the full model", folder)
             _full_from_checkpoint(tmp, folder, _resolve_base(base), torch_dtype)
         else:
-            raise CheckpointError(f"{folder / ckpt.MANIFEST_NAME} has unknown weights kind {kind!r}")
+            raise CheckpointError(f"{folder / io.MANIFEST_NAME} has unknown weights kind {kind!r}")
         _save_tokenizer(tmp, tokenizer, [folder, _resolve_base(base) if base else None])
     logger.info("exported %s from %s to %s", "merged model" if merge or kind == "full" else "LoRA adapter", folder, out)
     return out

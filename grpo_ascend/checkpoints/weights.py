@@ -25,12 +25,12 @@ from grpo_ascend.checkpoints.adapters import (
     check_adapter_config,
     check_tensors,
     copy_tensors_into,
-    is_peft,
     load_adapter_state_dict,
     named_trainable_parameters,
     non_adapter_trainable,
 )
 from grpo_ascend.errors import CheckpointError
+from grpo_ascend.models.wrappers import is_peft
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"

@@ -15,7 +15,7 @@ from grpo_ascend.config.fields import _check_choice, _f, _positive, _Validated
 from grpo_ascend.config.loader_settings import accelerator_config
 from grpo_ascend.config.rollout_modes import check_async_settings
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.evaluation import check_eval_config
+from grpo_ascend.eval_metrics import check_eval_config
 from grpo_ascend.tracking.trackers import check_report_to, installed_trackers
 
 

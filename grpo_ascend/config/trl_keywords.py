@@ -19,7 +19,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from grpo_ascend.config.trl_defaults import TRL_DEFAULTS
-from grpo_ascend.config.trl_fields import TRL_FIELDS, plain
+from grpo_ascend.config.trl_fields import TRL_FIELDS
+from grpo_ascend.config.trl_mapping import plain
 from grpo_ascend.errors import ConfigError, closest
 
 DOC = "docs/trl_compatibility.md"

@@ -36,13 +36,30 @@ import abc
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
 from grpo_ascend.distributed.memory_layout import MemoryLayout, plain_layout
+
+
+class StrategyArgs(Protocol):
+    """The run config's settings a strategy reads (grpo_ascend.config's BaseRLConfig has them): declared here so
+    that distributed/ does not import config/, whose TRL tables import distributed/trl_config.py."""
+
+    device: str
+    bf16: bool | None
+    fp16: bool
+    ddp_timeout: int
+    max_grad_norm: float
+    per_device_train_batch_size: int
+
+
+class StepPlan(Protocol):
+    """What a strategy reads from the run's batch plan (grpo_ascend.config's BatchPlan)."""
+
+    grad_accum: int
 
 
 @dataclass
@@ -70,7 +87,7 @@ class Strategy(abc.ABC):
     #: Short engine name for logs and metrics.
     name: str = ""
 
-    def __init__(self, accelerator: Any, args: BaseRLConfig, precision: str, trainer_name: str,
+    def __init__(self, accelerator: Any, args: StrategyArgs, precision: str, trainer_name: str,
                  prepared_models: int = 1):
         self.accelerator = accelerator
         self.args = args
@@ -102,7 +119,7 @@ class Strategy(abc.ABC):
         """Refuse a model the engine can't train (ConfigError); called once the policy is loaded."""
         return None  # nothing to do by default
 
-    def configure(self, policy: nn.Module, plan: BatchPlan) -> None:
+    def configure(self, policy: nn.Module, plan: StepPlan) -> None:
         """Before :meth:`prepare`: set the engine's config from the run's batch plan and the policy."""
         return None  # nothing to do by default
 

@@ -31,10 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from grpo_ascend.checkpoints import checkpoint as ckpt
-from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
+from grpo_ascend.checkpoints import optimizer_shards
 from grpo_ascend.distributed import compat_deepspeed as compat
-from grpo_ascend.distributed.base import SaveState
+from grpo_ascend.distributed.base import SaveState, StepPlan, StrategyArgs
 from grpo_ascend.distributed.memory_layout import MemoryLayout, deepspeed_layout
 from grpo_ascend.distributed.plain import PlainStrategy
 from grpo_ascend.errors import ConfigError
@@ -49,7 +48,7 @@ def zero_stage(accelerator: Any) -> int:
     return int(plugin.zero_stage) if plugin is not None else 0
 
 
-def fill_config(ds: dict[str, Any], args: BaseRLConfig, plan: BatchPlan, world_size: int) -> None:
+def fill_config(ds: dict[str, Any], args: StrategyArgs, plan: StepPlan, world_size: int) -> None:
     """Fill the DeepSpeed config ``ds`` from this run's config: micro-batch, accumulation and clipping.
 
     The engine's own accumulation scaling is bypassed (see the module docstring), so these values
@@ -116,7 +115,7 @@ class DeepSpeedStrategy(PlainStrategy):
                 "ZeRO-2 (recipes/accelerate/deepspeed_zero2.yaml)"
             )
 
-    def configure(self, policy: nn.Module, plan: BatchPlan) -> None:
+    def configure(self, policy: nn.Module, plan: StepPlan) -> None:
         fill_config(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args, plan, self.world_size)
         self.accelerator.gradient_accumulation_steps = plan.grad_accum  # accelerate warns when it disagrees
 
@@ -189,9 +188,9 @@ class DeepSpeedStrategy(PlainStrategy):
         from accelerate.utils import broadcast_object_list
 
 
-        made = [str(ckpt.make_staging_dir(output_dir, step)) if self.accelerator.is_main_process else None]
+        made = [str(optimizer_shards.make_staging_dir(output_dir, step)) if self.accelerator.is_main_process else None]
         staging = broadcast_object_list(made, from_process=0)[0]
-        ckpt.write_optimizer_shard(staging, self.accelerator.process_index, compat.plain_optimizer_state(optimizer.optimizer))
+        optimizer_shards.write_optimizer_shard(staging, self.accelerator.process_index, compat.plain_optimizer_state(optimizer.optimizer))
         self.accelerator.wait_for_everyone()
         return SaveState(optimizer=None, staging_dir=staging, optimizer_shards=self.world_size)
 
@@ -206,5 +205,5 @@ class DeepSpeedStrategy(PlainStrategy):
     def after_load(self, path: Path, optimizer: Any) -> None:
         """Restore this rank's ZeRO optimizer shard: Adam state and fp32 master partition, loss scale."""
 
-        state = ckpt.load_optimizer_shard(path, self.accelerator.process_index, self.world_size)
+        state = optimizer_shards.load_optimizer_shard(path, self.accelerator.process_index, self.world_size)
         compat.load_plain_optimizer_state(optimizer.optimizer, state, self.world_size)

@@ -38,9 +38,8 @@ import torch
 from torch import Tensor, nn
 
 from grpo_ascend import device as dev
-from grpo_ascend.config.configs import BatchPlan
 from grpo_ascend.distributed import compat_fsdp2
-from grpo_ascend.distributed.base import SaveState
+from grpo_ascend.distributed.base import SaveState, StepPlan
 from grpo_ascend.distributed.memory_layout import MemoryLayout, fsdp_layout
 from grpo_ascend.distributed.plain import PlainStrategy
 from grpo_ascend.errors import ConfigError
@@ -140,7 +139,7 @@ class FSDPStrategy(PlainStrategy):
     def validate(self, trainer_name: str, prepared_models: int) -> None:
         check_fsdp(self.accelerator, trainer_name, prepared_models == 1)
 
-    def configure(self, policy: nn.Module, plan: BatchPlan) -> None:
+    def configure(self, policy: nn.Module, plan: StepPlan) -> None:
         configure_plugin(self.accelerator, policy)
 
     def unsharded_reference(self, policy: nn.Module, is_peft: bool, wants_reference: bool) -> nn.Module | None:

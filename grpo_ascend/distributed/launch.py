@@ -12,9 +12,8 @@ import os
 from typing import Any
 
 from grpo_ascend import device as dev
-from grpo_ascend.config.configs import BaseRLConfig
 from grpo_ascend.distributed import compat_accelerate, compat_deepspeed
-from grpo_ascend.distributed.base import Strategy
+from grpo_ascend.distributed.base import Strategy, StrategyArgs
 from grpo_ascend.distributed.deepspeed import DeepSpeedStrategy
 from grpo_ascend.distributed.fsdp import FSDPStrategy
 from grpo_ascend.distributed.plain import PlainStrategy
@@ -29,13 +28,13 @@ def launched_distributed(on_cpu: bool) -> bool:
     return on_cpu and any(int(os.environ.get(name, "1")) > 1 for name in sizes)
 
 
-def precision_of(args: BaseRLConfig, device: Any) -> str:
+def precision_of(args: StrategyArgs, device: Any) -> str:
     """'bf16', 'fp16' or 'fp32': bf16 by default on an accelerator that supports it."""
     bf16 = args.bf16 if args.bf16 is not None else (dev.is_accelerator(device) and dev.bf16_supported(device))
     return "bf16" if bf16 else "fp16" if args.fp16 else "fp32"
 
 
-def make_accelerator(args: BaseRLConfig) -> tuple[Any, str]:
+def make_accelerator(args: StrategyArgs) -> tuple[Any, str]:
     """The run's Accelerator on ``args.device`` and its precision ('bf16', 'fp16' or 'fp32')."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
@@ -72,7 +71,7 @@ def make_accelerator(args: BaseRLConfig) -> tuple[Any, str]:
 STRATEGIES: dict[str, type[Strategy]] = {"DEEPSPEED": DeepSpeedStrategy, "FSDP": FSDPStrategy}
 
 
-def select_strategy(accelerator: Any, args: BaseRLConfig, precision: str, trainer_name: str,
+def select_strategy(accelerator: Any, args: StrategyArgs, precision: str, trainer_name: str,
                     prepared_models: int = 1) -> Strategy:
     """The strategy for accelerate's distributed type; refuses a launch it can't run (ConfigError)."""
     kind = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))

@@ -29,7 +29,8 @@ DEEPSPEED_LIVE_PARAMETERS = 1_000_000_000
 class MemoryLayout:
     """How one engine spreads weights, gradients and optimizer state over ``world_size`` ranks."""
 
-    engine: str = "single process"
+    #: The strategy (distributed engine) by name, for messages: "single process", "DDP", "DeepSpeed ZeRO-3", "FSDP2".
+    strategy_name: str = "single process"
     world_size: int = 1
     #: ZeRO-3 / FSDP2: each rank holds 1/world of the weights (whole during generation).
     shards_weights: bool = False
@@ -53,14 +54,14 @@ class MemoryLayout:
     refuses_full_fine_tuning: bool = False
 
     def describe(self) -> str:
-        return self.engine if self.world_size == 1 else f"{self.engine}, {self.world_size} processes"
+        return self.strategy_name if self.world_size == 1 else f"{self.strategy_name}, {self.world_size} processes"
 
 
 def plain_layout(world_size: int) -> MemoryLayout:
     """One process, or DDP over ``world_size`` (every rank holds everything; DDP buckets hold the gradients again)."""
     if world_size <= 1:
         return MemoryLayout()
-    return MemoryLayout(engine="DDP", world_size=world_size, gradient_buckets=True)
+    return MemoryLayout(strategy_name="DDP", world_size=world_size, gradient_buckets=True)
 
 
 def deepspeed_layout(stage: int, world_size: int) -> MemoryLayout:
@@ -68,7 +69,7 @@ def deepspeed_layout(stage: int, world_size: int) -> MemoryLayout:
     if stage not in (1, 2, 3):
         raise ConfigError(f"DeepSpeed zero_stage {stage} is not supported; use 1, 2 or 3")
     return MemoryLayout(
-        engine=f"DeepSpeed ZeRO-{stage}", world_size=world_size, shards_weights=stage == 3,
+        strategy_name=f"DeepSpeed ZeRO-{stage}", world_size=world_size, shards_weights=stage == 3,
         shards_gradients=stage >= 2, shards_optimizer=True, fp32_master_weights=True,
         reduce_bucket_elements=DEEPSPEED_REDUCE_BUCKET,
         whole_head_in_training=stage == 3, live_gathered_elements=DEEPSPEED_LIVE_PARAMETERS if stage == 3 else 0,
@@ -78,7 +79,7 @@ def deepspeed_layout(stage: int, world_size: int) -> MemoryLayout:
 
 def fsdp_layout(world_size: int) -> MemoryLayout:
     """FSDP2 (fully_shard per decoder layer) over ``world_size`` ranks."""
-    return MemoryLayout(engine="FSDP2", world_size=world_size, shards_weights=True, shards_gradients=True,
+    return MemoryLayout(strategy_name="FSDP2", world_size=world_size, shards_weights=True, shards_gradients=True,
                         shards_optimizer=True, may_merge_lora=False)
 
 

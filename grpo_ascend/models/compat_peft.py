@@ -1,6 +1,6 @@
 """The PEFT internals grpo-ascend relies on, in one place (pinned to peft 0.21).
 
-Folding LoRA into the base weights for rollouts (:func:`grpo_ascend.models.policy.lora_merged`) reads
+Folding LoRA into the base weights for rollouts (:func:`grpo_ascend.models.lora_merge.lora_merged`) reads
 a LoRA layer's own state and switches its adapter path off without PEFT's ``merge()`` (which
 would change the stored base weights by ``W + Δ - Δ`` rounding): the layer classes in
 ``peft.tuners.lora.layer``, their ``merged`` / ``disable_adapters`` / ``active_adapters`` /

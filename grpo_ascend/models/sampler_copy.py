@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models import compat_peft
-from grpo_ascend.models.policy import is_peft, lora_merged
+from grpo_ascend.models.lora_merge import lora_merged
+from grpo_ascend.models.wrappers import is_peft
 
 _SAVED_COPY = re.compile(r"\.modules_to_save\.[^.]+")
 

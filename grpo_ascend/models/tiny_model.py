@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import random
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from grpo_ascend.data.synthetic import arithmetic_problems, conversation
 from grpo_ascend.errors import ConfigError, closest
 from grpo_ascend.models import builtin_weights
 from grpo_ascend.models.seeding import seeded
+from grpo_ascend.models.tiny_tokenizer import COMPACT_TOOLS_CHAT_TEMPLATE, VOCAB_SIZE, build_tokenizer
 from grpo_ascend.models.tiny_tool_warm import TOOL_WARM_PHASES, tool_warm_phase, tool_warm_start
 from grpo_ascend.models.warm_step import supervised_step
 
@@ -37,77 +37,6 @@ TOOL_WARM_VERSION = 2
 #: Built-in model flavours: ``builtin:<size>``, ``-warm`` (arithmetic warm start), ``-tool-warm``
 #: (then calculator transcripts; compact tool prompt).
 FLAVOURS = ("", "warm", "tool-warm")
-VOCAB_SIZE = 1024
-PAD_TOKEN = "<|endoftext|>"
-EOS_TOKEN = "<|im_end|>"
-SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
-#: Qwen-style tool tags, one token each; not "special", so decoding with skip_special_tokens keeps them.
-TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-# Qwen2.5-style: with ``tools`` the system turn lists their JSON schemas; assistant ``tool_calls``
-# render as <tool_call> JSON blocks; consecutive ``tool`` messages form one user turn of
-# <tool_response> blocks. Without tools it renders exactly as the plain ChatML template.
-_FULL_TOOLS_SYSTEM = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
-    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
-    "{%- endif %}"
-)
-# The ``tiny-tool-warm`` model's variant: the same tool format (tools in the system turn, <tool_call>
-# JSON calls, <tool_response> blocks), but each tool listed as one signature line
-# ``name(arg: type, ...): description`` instead of its whole JSON schema and the instructions,
-# which would make a tiny model's prompt ~500 tokens.
-_COMPACT_TOOLS_SYSTEM = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n' }}{%- endif %}"
-    "{{- '<tools>' }}"
-    "{%- for tool in tools %}"
-    "{%- if tool.get('function') %}{%- set tool = tool['function'] %}{%- endif %}"
-    "{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- tool['name'] + '(' }}"
-    "{%- for arg, spec in tool.get('parameters', {}).get('properties', {}).items() %}"
-    "{{- arg + ': ' + (spec.get('type', 'any') if spec.get('type', 'any') is string else spec['type'] | join('|')) }}"
-    "{%- if not loop.last %}{{- ', ' }}{%- endif %}"
-    "{%- endfor %}"
-    "{{- ')' }}{%- if tool.get('description') %}{{- ': ' + tool['description'] }}{%- endif %}"
-    "{%- endfor %}"
-    "{{- '</tools><|im_end|>\\n' }}"
-    "{%- endif %}"
-)
-_MESSAGES = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
-    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
-    "{%- for call in message['tool_calls'] %}"
-    "{%- if call.get('function') %}{%- set call = call['function'] %}{%- endif %}"
-    "{%- if not loop.first or message['content'] %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + call['name'] + '\\\", \\\"arguments\\\": ' }}"
-    "{%- if call['arguments'] is string %}{{- call['arguments'] }}{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- elif not (tools and loop.first and message['role'] == 'system') %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-CHAT_TEMPLATE = _FULL_TOOLS_SYSTEM + _MESSAGES
-COMPACT_TOOLS_CHAT_TEMPLATE = _COMPACT_TOOLS_SYSTEM + _MESSAGES
-
-
 @dataclass(frozen=True)
 class TinySize:
     """Architecture of one built-in size."""
@@ -125,53 +54,6 @@ SIZES: dict[str, TinySize] = {
     # ~25M parameters: benchmarks.
     "small": TinySize(512, 8, 8, 4, 1408),
 }
-
-_WORDS = (
-    "the a model reward policy group token sample answer question number step value train learn "
-    "good bad fast slow small large think reason because so then first next last plus minus times "
-    "equal result correct wrong yes no please write short long story about cat dog sun moon tree "
-    "river city road book music light dark red blue green hello world assistant user system"
-).split()
-
-
-def _tokenizer_corpus(seed: int = 0, n: int = 4000) -> list[str]:
-    """Deterministic training text: rendered arithmetic chats plus word soup for general prompts."""
-    rng = random.Random(seed)
-    lines = []
-    for p in arithmetic_problems(n, seed=seed, max_operand=100, ops="+-*"):
-        lines.append(f"<|im_start|>user\n{p.question}<|im_end|>\n<|im_start|>assistant\n{p.completion}<|im_end|>")
-    for _ in range(n):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 16))]
-        sentence = " ".join(words).capitalize() + rng.choice([".", "?", "!", ","])
-        lines.append(sentence)
-    return lines
-
-
-def build_tokenizer(vocab_size: int = VOCAB_SIZE, seed: int = 0):
-    """Train the byte-level BPE tokenizer (digits split one per token) and wrap it for transformers."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_tokenizer_corpus(seed), trainer=trainer)
-    # Added after training so the BPE vocabulary and every other id stay as in version 2.
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, padding_side="left"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
 
 def build_model(size: str, tokenizer, seed: int = 0):
     """A randomly initialised Qwen2ForCausalLM of the given built-in size, reproducible by ``seed``,

@@ -18,6 +18,7 @@ from typing import Any
 from grpo_ascend import device as dev
 from grpo_ascend.distributed.memory_layout import MemoryLayout, sharding_alternatives
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.length_buckets import round_up
 from grpo_ascend.planning.shape import (
     LINEARS,
     MODEL_CONFIGS,
@@ -138,10 +139,6 @@ def _together(shape: ModelShape, s: RunSettings, layout: MemoryLayout, capacity:
     return f"together: {' + '.join(applied)}: peak {plan_memory(shape, s, layout, capacity).peak_bytes / GiB:.2f} GiB (still over)"
 
 
-def _round_up(n: int, bucket: int) -> int:
-    return n if bucket <= 1 else -(-n // bucket) * bucket
-
-
 def settings_from_config(recipe: Any, args: Any, device: str, world_size: int = 1,
                          prompt_length: int | None = None) -> RunSettings:
     """The plan's view of a recipe (``RecipeConfig``) and trainer config (``GRPOConfig`` / ``PPOConfig``) on
@@ -181,7 +178,7 @@ def run_settings(args: Any, device: str, world_size: int, *, algorithm: str, use
         weight_bytes=weight_bytes, activation_bytes=activation,
         reference=args.needs_reference_model,
         prompts_per_rank=plan.prompts_per_rank, num_generations=plan.num_generations,
-        prompt_length=_round_up(prompt, bucket), completion_length=_round_up(args.max_completion_length, bucket),
+        prompt_length=round_up(prompt, bucket), completion_length=round_up(args.max_completion_length, bucket),
         micro_batch_rows=args.per_device_train_batch_size, rows_per_step=plan.micro_batch * plan.grad_accum,
         token_budget=budget if isinstance(budget, int) else None, logprob_chunk=args.logprob_chunk_size,
         gradient_checkpointing=args.gradient_checkpointing, share_prompt_prefill=args.share_prompt_prefill,

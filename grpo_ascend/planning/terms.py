@@ -200,7 +200,7 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
     """Every term of the run per device; ``rows``: training micro-batch rows (default: from the settings)."""
     m, world = shape, layout.world_size
     if not s.use_peft and layout.refuses_full_fine_tuning:
-        raise ConfigError(f"full fine-tuning (use_peft: false) is refused under {layout.engine}; plan it under "
+        raise ConfigError(f"full fine-tuning (use_peft: false) is refused under {layout.strategy_name}; plan it under "
                           "an engine that keeps whole weights (docs/distributed.md), or train LoRA")
     w, a = s.weight_bytes, s.activation_bytes
     G, P = s.num_generations, s.prompts_per_rank

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from grpo_ascend.rollout.kv_cache import BucketedKVCache, round_up
+from grpo_ascend.length_buckets import round_up
+from grpo_ascend.rollout.kv_cache import BucketedKVCache
 from grpo_ascend.rollout.sampling import SamplingParams, next_tokens
 
 #: ``forward(input_ids, attention_mask, position_ids, cache, model=None) -> last-position logits [B, V]``

@@ -46,9 +46,10 @@ from torch import Tensor, nn
 
 from grpo_ascend import device as device_layer
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.length_buckets import round_up
 from grpo_ascend.rollout.backend import PolicyWeights, RolloutBackend, RolloutBatch
 from grpo_ascend.rollout.decoding import Completions, DecodeBatch, PromptBatch, stop_token_list
-from grpo_ascend.rollout.kv_cache import BucketedKVCache, round_up
+from grpo_ascend.rollout.kv_cache import BucketedKVCache
 from grpo_ascend.rollout.prompts import Prompt, left_pad
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.session import BuiltinSession

@@ -34,13 +34,7 @@ except ImportError as exc:  # transformers < 5: no per-layer cache API
     ) from exc
 
 from grpo_ascend.errors import ConfigError
-
-
-def round_up(n: int, bucket: int) -> int:
-    """Smallest multiple of ``bucket`` that is >= ``n`` (``n`` itself when bucket <= 1)."""
-    if bucket <= 1:
-        return n
-    return -(-n // bucket) * bucket
+from grpo_ascend.length_buckets import round_up
 
 
 class BucketedLayer(CacheLayerMixin):

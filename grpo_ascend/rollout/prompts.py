@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from grpo_ascend.errors import DataError
-from grpo_ascend.rollout.kv_cache import round_up
+from grpo_ascend.length_buckets import round_up
 from grpo_ascend.rollout.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -16,24 +16,36 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.backend import RolloutSession, SessionOutput, TurnEnd
-from grpo_ascend.rollout.decoding import Completions
+from grpo_ascend.rollout.decoding import Completions, DecodeBatch
 from grpo_ascend.rollout.sampling import SamplingParams
 
-if TYPE_CHECKING:  # the engine imports this module to make sessions
-    from grpo_ascend.rollout.engine import RolloutEngine
+
+class Prefiller(Protocol):
+    """What a session needs from the rollout engine that starts it (:class:`~grpo_ascend.rollout.engine.RolloutEngine`)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def pad_token_id(self) -> int: ...
+
+    def evaluating(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def prefill(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
+                generator: torch.Generator | None = None, *, shared_prefix: bool = True) -> DecodeBatch: ...
 
 
 class BuiltinSession(RolloutSession):
-    """A session over :meth:`RolloutEngine.prefill`'s decode state; see the module docstring."""
+    """A session over :meth:`Prefiller.prefill`'s decode state; see the module docstring."""
 
     def __init__(
-        self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
+        self, engine: Prefiller, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
         generator: torch.Generator | None,
     ) -> None:
         if params.stop_strings:

@@ -9,7 +9,7 @@ import torch
 
 from grpo_ascend.models.policy import CompletionLogprobs, resolve_model_path
 from grpo_ascend.rollout.sampling import SamplingParams
-from grpo_ascend.rollout.vllm import VLLMColocatedRollout  # vLLM itself loads only when the engine is built
+from grpo_ascend.rollout.vllm import VLLMColocatedRollout  # vLLM itself loads only when the backend is built
 from grpo_ascend.smoke.context import BUILTIN_MODEL, SmokeContext, prompt_texts
 from grpo_ascend.smoke.report import CheckResult
 
@@ -25,12 +25,12 @@ def check_vllm(ctx: SmokeContext) -> CheckResult:
     policy, tokenizer = ctx.load(BUILTIN_MODEL)
     params = SamplingParams(num_generations=ctx.generations, temperature=1.0, max_completion_length=ctx.new_tokens,
                             max_prompt_length=None, seed=0)
-    engine = VLLMColocatedRollout(resolve_model_path(BUILTIN_MODEL), tokenizer, params, device=ctx.device,
-                                  dtype=ctx.dtype, kv_cache_memory_bytes=64 * 2**20, max_model_length=1024)
+    rollout = VLLMColocatedRollout(resolve_model_path(BUILTIN_MODEL), tokenizer, params, device=ctx.device,
+                                   dtype=ctx.dtype, kv_cache_memory_bytes=64 * 2**20, max_model_length=1024)
     try:
-        batch = engine.generate(prompt_texts(tokenizer), params)
+        batch = rollout.generate(prompt_texts(tokenizer), params)
     finally:
-        engine.close()
+        rollout.close()
     with torch.no_grad():
         logps, _ = CompletionLogprobs(policy)(batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                               batch.completion_mask, temperature=1.0)

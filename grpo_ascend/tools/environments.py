@@ -19,6 +19,7 @@ from typing import Any
 
 from grpo_ascend.errors import ConfigError, DataError, closest
 from grpo_ascend.tools.toolset import ToolFunction, Toolset
+from grpo_ascend.user_code import load_object
 
 EnvironmentFactory = Callable[[], Any]
 
@@ -199,8 +200,6 @@ def _instance(environment: Any) -> Any:
 def load_environment_factory(spec: Any) -> EnvironmentFactory | dict[str, EnvironmentFactory]:
     """A factory from a recipe's ``environment:`` value: a class or callable, ``module:Class``,
     ``path/to/file.py:Class``, or a mapping ``{name: one of those}`` for per-row selection."""
-    from reward_models.loading import load_object
-
     if isinstance(spec, Mapping):
         return {str(name): load_environment_factory(s) for name, s in spec.items()}
     if callable(spec):

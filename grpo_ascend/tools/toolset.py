@@ -16,6 +16,7 @@ from typing import Any
 from grpo_ascend.errors import ConfigError, closest
 from grpo_ascend.tools.calculator import make_calculator_tool
 from grpo_ascend.tools.sandbox import make_python_tool
+from grpo_ascend.user_code import load_object
 
 ToolFunction = Callable[..., Any]
 
@@ -149,8 +150,6 @@ _TOOL_FORMS = "a function, 'module:function', 'path/to/file.py:function', a buil
 
 def load_tool(spec: str | Mapping[str, Any] | ToolFunction, **options: Any) -> ToolFunction:
     """Resolve one tool spec to a function (see the module docstring for the forms)."""
-    from reward_models.loading import load_object
-
     forms = _TOOL_FORMS.format(names=", ".join(sorted(BUILTIN_TOOLS)))
     if isinstance(spec, Mapping):
         if "name" not in spec:

@@ -38,11 +38,11 @@ from grpo_ascend.distributed.launch import make_accelerator, select_strategy
 from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, ExperienceMaker
+from grpo_ascend.models.lora_merge import lora_merged
 from grpo_ascend.models.policy import (
     CompletionLogprobs,
     adapters_disabled,
     is_peft,
-    lora_merged,
     trainable_parameters,
 )
 from grpo_ascend.producers.factory import build_source

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from grpo_ascend.checkpoints.best import read_best_pointer, write_best_pointer
 from grpo_ascend.config.configs import BaseRLConfig
-from grpo_ascend.evaluation import best_metric_key, greater_is_better, is_better
+from grpo_ascend.eval_metrics import best_metric_key, greater_is_better, is_better
 from grpo_ascend.trainers.run_state import BestCheckpoint, RunState
 
 

@@ -18,6 +18,7 @@ from grpo_ascend.config.loader_settings import apply_stream_rules
 from grpo_ascend.data.prompts import is_stream
 from grpo_ascend.device.npu_patches import apply_npu_patches
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.models.lora_merge import lora_merge_bytes
 from grpo_ascend.models.policy import (
     CompletionLogprobs,
     activation_checkpointing_on,
@@ -30,7 +31,6 @@ from grpo_ascend.models.policy import (
     is_peft,
     load_causal_lm,
     load_tokenizer,
-    lora_merge_bytes,
 )
 from grpo_ascend.planning.memory_plan import (
     AUTO_FRACTION,

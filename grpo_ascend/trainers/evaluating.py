@@ -7,7 +7,7 @@ Evaluation never changes training: each engine call samples from its own generat
 evaluations differ only by the weights), and the global RNG states it may touch are restored
 afterwards. The eval set is cut into chunks dealt to the ranks in turn (:func:`eval_chunks`), so
 the completions, and the metrics summed over ranks with one collective (see
-grpo_ascend/evaluation.py), are those of one process. Every rank enters one
+grpo_ascend/eval_metrics.py), are those of one process. Every rank enters one
 rollout context (sharded engines gather the whole weights there, all ranks together);
 inside it generation makes no collective calls, so the ranks' chunk counts may differ.
 Tool-calling and ``rollout_func`` runs evaluate through the run's rollout (its
@@ -31,7 +31,7 @@ from grpo_ascend.config.loader_settings import check_stream_dispatch
 from grpo_ascend.data.prompts import check_prompt_dataset, eval_prompt_rows
 from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.evaluation import TOOL_SUMS, eval_sums, finish_eval_metrics, resolved_eval_steps
+from grpo_ascend.eval_metrics import TOOL_SUMS, eval_sums, finish_eval_metrics, resolved_eval_steps
 from grpo_ascend.experience import score_rollout, tool_counts
 from grpo_ascend.rollout.protocol import Rollout
 from grpo_ascend.trainers.run_state import RunState

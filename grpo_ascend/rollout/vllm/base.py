@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.length_buckets import round_up
 from grpo_ascend.rollout.backend import RolloutBackend, RolloutBatch, RolloutSession, SessionOutput, TurnEnd
-from grpo_ascend.rollout.kv_cache import round_up
 from grpo_ascend.rollout.prompts import left_pad
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm.requests import (

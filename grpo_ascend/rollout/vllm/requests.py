@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
+from grpo_ascend.length_buckets import round_up
 from grpo_ascend.rollout.backend import RolloutBatch
-from grpo_ascend.rollout.kv_cache import round_up
 from grpo_ascend.rollout.prompts import cut_at_stop, left_pad
 from grpo_ascend.rollout.sampling import SamplingParams
 

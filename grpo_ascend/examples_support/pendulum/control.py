@@ -3,7 +3,8 @@
 This is the setting the original design notes start from: a vector of environments (sync or
 async) steps on the host while the policy, the rollout storage, GAE and the PPO losses live on
 the device. Per environment step the only transfers are the observation/reward/done arrays in
-and the action array out. Storage is the LM path's :class:`~grpo_ascend.rl.buffer.RolloutBuffer`
+and the action array out. Storage is the on-device ring buffer
+:class:`~grpo_ascend.examples_support.pendulum.buffer.RolloutBuffer`
 (preallocated ring, pointer modulo capacity) with one item per time step and a leading env
 dimension, so ``buffer.all()`` is exactly the time-first [T, N] layout of
 :func:`~grpo_ascend.algorithms.gae.gae_advantages_env`; the update reuses
@@ -32,7 +33,7 @@ from grpo_ascend import device as dev
 from grpo_ascend.algorithms.gae import gae_advantages_env, whiten
 from grpo_ascend.algorithms.losses import ppo_policy_loss, ppo_value_loss
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.rl.buffer import FieldSpec, RolloutBuffer
+from grpo_ascend.examples_support.pendulum.buffer import FieldSpec, RolloutBuffer
 
 VECTORIZATION_MODES = ("sync", "async")
 

@@ -2,7 +2,8 @@
 and combine the results into one weighted reward per completion.
 
 The calling convention and the check of each return value are in :mod:`reward_models.calling`;
-running one call under ``reward_timeout`` (sync or async) in :mod:`reward_models.timed_call`.
+running one call under ``reward_timeout`` (sync or async) in :mod:`reward_models.timed_call`;
+running each function on a batch and locating failing completions in :mod:`reward_models.running`.
 ``None`` from a function means "not applicable": it becomes NaN in ``per_function`` and is left
 out of that completion's weighted sum.
 """
@@ -10,90 +11,30 @@ out of that completion's weighted sum.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import math
 import numbers
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from grpo_ascend.errors import ConfigError, DataError, GrpoAscendError, RewardError, closest
+from grpo_ascend.errors import ConfigError, DataError, RewardError, closest
 from reward_models.calling import (
     _DROPPED_COLUMNS,
     _RESERVED_COLUMNS,
     TrainerStateView,
     _Batch,
-    _check_output,
     _optional_dropped,
 )
 from reward_models.loading import load_reward_function, reward_name
-from reward_models.timed_call import _background_loop, _call_async, _call_sync, _is_async, _Timeout
+from reward_models.reward_output import RewardOutput
+from reward_models.running import FunctionRunner, _Result
+from reward_models.timed_call import _background_loop, _is_async, _Timeout
 
 logger = logging.getLogger(__name__)
 
 REWARD_ERROR_MODES = ("raise", "zero")
-
-
-@dataclass
-class RewardOutput:
-    """Rewards for one batch of N completions from F functions.
-
-    ``per_function`` [N, F] float32 raw rewards (NaN where a function returned None), ``total`` [N]
-    the weighted sum ignoring NaN (0 for a completion no function applied to; ``all_none`` counts
-    them), ``error_counts`` per function the completions scored 0 under ``reward_errors="zero"``,
-    ``seconds`` the wall time spent per function.
-    """
-
-    per_function: torch.Tensor
-    total: torch.Tensor
-    names: list[str]
-    error_counts: dict[str, int]
-    seconds: dict[str, float]
-    all_none: int = 0
-
-    def metrics(self) -> dict[str, float]:
-        """Scalar logging metrics in TRL's naming: ``rewards/<name>/mean`` and ``/std`` (ignoring
-        NaN), ``reward`` and ``reward_std`` of the total, plus per-function errors and seconds.
-        One device-to-host copy."""
-        values = torch.cat([self.per_function.float(), self.total.float()[:, None]], dim=1)
-        valid = ~torch.isnan(values)
-        count = valid.sum(dim=0)
-        filled = torch.where(valid, values, torch.zeros_like(values))
-        mean = filled.sum(dim=0) / count.clamp(min=1)
-        squared = torch.where(valid, (values - mean) ** 2, torch.zeros_like(values)).sum(dim=0)
-        std = (squared / (count - 1).clamp(min=1)).sqrt()
-        mean = torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
-        stats = torch.stack([mean, std]).tolist()
-        out: dict[str, float] = {}
-        for j, name in enumerate(self.names):
-            out[f"rewards/{name}/mean"] = stats[0][j]
-            out[f"rewards/{name}/std"] = stats[1][j]
-            out[f"rewards/{name}/errors"] = float(self.error_counts.get(name, 0))
-            out[f"rewards/{name}/seconds"] = self.seconds.get(name, 0.0)
-        out["reward"] = stats[0][-1]
-        out["reward_std"] = stats[1][-1]
-        return out
-
-
-@dataclass
-class _Result:
-    """What one function produced for a batch: values (None = not applicable), the completions it
-    raised on, a failure not attributable to one completion, or an error that always stops."""
-
-    values: list[float | None]
-    failures: dict[int, BaseException] = field(default_factory=dict)
-    batch_error: BaseException | None = None
-    fatal: GrpoAscendError | None = None
-    seconds: float = 0.0
-
-
-def _describe_exception(exc: BaseException) -> str:
-    message = str(exc)
-    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def processing_classes_per_function(classes: Any, count: int) -> list[Any]:
@@ -110,7 +51,7 @@ def processing_classes_per_function(classes: Any, count: int) -> list[Any]:
     return entries
 
 
-class RewardSet:
+class RewardSet(FunctionRunner):
     """Several reward functions, their weights, and how to treat failures.
 
     ``reward_funcs`` is one spec or a list (see :func:`load_reward_function`); ``reward_weights``
@@ -194,134 +135,6 @@ class RewardSet:
         parts = ", ".join(f"{n}×{w:g}" for n, w in zip(self.names, self.weights))
         return (
             f"RewardSet({parts}, reward_errors={self.reward_errors!r}, reward_timeout={self.reward_timeout})"
-        )
-
-    # -- calling ----------------------------------------------------------------------------------
-
-    def _check_signature(self, j: int, keys: Sequence[str]) -> None:
-        """RewardError when function j cannot take the TRL-style keyword call (checked once per
-        set of column names)."""
-        cache_key = (j, frozenset(keys))
-        if cache_key in self._signatures_ok:
-            return
-        try:
-            signature = inspect.signature(self.funcs[j])
-        except (TypeError, ValueError):
-            self._signatures_ok.add(cache_key)
-            return
-        try:
-            signature.bind(**dict.fromkeys(keys))
-        except TypeError as exc:
-            raise RewardError(
-                f"reward function {self.names[j]!r} cannot be called with this batch's keyword arguments "
-                f"({', '.join(keys)}): {exc}. Reward functions are called as f(prompts=..., completions=..., "
-                "completion_ids=..., <each dataset column>=..., trainer_state=...); name the columns you need "
-                "as parameters and accept the rest with **kwargs"
-            ) from None
-        self._signatures_ok.add(cache_key)
-
-    def _finish(self, j: int, batch: _Batch, out: Any, result: _Result) -> None:
-        try:
-            result.values = _check_output(self.names[j], out, batch.n)
-        except GrpoAscendError as exc:
-            result.fatal = exc
-
-    def _after_failure(self, j: int, batch: _Batch, exc: BaseException) -> _Result | None:
-        """Result for a failure that needs no per-completion retry (timeout, config error), else None."""
-        if isinstance(exc, GrpoAscendError):
-            return _Result([None] * batch.n, fatal=RewardError(f"reward function {self.names[j]!r}: {exc}"))
-        if isinstance(exc, _Timeout):
-            return _Result([None] * batch.n, batch_error=exc)
-        return None
-
-    def _single(self, j: int, i: int, out: Any, result: _Result) -> None:
-        try:
-            result.values[i] = _check_output(self.names[j], out, 1, offset=i)[0]
-        except GrpoAscendError as exc:
-            result.fatal = result.fatal or exc
-
-    def _evaluate_sync(self, j: int, batch: _Batch) -> _Result:
-        start = time.perf_counter()
-        fn = self.funcs[j]
-        result = _Result([None] * batch.n)
-        try:
-            out = _call_sync(fn, batch.kwargs(self._dropped[j]), self.reward_timeout)
-        except Exception as exc:
-            result = self._after_failure(j, batch, exc) or self._locate_sync(j, batch, exc)
-        else:
-            self._finish(j, batch, out, result)
-        result.seconds = time.perf_counter() - start
-        return result
-
-    def _locate_sync(self, j: int, batch: _Batch, batch_exc: BaseException) -> _Result:
-        """Call function j one completion at a time to find which completions make it raise."""
-        result = _Result([None] * batch.n)
-        for i in range(batch.n):
-            try:
-                out = _call_sync(self.funcs[j], batch.kwargs_for(i, self._dropped[j]), self.reward_timeout)
-            except _Timeout as exc:  # too slow even alone: give up on the whole batch
-                result.batch_error = exc
-                break
-            except Exception as exc:
-                result.failures[i] = exc
-                if self.reward_errors == "raise":
-                    break
-                continue
-            self._single(j, i, out, result)
-        if not result.failures and result.batch_error is None:
-            result.batch_error = batch_exc
-        return result
-
-    async def _evaluate_async(self, j: int, batch: _Batch) -> _Result:
-        start = time.perf_counter()
-        fn = self.funcs[j]
-        result = _Result([None] * batch.n)
-        try:
-            out = await _call_async(fn, batch.kwargs(self._dropped[j]), self.reward_timeout)
-        except Exception as exc:
-            result = self._after_failure(j, batch, exc)
-            if result is None:
-                result = _Result([None] * batch.n)
-                outs = await asyncio.gather(
-                    *(_call_async(fn, batch.kwargs_for(i, self._dropped[j]), self.reward_timeout) for i in range(batch.n)),
-                    return_exceptions=True,
-                )
-                for i, single in enumerate(outs):
-                    if isinstance(single, _Timeout):
-                        result.batch_error = single
-                    elif isinstance(single, BaseException):
-                        result.failures[i] = single
-                    else:
-                        self._single(j, i, single, result)
-                if not result.failures and result.batch_error is None:
-                    result.batch_error = exc
-        else:
-            self._finish(j, batch, out, result)
-        result.seconds = time.perf_counter() - start
-        return result
-
-    async def _evaluate_async_group(self, indices: list[int], batch: _Batch) -> list[_Result]:
-        return list(await asyncio.gather(*(self._evaluate_async(j, batch) for j in indices)))
-
-    def _error_message(self, j: int, batch: _Batch, result: _Result) -> str:
-        name = self.names[j]
-        fix = "fix the function, or set reward_errors: zero to score failing completions 0 and continue"
-        if result.failures:
-            i = min(result.failures)
-            return (
-                f"reward function {name!r} raised {_describe_exception(result.failures[i])} on completion {i} "
-                f"(of {batch.n}; completion text {batch.describe(i)}); {fix}"
-            )
-        exc = result.batch_error
-        if isinstance(exc, _Timeout):
-            return (
-                f"reward function {name!r} did not return within reward_timeout={self.reward_timeout:g}s for a "
-                f"batch of {batch.n} completions; raise reward_timeout or make the function faster (a timed-out "
-                "sync function keeps running in its worker thread: Python threads cannot be killed)"
-            )
-        return (
-            f"reward function {name!r} raised {_describe_exception(exc)} on the batch of {batch.n} completions, "
-            f"but on none of them alone (it may depend on the whole batch); {fix}"
         )
 
     def __call__(

@@ -1,6 +1,7 @@
-"""PPO on classic-control environments (gymnasium vector envs) with the LM path's buffer, GAE and losses."""
+"""examples/pendulum_ppo.py's code: PPO on classic-control environments (gymnasium vector envs) with an
+on-device ring buffer and the LM path's GAE and losses."""
 
-from grpo_ascend.rl.control import (
+from grpo_ascend.examples_support.pendulum.control import (
     ControlPPOConfig,
     GaussianActorCritic,
     evaluate_policy,

@@ -1,0 +1,1 @@
+"""Code that only the examples under examples/ use (nothing in the training path imports it)."""

@@ -20,10 +20,6 @@ LAZY_LOCAL_IMPORTS = {
     # the fused LoRA kernel subclasses peft's layer when imported: peft loads only when a run uses the kernel
     ("grpo_ascend.trainers.base", "grpo_ascend.models"),
     ("grpo_ascend.trainers.base", "grpo_ascend.models.lora_kernel"),
-    # nothing forces these two to be lazy (reward_models never imports the trainers); they stay while
-    # trainers/* is being changed by other work, and should move to the top of their modules.
-    ("grpo_ascend.trainers.components", "reward_models"),
-    ("grpo_ascend.trainers.grpo", "reward_models"),
 }
 
 

@@ -42,6 +42,7 @@ from grpo_ascend.planning.memory_plan import (
 from grpo_ascend.rollout.backend import build_backend
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.trainers.micro_batches import MicroBatcher
+from reward_models import RewardSet
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +154,6 @@ def build_rollout_backend(policy: nn.Module, tokenizer: Any, args: BaseRLConfig,
 def build_rewards(reward_funcs: Any, args: BaseRLConfig, device: torch.device, tokenizer: Any,
                   reward_processing_classes: Any = None) -> Any:
     """The reward functions with their weights, error policy and timeout (and reward models' own tokenizers)."""
-    from reward_models import RewardSet
-
     return RewardSet(reward_funcs, reward_weights=args.reward_weights, reward_errors=args.reward_errors,
                      reward_timeout=args.reward_timeout, device=device, processing_class=tokenizer,
                      reward_processing_classes=reward_processing_classes)

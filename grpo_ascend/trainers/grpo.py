@@ -46,6 +46,7 @@ from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
 from grpo_ascend.trainers.step_metrics import accumulate, policy_metrics
 from grpo_ascend.trainers.step_segments import Segment, step_log, step_parts, straddling_normalisers
 from grpo_ascend.trainers.trl_api import MicroBatchInputs, TRLTrainerAPI, check_router_aux_loss
+from reward_models import processing_classes_per_function
 
 logger = logging.getLogger(__name__)
 #: Loss types that sum per-token terms, so sequence-level ratios weigh each sequence by its length.
@@ -102,13 +103,12 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
             off_policy_mask_threshold=cfg.off_policy_mask_threshold,
         )
         _warn_about_level(cfg)
-        self.entropy_control = EntropyControl(cfg.entropy_coef, cfg.use_adaptive_entropy, cfg.entropy_coef_min,
-                                              cfg.entropy_coef_max, cfg.entropy_coef_delta, cfg.entropy_target)
+        self.entropy_control = EntropyControl(
+            coef=cfg.entropy_coef, adaptive=cfg.use_adaptive_entropy, coef_min=cfg.entropy_coef_min,
+            coef_max=cfg.entropy_coef_max, delta=cfg.entropy_coef_delta, target=cfg.entropy_target)
         if rollout_func is not None and (tools or environment_factory is not None):
             raise ConfigError("pass either rollout_func or tools/environment_factory, not both: a rollout_func "
                               "runs its own generation (return env_mask to keep tool tokens out of the loss)")
-        from reward_models import processing_classes_per_function  # loaded with the rewards, as in components
-
         reward_tokenizers = processing_classes_per_function(reward_processing_classes, len(_as_list(reward_funcs)))
         toolset, pool = prepare_tools(tools, environment_factory)
         if pool is not None:  # environments' get_reward: extra reward sources with weight 1 (as TRL)

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from grpo_ascend.algorithms.token_selection import entropy_quantile_mask, off_policy_sequence_mask
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience
+from reward_models.reward_model import RewardModelScorer
 
 #: Pads each rank's valid entropies to one length before the gather; dropped again (entropies are >= 0).
 _SENTINEL = -1e9
@@ -96,8 +97,6 @@ class TRLTrainerAPI:
     def reward_processing_classes(self) -> list[Any]:
         """One entry per reward function, as TRL: a reward model's tokenizer (the one given, else its own),
         None for other functions (environments' rewards included)."""
-        from reward_models.reward_model import RewardModelScorer  # loaded with the rewards, as in components
-
         return [f.tokenizer if isinstance(f, RewardModelScorer) else None
                 for f in self.rewards.funcs]  # type: ignore[attr-defined]
 

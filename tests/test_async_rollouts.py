@@ -106,6 +106,8 @@ def test_one_step_off_samples_each_batch_with_the_weights_one_round_old(tmp_path
     assert staleness == [0.0, 1.0, 1.0, 1.0, 1.0]
     gaps = [r["sampling/sampling_logp_difference/mean"] for r in trainer.state.log_history
             if "sampling/sampling_logp_difference/mean" in r]
+    after = trainer.rollout.generate_rows([{"prompt": "1+1="}])  # train() closed the process: a new one starts
+    assert trainer.rollout.backend.restarts == 0 and after.policy_versions.unique().tolist() == [5]
     # step 1: the sampler's and the trainer's weights are the same (float noise); later, one step apart
     assert len(gaps) == 5 and gaps[0] < 1e-5 and min(gaps[1:]) > 100 * gaps[0]
 

@@ -105,6 +105,8 @@ class ProcessBackend(RolloutBackend):
     def _call(self, op: str, *args: Any, retry: bool = True) -> Any:
         """One request, answered or failed within the limits (see the module docstring)."""
         with self._lock:
+            if self._process is None:  # closed at the end of a train(): a later evaluate() or train() starts it again
+                self._start()
             while True:
                 try:
                     return self._exchange(op, args)
@@ -159,7 +161,7 @@ class ProcessBackend(RolloutBackend):
         self._conn.close()
 
     def close(self) -> None:
-        """Stop the rollout process (a later call starts none: make a new backend)."""
+        """Stop the rollout process; the next request starts a fresh one (the newest weights pushed)."""
         if self._process is None:
             return
         with self._lock:

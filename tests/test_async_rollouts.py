@@ -18,6 +18,7 @@ from helpers import (
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
+from grpo_ascend.config.trl_compat import from_trl_async_config
 from grpo_ascend.data.synthetic import arithmetic_dataset
 from grpo_ascend.errors import ConfigError, RolloutError
 from grpo_ascend.models.policy import default_lora_config
@@ -195,3 +196,24 @@ def test_plot_panels_follow_what_a_run_logged():
     assert [title for title, _ in panels_of(ahead)] == [
         "reward", "KL to reference", "completion length (tokens)", "seconds per step", "staleness (policy versions)",
         "idle fraction (asynchronous rollouts)"]
+
+
+def test_trls_async_grpo_config_maps_to_asynchronous_rollouts_on_its_server(tmp_path):
+    """TRL's AsyncGRPOConfig: its asynchronous settings kept under their names, the fields it shares with TRL's
+    GRPOConfig mapped as for that one, its own settings without a counterpart ignored with a warning."""
+    import warnings
+
+    pytest.importorskip("trl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.experimental.async_grpo import AsyncGRPOConfig
+
+        trl_cfg = AsyncGRPOConfig(output_dir=str(tmp_path), max_staleness=2, weight_sync_steps=3, queue_maxsize=64,
+                                  vllm_server_base_url="http://127.0.0.1:8011", learning_rate=1e-5,
+                                  fork_threshold_tokens=5, bf16=False, use_cpu=True)
+    with pytest.warns(Warning, match="fork_threshold_tokens"):
+        ours = from_trl_async_config(trl_cfg)
+    assert (ours.rollout_mode, ours.use_vllm, ours.vllm_mode) == ("async", True, "server")
+    assert (ours.max_staleness, ours.weight_sync_steps, ours.queue_maxsize) == (2, 3, 64)
+    assert ours.vllm_server_base_url == "http://127.0.0.1:8011" and ours.learning_rate == 1e-5
+    assert ours.importance_sampling_correction

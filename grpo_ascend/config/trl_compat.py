@@ -35,6 +35,42 @@ def is_trl_grpo_config(obj: Any) -> bool:
     return any(c.__name__ == "GRPOConfig" and c.__module__.split(".")[0] == "trl" for c in type(obj).__mro__)
 
 
+def is_trl_async_grpo_config(obj: Any) -> bool:
+    """Whether ``obj`` is TRL's ``AsyncGRPOConfig`` (trl.experimental.async_grpo), without importing trl."""
+    return any(c.__name__ == "AsyncGRPOConfig" and c.__module__.split(".")[0] == "trl" for c in type(obj).__mro__)
+
+
+#: TRL AsyncGRPOConfig's settings that ours take under the same names and meanings (docs/async.md).
+ASYNC_FIELDS = ("max_inflight_tasks", "max_staleness", "queue_maxsize", "weight_sync_steps", "heartbeat_stale_after_s",
+                "request_timeout", "weight_sync_timeout", "vllm_server_base_url", "vllm_server_timeout")
+#: AsyncGRPOConfig's own settings with no counterpart here, and why (a set one is ignored with a warning).
+ASYNC_IGNORED = {
+    "fork_threshold_tokens": "multi-turn rows here are built from the token ids sampled, never re-tokenized",
+    "token_budget": "a per-row token budget of TRL's batcher; use max_tokens_per_micro_batch",
+}
+
+
+def from_trl_async_config(cfg: Any) -> Any:
+    """Our :class:`~grpo_ascend.config.configs.GRPOConfig` for TRL's ``AsyncGRPOConfig``: its asynchronous settings
+    as they are (``rollout_mode: async`` on its vLLM server), the fields it shares with TRL's GRPOConfig mapped as
+    :func:`from_trl_config` maps them; its own settings with no counterpart ignored with a warning."""
+    import warnings
+
+    defaults = _defaults(cfg)
+    shared = [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+              if f.init and f.name not in ASYNC_FIELDS and f.name not in ASYNC_IGNORED]
+    result = classify(shared, lambda n, v: n not in defaults or differs(v, defaults[n]), cfg, convert_unchanged=True)
+    result.report("trl.AsyncGRPOConfig", stacklevel=3)
+    ignored = [f"{name} ({why})" for name, why in ASYNC_IGNORED.items()
+               if hasattr(cfg, name) and differs(getattr(cfg, name), defaults.get(name))]
+    if ignored:
+        warnings.warn(f"trl.AsyncGRPOConfig settings ignored: {'; '.join(ignored)}", TRLConfigWarning, stacklevel=3)
+    settings = {name: value for name, (value, _) in IMPLIED_SETTINGS.items()}
+    own = {name: getattr(cfg, name) for name in ASYNC_FIELDS if hasattr(cfg, name)}
+    return GRPOConfig.from_dict({**settings, **result.settings, **own, "rollout_mode": "async", "use_vllm": True,
+                                 "vllm_mode": "server"}, source="trl.AsyncGRPOConfig")
+
+
 def _defaults(cfg: Any) -> dict[str, Any]:
     """TRL's value of every field that is not mapped, when left unset: the fields of an instance of the same
     class built with ``cfg``'s mapped fields (its ``__post_init__`` derives some fields from them, e.g.

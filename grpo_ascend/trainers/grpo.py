@@ -36,7 +36,12 @@ from grpo_ascend.algorithms.losses import (
 )
 from grpo_ascend.algorithms.reward_aggregation import GroupedRewards, aggregate_advantages
 from grpo_ascend.config.configs import GRPOConfig
-from grpo_ascend.config.trl_compat import from_trl_config, is_trl_grpo_config
+from grpo_ascend.config.trl_compat import (
+    from_trl_async_config,
+    from_trl_config,
+    is_trl_async_grpo_config,
+    is_trl_grpo_config,
+)
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, experience_metrics
 from grpo_ascend.models.policy import mix_into_reference
@@ -81,6 +86,8 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
         _refuse_trl_only(quantization_config, optimizers)
         if is_trl_grpo_config(args):  # TRL's own GRPOConfig: mapped, ignored with a warning, or refused
             args = from_trl_config(args)
+        elif is_trl_async_grpo_config(args):  # TRL's AsyncGRPOConfig: asynchronous rollouts on its vLLM server
+            args = from_trl_async_config(args)
         cfg = args if args is not None else GRPOConfig()
         POLICY_LOSSES.get(cfg.loss_type)  # fail before loading anything on a bad name
         ADVANTAGE_ESTIMATORS.get(cfg.advantage_estimator)

@@ -14,6 +14,7 @@ from helpers import (
     index_in_group,
     perturb_weights,
     rewards_before_and_after_training,
+    train_until_preempted,
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -124,6 +125,28 @@ def test_async_drops_stale_groups_and_samples_their_prompts_again(tmp_path, tiny
     dropped = sum(r.get("async/dropped_groups", 0.0) for r in trainer.state.log_history)
     assert dropped > 0
     assert trainer.state.log_history[-2]["sampling/importance_sampling_ratio/mean"] > 0  # IS correction on by default
+
+
+def test_interrupted_async_run_resumes_with_no_prompt_lost_or_trained_twice(tmp_path, tiny_model_dir):
+    """Ctrl-C right after the checkpoint at step 2, with the producer rounds ahead: the producer and the rollout
+    process stop with the trainer; the resumed run trains every draw the first did not, none twice (the
+    checkpoint's ledger), and its steps continue from 3."""
+    def make(name):
+        cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / name), "max_steps": 5, "save_steps": 2,
+                            "rollout_mode": "async", "max_staleness": 4})
+        trainer = GRPOTrainer(str(tiny_model_dir), index_in_group(cfg.num_generations), cfg,
+                              arithmetic_dataset(40, seed=1), peft_config=default_lora_config(r=4))
+        return trainer, _trained_groups(trainer)
+
+    first, first_seen = make("run")
+    train_until_preempted(first, step=2)
+    assert not first.experience.source.running and first.rollout.backend.pid is None  # both stopped with train()
+    resumed, resumed_seen = make("run")
+    resumed.train(resume_from_checkpoint="latest")
+    before = [g for _, groups, _, _ in first_seen for g in groups]
+    after = [g for _, groups, _, _ in resumed_seen for g in groups]
+    assert [step for step, *_ in resumed_seen] == [2, 3, 4]
+    assert len(before) == 4 and len(after) == 6 and sorted(before + after) == list(range(10))
 
 
 def test_rollout_ahead_refuses_what_cannot_run_ahead():

@@ -145,6 +145,11 @@ class AsyncSource:
         self._thread = threading.Thread(target=self._produce, daemon=True, name="grpo-ascend-producer")
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        """Whether the producer thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
     def policy_updated(self, step: int, force: bool = False) -> None:
         """The trainer finished optimizer step ``step``: push the weights when a version is due."""
         self._step = step

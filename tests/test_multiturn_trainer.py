@@ -64,8 +64,9 @@ def _capture(trainer):
     return seen
 
 
-@pytest.mark.parametrize("surface", ["tools", "environment"])
-def test_trainer_runs_tool_conversations_and_masks_tool_tokens(tmp_path, tiny_model_dir, surface):
+@pytest.mark.parametrize(("surface", "mode"), [("tools", "sync"), ("environment", "sync"), ("environment", "async")])
+def test_trainer_runs_tool_conversations_and_masks_tool_tokens(tmp_path, tiny_model_dir, surface, mode):
+    """The tool loop in a run; asynchronous: on the producer's side, over the rollout process's sessions."""
     model, tok, call, suffix, seq = _scripted(tiny_model_dir)
     calls = []
 
@@ -74,7 +75,8 @@ def test_trainer_runs_tool_conversations_and_masks_tool_tokens(tmp_path, tiny_mo
         return [float(c[-1]["content"] == "five") for c in completions]
 
     cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), "max_steps": 1, "max_prompt_length": 1024,
-                        "max_completion_length": 80, "per_device_train_batch_size": 4, "max_tool_calling_iterations": 2})
+                        "max_completion_length": 80, "per_device_train_batch_size": 4, "max_tool_calling_iterations": 2,
+                        "rollout_mode": mode})
     extra = {"tools": [add]} if surface == "tools" else {"environment_factory": AddEnv}
     trainer = GRPOTrainer(model, reward, cfg, Dataset.from_list([{"prompt": PROMPT}] * 4), processing_class=tok,
                           **extra)

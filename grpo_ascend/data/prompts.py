@@ -97,6 +97,10 @@ def _columns(ds: Any) -> list[str]:
     return list(first)
 
 
+#: TRL's columns of prompt images (one image, or a list per row).
+IMAGE_COLUMNS = ("image", "images")
+
+
 def check_prompt_dataset(ds: Any, prompt_column: str = "prompt") -> None:
     """Refuse empty datasets and datasets without the prompt column (listing the columns it has).
 
@@ -114,6 +118,13 @@ def check_prompt_dataset(ds: Any, prompt_column: str = "prompt") -> None:
         raise DataError(
             f"the dataset has no prompt column {prompt_column!r}; its columns are {columns} — "
             "set prompt_column to the one holding the prompts"
+        )
+    images = [c for c in IMAGE_COLUMNS if c in columns]
+    if images:
+        raise DataError(
+            f"the dataset has image column(s) {images}: prompts with images (vision-language GRPO) are not supported "
+            "yet, and a text-only run would ignore them without a word. Train on the text alone with "
+            f"dataset.remove_columns({images!r}), or use a trainer that takes images"
         )
 
 

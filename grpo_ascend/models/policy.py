@@ -44,6 +44,7 @@ def load_causal_lm(model: str | nn.Module, dtype: str = "float32", init_kwargs: 
     torch dtype) overrides ``dtype``.
     """
     if isinstance(model, nn.Module):
+        check_text_only(model)
         return model
     from transformers import AutoModelForCausalLM
 
@@ -55,9 +56,22 @@ def load_causal_lm(model: str | nn.Module, dtype: str = "float32", init_kwargs: 
         dtype = _DTYPES[dtype]
     path = resolve_model_path(model)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except OSError as exc:
         raise ConfigError(f"could not load model {model!r}: {exc}".splitlines()[0]) from exc
+    check_text_only(loaded)
+    return loaded
+
+
+def check_text_only(model: nn.Module) -> None:
+    """Refuse a vision-language model: its image inputs would never be fed (vision-language GRPO is not built yet)."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "vision_config", None) is not None:
+        raise ConfigError(
+            f"{type(model).__name__} ({getattr(config, 'model_type', '?')}) is a vision-language model: training it "
+            "on images is not supported yet, and its vision tower would sit unused. Train its language model alone "
+            "(a text-only checkpoint of it) on text prompts"
+        )
 
 
 def load_tokenizer(model: str | nn.Module, processing_class: Any = None,

@@ -75,6 +75,37 @@ def test_rollout_process_samples_as_the_engine_follows_versions_and_survives_a_k
         remote.close()
 
 
+def test_a_frozen_rollout_process_or_a_stuck_weight_sync_ends_the_run_with_one_line(tiny_model_dir):
+    """A process whose heartbeat stops (frozen here with SIGSTOP) fails the request after
+    heartbeat_stale_after_s instead of hanging it; a weight push that cannot take its slot fails after
+    weight_sync_timeout."""
+    import time
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    params = SamplingParams(num_generations=2, max_completion_length=4)
+    remote = ProcessBackend(model, tok, params, ProcessSettings(threads=1, heartbeat_stale_after_s=1.5,
+                                                                weight_sync_timeout=0.5), torch.device("cpu"), 0)
+    try:
+        ids = [tok("hello").input_ids]
+        remote.generate_ids(ids, params)
+        remote.ring.locks[0].acquire()  # a reader that never lets go of the slot the next push writes
+        started = time.monotonic()
+        with pytest.raises(RolloutError, match="weight_sync_timeout=0.5"):
+            remote.sync_weights(PolicyWeights(model, 1))
+        assert time.monotonic() - started < 5
+        remote.ring.locks[0].release()
+        os.kill(remote.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(RolloutError, match="heartbeat stopped"):
+            remote.generate_ids(ids, params)
+        assert time.monotonic() - started < 10
+    finally:
+        if remote.pid is not None:
+            os.kill(remote.pid, signal.SIGKILL)
+        remote.close()
+
+
 def _trained_groups(trainer):
     """Wrap the source so each round's trained group ids (and their sampling versions) are recorded."""
     seen = []

@@ -88,7 +88,7 @@ class ProcessBackend(RolloutBackend):
     # ------------------------------------------------------------------ the process
     def _start(self) -> None:
         self._conn, child = self._context.Pipe()
-        self._heartbeat = self._context.Value("d", time.time())
+        self._heartbeat = self._context.Value("d", 0.0)  # 0 until the process beats (its start-up: request_timeout)
         spec = WorkerSpec(self._copy, self.tokenizer, self.params, self.settings.device, self.settings.threads,
                           self.settings.precision, self._initial_version, self.settings.weight_sync_timeout,
                           self.settings.partial_rollouts)
@@ -126,7 +126,7 @@ class ProcessBackend(RolloutBackend):
             if not self._process.is_alive():
                 raise _Died(f"exit code {self._process.exitcode}")
             quiet = time.time() - self._heartbeat.value
-            if quiet > self.settings.heartbeat_stale_after_s:
+            if self._heartbeat.value > 0 and quiet > self.settings.heartbeat_stale_after_s:
                 self._stop_process()
                 raise RolloutError(f"the rollout process's heartbeat stopped {quiet:.0f} s ago "
                                    f"(heartbeat_stale_after_s={self.settings.heartbeat_stale_after_s:g}); ending the run "
@@ -158,6 +158,7 @@ class ProcessBackend(RolloutBackend):
             self._process.kill()
         if self._process is not None:
             self._process.join(timeout=10)
+        self._process = None
         self._conn.close()
 
     def close(self) -> None:
@@ -174,7 +175,6 @@ class ProcessBackend(RolloutBackend):
                     pass
             self._process.join(timeout=5)
             self._stop_process()
-            self._process = None
 
     # ------------------------------------------------------------------ versions
     def pinned(self, version: int | None) -> _Pin:
@@ -260,7 +260,7 @@ class _ProcessSession(RolloutSession):
         return to_device(self._call("output"), self.backend.device)
 
     def close(self) -> None:
-        if self.backend.restarts == self.restarts and self.backend._process is not None:
+        if self.backend.restarts == self.restarts and self.backend.pid is not None:
             self.backend._call("close_session", self.sid, retry=False)
 
 

@@ -73,8 +73,8 @@ class ProcessBackend(RolloutBackend):
         self.params = params
         self.settings = settings
         self._device = device
-        self._context = spawn_context()
         self._copy = sampler_copy(policy)
+        self._context = spawn_context(type(self._copy).__module__, type(tokenizer).__module__)
         self.ring = WeightRing(dict(synced_tensors(policy)), self._context)
         self._initial_version = version
         self._lock = threading.RLock()

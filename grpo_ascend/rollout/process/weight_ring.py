@@ -90,6 +90,10 @@ def synced_tensors(model: nn.Module, names: Iterable[str]) -> dict[str, Tensor]:
     return {n: state[n] for n in names}
 
 
-def spawn_context() -> Any:
-    """The process context rollout processes start in: fresh interpreters (no fork of a trainer's threads)."""
-    return torch.multiprocessing.get_context("spawn")
+def spawn_context(*preload: str) -> Any:
+    """The process context rollout processes start in: forked from a fork server, a fresh interpreter that has
+    imported torch, the worker and ``preload`` (the model's and tokenizer's modules) once, never a fork of the
+    trainer and its threads; a restart, or a later run's process, then starts without importing them again."""
+    context = torch.multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "grpo_ascend.rollout.process.worker", *preload])
+    return context

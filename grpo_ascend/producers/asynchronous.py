@@ -32,12 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_ascend.data.prompts import PromptSampler
-from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import RolloutError, RolloutInterrupted
-from grpo_ascend.experience import Experience, scored_experience
-from grpo_ascend.producers.lockstep import draw_slice
-from grpo_ascend.rollout.protocol import Rollout
+from grpo_ascend.experience import Experience
+from grpo_ascend.producers.lockstep import SourceParts, draw_slice
 from grpo_ascend.tracking.phases import PhaseTimer
 
 _WAIT_S = 0.2
@@ -95,26 +92,11 @@ class AsyncSource:
     :meth:`policy_updated`); ``trainer_state()`` is what reward functions receive.
     """
 
-    def __init__(
-        self,
-        *,
-        sampler: PromptSampler,
-        rollout: Rollout,
-        rewards: Any,
-        ranks: Ranks,
-        generator: torch.Generator,
-        settings: AsyncSettings,
-        push: Callable[[int], None],
-        mask_truncated_completions: bool = False,
-    ) -> None:
-        self.sampler = sampler
-        self.rollout = rollout
-        self.rewards = rewards
-        self.ranks = ranks
-        self.generator = generator
+    def __init__(self, *, parts: SourceParts, settings: AsyncSettings, push: Callable[[int], None]) -> None:
+        self.parts = parts
+        self.sampler, self.rollout, self.ranks = parts.sampler, parts.rollout, parts.ranks
         self.settings = settings
         self.push = push
-        self.mask_truncated_completions = mask_truncated_completions
         self._cv = threading.Condition()
         self._queue: collections.deque[_Scored] = collections.deque()
         self._reissue: collections.deque[_Chunk] = collections.deque()
@@ -243,8 +225,8 @@ class AsyncSource:
                     batch.policy_versions = torch.full_like(batch.completion_ids, used)
                 sampled = int(batch.policy_versions.min()) if batch.policy_versions.numel() else used
                 self._stats.aborted_tokens += batch.timing.get("aborted_tokens", 0.0)
-                exp = scored_experience(self.rewards, chunk.rows, chunk.group_ids, batch, self._trainer_state(),
-                                        PhaseTimer(batch.completion_ids.device), self.mask_truncated_completions)
+                exp = self.parts.score(chunk.rows, chunk.group_ids, batch, self._trainer_state(),
+                                       PhaseTimer(batch.completion_ids.device))
                 self._stats.producer_busy_s += time.perf_counter() - began
                 with self._cv:
                     self._queue.append(_Scored(chunk, exp, sampled))
@@ -259,7 +241,7 @@ class AsyncSource:
         while True:
             try:
                 with torch.no_grad(), self.rollout.backend.pinned(version):
-                    return self.rollout.generate_rows(chunk.rows, generator=self.generator)
+                    return self.rollout.generate_rows(chunk.rows, generator=self.parts.generator)
             except RolloutInterrupted:
                 if self._stop.is_set():
                     raise

@@ -9,15 +9,16 @@ from grpo_ascend.config.configs import BaseRLConfig, BatchPlan
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import ExperienceSource
 from grpo_ascend.producers.asynchronous import AsyncSettings, AsyncSource
-from grpo_ascend.producers.lockstep import LockstepSource
+from grpo_ascend.producers.lockstep import LockstepSource, SourceParts
 
 
-def _lockstep(args: BaseRLConfig, plan: BatchPlan, push: Callable[[int], None], **parts: Any) -> ExperienceSource:
-    return LockstepSource(**parts)
+def _lockstep(args: BaseRLConfig, plan: BatchPlan, push: Callable[[int], None], parts: SourceParts,
+              rollout_context: Any) -> ExperienceSource:
+    return LockstepSource(parts=parts, rollout_context=rollout_context)
 
 
-def _ahead(args: BaseRLConfig, plan: BatchPlan, push: Callable[[int], None], *, rollout_context: Any,
-           **parts: Any) -> ExperienceSource:
+def _ahead(args: BaseRLConfig, plan: BatchPlan, push: Callable[[int], None], parts: SourceParts,
+           rollout_context: Any) -> ExperienceSource:
     """A producer ahead of training; it samples outside the trainer's ``rollout_context``, on a sampler of its own."""
     if plan.generations_per_round != 1:
         raise ConfigError(f"rollout_mode={args.rollout_mode!r} needs whole optimizer steps per generation batch; "
@@ -36,14 +37,15 @@ def _ahead(args: BaseRLConfig, plan: BatchPlan, push: Callable[[int], None], *, 
                              steps_per_round=plan.optimizer_steps_per_round, max_inflight=inflight,
                              max_staleness=args.max_staleness, queue_maxsize=args.queue_maxsize,
                              weight_sync_steps=args.weight_sync_steps)
-    return AsyncSource(settings=settings, push=push, **parts)
+    return AsyncSource(parts=parts, settings=settings, push=push)
 
 
-#: rollout_mode -> builder(args, plan, push, sampler=, rollout=, rewards=, ranks=, generator=, rollout_context=,
-#: mask_truncated_completions=)
+#: rollout_mode -> builder(args, plan, push, parts, rollout_context)
 SOURCES: dict[str, Callable[..., ExperienceSource]] = {"sync": _lockstep, "one_step_off": _ahead, "async": _ahead}
 
 
-def build_source(args: BaseRLConfig, plan: BatchPlan, push: Callable[[int], None], **parts: Any) -> ExperienceSource:
-    """The source of ``args.rollout_mode`` (``push(step)`` sends the policy's weights to a sampler of its own)."""
-    return SOURCES[args.rollout_mode](args, plan, push, **parts)
+def build_source(args: BaseRLConfig, plan: BatchPlan, push: Callable[[int], None], parts: SourceParts,
+                 rollout_context: Any) -> ExperienceSource:
+    """The source of ``args.rollout_mode`` (``push(step)`` sends the policy's weights to a sampler of its own;
+    ``rollout_context``: the trainer's context around in-process generation)."""
+    return SOURCES[args.rollout_mode](args, plan, push, parts, rollout_context)

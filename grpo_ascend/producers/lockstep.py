@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,38 +31,43 @@ def draw_slice(sampler: PromptSampler, ranks: Ranks, prompts_per_rank: int) -> t
     return rows[first : first + prompts_per_rank], ids
 
 
+@dataclass(frozen=True)
+class SourceParts:
+    """What every experience source draws, samples and scores with: the prompt sampler (its one writer is the
+    source), the run's rollout, the reward functions, the ranks, the sampling generator, and whether truncated
+    completions leave the loss."""
+
+    sampler: PromptSampler
+    rollout: Rollout
+    rewards: Any
+    ranks: Ranks
+    generator: torch.Generator
+    mask_truncated_completions: bool = False
+
+    def score(self, rows: list[dict[str, Any]], group_ids: Tensor, batch: Any, trainer_state: dict[str, Any],
+              timer: PhaseTimer) -> Experience:
+        """The scored :class:`Experience` of ``batch``, sampled for ``rows``."""
+        return scored_experience(self.rewards, rows, group_ids, batch, trainer_state, timer,
+                                 self.mask_truncated_completions)
+
+
 class LockstepSource:
     """Draws, samples (inside ``rollout_context``: the trainer's current weights) and scores on demand."""
 
-    def __init__(
-        self,
-        *,
-        sampler: PromptSampler,
-        rollout: Rollout,
-        rewards: Any,
-        ranks: Ranks,
-        generator: torch.Generator,
-        rollout_context: Callable[[], contextlib.AbstractContextManager],
-        mask_truncated_completions: bool = False,
-    ) -> None:
-        self.sampler = sampler
-        self.rollout = rollout
-        self.rewards = rewards
-        self.ranks = ranks
-        self.generator = generator
+    def __init__(self, *, parts: SourceParts, rollout_context: Callable[[], contextlib.AbstractContextManager]) -> None:
+        self.parts = parts
         self.rollout_context = rollout_context
-        self.mask_truncated_completions = mask_truncated_completions
 
     def start(self, step: int, trainer_state: Callable[[], dict[str, Any]]) -> None:
         return None
 
     def next_scored(self, prompts_per_rank: int, timer: PhaseTimer,
                     trainer_state: Callable[[], dict[str, Any]]) -> Experience:
-        rows, group_ids = draw_slice(self.sampler, self.ranks, prompts_per_rank)
+        parts = self.parts
+        rows, group_ids = draw_slice(parts.sampler, parts.ranks, prompts_per_rank)
         with timer.phase("generation"), torch.no_grad(), self.rollout_context():
-            batch = self.rollout.generate_rows(rows, generator=self.generator)
-        return scored_experience(self.rewards, rows, group_ids, batch, trainer_state(), timer,
-                                 self.mask_truncated_completions)
+            batch = parts.rollout.generate_rows(rows, generator=parts.generator)
+        return parts.score(rows, group_ids, batch, trainer_state(), timer)
 
     def policy_updated(self, step: int) -> None:
         return None  # the next round samples inside the trainer's rollout context, with the weights as they are

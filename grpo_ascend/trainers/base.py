@@ -45,6 +45,7 @@ from grpo_ascend.models.policy import (
     trainable_parameters,
 )
 from grpo_ascend.producers.factory import build_source
+from grpo_ascend.producers.lockstep import SourceParts
 from grpo_ascend.rollout.backend import PolicyWeights, serving
 from grpo_ascend.rollout.protocol import PromptRollout, Rollout
 from grpo_ascend.trainers.best_tracking import BestCheckpointTracker
@@ -218,10 +219,9 @@ class RLTrainerBase(TrainerPublicAPI):
                                importance_sampling: ImportanceSamplingSettings | None = None) -> ExperienceMaker:
         """The round's experience pipeline over this trainer's sampler, rollout, rewards and forwards."""
         args = self.args
-        source = build_source(args, self.plan, self._push_weights, sampler=self.sampler, rollout=self.rollout,
-                              rewards=self.rewards, ranks=self.ranks, generator=self.generator,
-                              rollout_context=self._rollout_context,
-                              mask_truncated_completions=mask_truncated_completions)
+        parts = SourceParts(sampler=self.sampler, rollout=self.rollout, rewards=self.rewards, ranks=self.ranks,
+                            generator=self.generator, mask_truncated_completions=mask_truncated_completions)
+        source = build_source(args, self.plan, self._push_weights, parts, self._rollout_context)
         return ExperienceMaker(
             source=source, micro_batch=self.plan.micro_batch, policy_logprobs=self._policy_logprobs,
             reference_logprobs=self._reference_logprobs if args.needs_reference_model else None,

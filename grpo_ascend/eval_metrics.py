@@ -139,7 +139,10 @@ def finish_eval_metrics(sums: dict[str, float], names: list[str], n: int) -> dic
         metrics["tools/calls_per_completion"] = calls / max(sums["sampled/tools/completions"], 1.0)
         metrics["tools/turns_per_completion"] = sums["sampled/tools/turns"] / max(sums["sampled/tools/completions"], 1.0)
         metrics["tools/failed_calls"] = sums["sampled/tools/failed_calls"]
+        metrics["tools/call_frequency"] = metrics["tools/calls_per_completion"]  # TRL 1.16's name
         metrics["tools/failure_frequency"] = sums["sampled/tools/failed_calls"] / max(calls, 1.0)
+    if "sampled/loss_rows" in sums:  # an algorithm's evaluation loss (GRPO), its mean over completions
+        metrics["loss"] = sums["sampled/loss_sum"] / max(sums["sampled/loss_rows"], 1.0)
     for key, value in sums.items():
         if key.startswith(("sampled/pass@", "sampled/mean@")):
             metrics[key.removeprefix("sampled/")] = value / prompts

@@ -27,7 +27,7 @@ from grpo_ascend.algorithms.importance_sampling import (
     importance_sampling_weights,
     reduce_stats,
 )
-from grpo_ascend.data.prompts import is_conversational
+from grpo_ascend.data.prompts import is_conversational, row_prompt
 from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import DataError
 from grpo_ascend.rollout.backend import RolloutBatch
@@ -294,7 +294,7 @@ def score_rollout(rewards: Any, rows: Sequence[Mapping[str, Any]], batch: Rollou
     """Score ``batch`` (G completions per row of ``rows``) with every reward function; the dataset
     columns and the batch's ``extra_columns`` reach them as keyword arguments."""
     G = batch.num_generations
-    prompts = [r["prompt"] for r in rows]
+    prompts = [row_prompt(r) for r in rows]
     completions = completions_for_rewards(batch, is_conversational(prompts[0]))
     lengths = batch.completion_mask.sum(1).tolist()
     completion_ids = [ids[:n] for ids, n in zip(batch.completion_ids.tolist(), lengths)]
@@ -338,7 +338,7 @@ def scored_experience(rewards: Any, rows: Sequence[Mapping[str, Any]], group_ids
         rewards_per_function=scores.scored.per_function.to(device, torch.float32),
         reward_names=list(scores.scored.names),
         group_ids=group_ids.repeat_interleave(G).to(device),
-        prompts=[r["prompt"] for r in rows for _ in range(G)],
+        prompts=[row_prompt(r) for r in rows for _ in range(G)],
         completions=scores.completions,
         # Every function's count, zeros included, so every rank reduces the same keys.
         counts=counts,

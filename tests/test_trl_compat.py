@@ -104,8 +104,8 @@ def test_constant_schedule_has_no_warmup_and_default_loss_metric_becomes_ours(tm
     ours, _ = _convert(_config(tmp_path, lr_scheduler_type="constant", warmup_steps=5, load_best_model_at_end=True,
                                eval_strategy="steps", eval_steps=5))
     assert (ours.lr_scheduler_type, ours.warmup_steps, ours.warmup_ratio) == ("constant", 0, 0.0)
-    # transformers fills in metric_for_best_model='loss'; evaluation here computes rewards: our default
-    assert (ours.metric_for_best_model, ours.greater_is_better) == (None, None)
+    # transformers fills in metric_for_best_model='loss' (lower is better): the GRPO loss on the eval completions
+    assert (ours.metric_for_best_model, ours.greater_is_better) == ("loss", False)
 
 
 def test_one_warning_lists_every_ignored_field_and_nothing_else(tmp_path):

@@ -123,9 +123,9 @@ def test_streamed_and_named_eval_sets_give_per_set_metrics(tmp_path):
     assert metrics["eval_data2/reward"] == 0.25 and metrics["eval_data2/num_prompts"] == 3
     assert not any(k.startswith("eval/") for k in metrics)
     logged = [sorted({k.split("/")[0] for k in r if k != "step"}) for r in trainer.state.log_history]
-    assert logged == [["eval_data1"], ["eval_data2"]]
+    assert logged == [["eval_data1", "eval_data1_loss"], ["eval_data2", "eval_data2_loss"]]  # + TRL's loss name
     by_name = trainer.evaluate("data2")  # one of the trainer's sets, by its name
-    assert set(by_name) == {k for k in metrics if k.startswith("eval_data2/")} and by_name["eval_data2/reward"] == 0.25
+    assert set(by_name) == {k for k in metrics if k.startswith("eval_data2")} and by_name["eval_data2/reward"] == 0.25
     one = trainer.evaluate(_with_target(_prompts(3, "t"), 0.75).to_iterable_dataset())
     assert one["eval/reward"] == 0.75 and one["eval/num_prompts"] == 3
     as_dict = trainer.evaluate(DatasetDict({"x": _with_target(_prompts(2), 0.0)}), metric_key_prefix="test")

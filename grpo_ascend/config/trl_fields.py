@@ -21,7 +21,6 @@ from grpo_ascend.config.trl_mapping import (
     _checkpointing,
     _eval_strategy,
     _generation_kwargs,
-    _greater,
     _log_completions,
     _loss_type,
     _metric,
@@ -144,10 +143,10 @@ TRL_FIELDS: dict[str, TRLField] = {
     "hub_always_push": ignored("pushes are blocking, so none is ever skipped"),
     "hub_revision": same(),
     "load_best_model_at_end": same(),
-    "metric_for_best_model": to(("metric_for_best_model", "greater_is_better"), "'eval_X' becomes 'X'; "
-                                "transformers' default 'loss' becomes our default eval/reward (evaluation "
-                                "computes rewards, not a loss)", _metric, differs=True),
-    "greater_is_better": to("greater_is_better", "", _greater),
+    "metric_for_best_model": to("metric_for_best_model", "'eval_X' becomes 'X'; transformers' default 'loss' "
+                                "is the GRPO loss on the eval completions (eval/loss, TRL's eval_loss)", _metric,
+                                differs=True),
+    "greater_is_better": same(),
     "ignore_data_skip": ignored("resume restores the prompt sampler's position exactly"),
     "restore_callback_states_from_checkpoint": ignored("callbacks' own state is not checkpointed"),
     "full_determinism": ignored("runs are always seeded; bit-exact kernels are not forced"),

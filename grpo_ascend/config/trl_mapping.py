@@ -113,17 +113,10 @@ def _save_steps(value: Any, cfg: Any) -> dict[str, Any]:
 
 
 def _metric(value: Any, cfg: Any) -> dict[str, Any]:
-    if value in ("loss", "eval_loss"):  # transformers' default when load_best_model_at_end is set
-        return {"metric_for_best_model": None, "greater_is_better": None}
+    """'eval_X' becomes 'X' (transformers' default 'loss', set with load_best_model_at_end, is the eval loss)."""
     if isinstance(value, str) and value.startswith("eval_"):
         value = value[len("eval_"):]
     return {"metric_for_best_model": value}
-
-
-def _greater(value: Any, cfg: Any) -> dict[str, Any]:
-    if plain(cfg.metric_for_best_model) in ("loss", "eval_loss"):
-        return {}
-    return {"greater_is_better": value}
 
 
 def _model_init_kwargs(value: Any, cfg: Any) -> dict[str, Any]:

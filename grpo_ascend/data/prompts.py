@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,15 @@ from grpo_ascend.data.synthetic import SYNTHETIC_TASKS
 from grpo_ascend.errors import DataError, closest
 
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+#: The prompt of a row without one, when environments supply the prompts (TRL 1.16: an empty user message,
+#: to which ``reset()``'s observation is added).
+EMPTY_PROMPT: list[dict[str, str]] = [{"role": "user", "content": ""}]
+
+
+def row_prompt(row: Mapping[str, Any]) -> Any:
+    """A dataset row's prompt; :data:`EMPTY_PROMPT` for a row without one (only environment runs accept such
+    datasets, see :func:`check_prompt_dataset`'s ``require_prompt``)."""
+    return row["prompt"] if "prompt" in row else [dict(m) for m in EMPTY_PROMPT]
 
 
 def load_prompt_dataset(
@@ -101,11 +110,12 @@ def _columns(ds: Any) -> list[str]:
 IMAGE_COLUMNS = ("image", "images")
 
 
-def check_prompt_dataset(ds: Any, prompt_column: str = "prompt") -> None:
+def check_prompt_dataset(ds: Any, prompt_column: str = "prompt", require_prompt: bool = True) -> None:
     """Refuse empty datasets and datasets without the prompt column (listing the columns it has).
 
     A stream (:func:`is_stream`) is checked by its features, or by its first row when it declares none;
-    a stream that turns out empty is refused when it is first read.
+    a stream that turns out empty is refused when it is first read. ``require_prompt=False`` (environments
+    supply the prompts, TRL 1.16's ``environment_factory``) accepts rows without one (:func:`row_prompt`).
     """
     if not is_stream(ds) and len(ds) == 0:
         raise DataError("the prompt dataset is empty; check the file, split or max_train_samples")
@@ -114,7 +124,7 @@ def check_prompt_dataset(ds: Any, prompt_column: str = "prompt") -> None:
                         "epoch, a resume or an evaluation; pass a datasets.Dataset or datasets.IterableDataset "
                         "(e.g. IterableDataset.from_generator)")
     columns = _columns(ds)
-    if prompt_column not in columns:
+    if require_prompt and prompt_column not in columns:
         raise DataError(
             f"the dataset has no prompt column {prompt_column!r}; its columns are {columns} — "
             "set prompt_column to the one holding the prompts"
@@ -152,16 +162,18 @@ def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def make_prompt_sampler(dataset: Any, seed: int = 0, shuffle: bool = True) -> PromptSampler | StreamSampler:
-    """The resumable sampler for ``dataset``: :class:`StreamSampler` for a stream, else :class:`PromptSampler`."""
+def make_prompt_sampler(dataset: Any, seed: int = 0, shuffle: bool = True,
+                        require_prompt: bool = True) -> PromptSampler | StreamSampler:
+    """The resumable sampler for ``dataset``: :class:`StreamSampler` for a stream, else :class:`PromptSampler`
+    (``require_prompt``: see :func:`check_prompt_dataset`)."""
+    check_prompt_dataset(dataset, require_prompt=require_prompt)
     return StreamSampler(dataset, seed, shuffle) if is_stream(dataset) else PromptSampler(dataset, seed, shuffle)
 
 
 class _Sampler:
-    """What both samplers hold: the checked dataset, the seed and whether to shuffle, and the position."""
+    """What both samplers hold: the dataset (checked by :func:`make_prompt_sampler`), the seed and whether to shuffle, and the position."""
 
     def __init__(self, dataset: Any, seed: int, shuffle: bool):
-        check_prompt_dataset(dataset)
         self.dataset = dataset
         self.seed = seed
         self.shuffle = shuffle

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from grpo_ascend.data.prompts import row_prompt
 from grpo_ascend.errors import ConfigError, DataError
 from grpo_ascend.rollout.backend import RolloutBackend, RolloutBatch
 from grpo_ascend.rollout.multiturn import MultiTurnEngine, ToolSettings
@@ -50,8 +51,9 @@ class ToolRollout(Rollout):
 
     def generate_rows(self, rows: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
                       generator: torch.Generator | None = None) -> RolloutBatch:
-        """Tool rollouts of ``rows``; ``params``: this call's sampling (default the run's; evaluation passes its own)."""
-        prompts = [r["prompt"] for r in rows]
+        """Tool rollouts of ``rows``; ``params``: this call's sampling (default the run's; evaluation passes its own).
+        A row without a prompt (environments supply it) starts from an empty user message, as in TRL."""
+        prompts = [row_prompt(r) for r in rows]
         params = params if params is not None else self.params
         if self.pool is None:
             return self.multiturn.generate(prompts, params, generator=generator)

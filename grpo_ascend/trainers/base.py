@@ -62,7 +62,7 @@ from grpo_ascend.trainers.components import (
     merge_lora_for_rollout,
     total_steps,
 )
-from grpo_ascend.trainers.evaluating import EvalSets, Evaluator
+from grpo_ascend.trainers.evaluating import EvalLoss, EvalSets, Evaluator
 from grpo_ascend.trainers.micro_batches import round_row_order
 from grpo_ascend.trainers.public_api import TrainerPublicAPI
 from grpo_ascend.trainers.publishing import ModelPublisher
@@ -91,21 +91,24 @@ class RLTrainerBase(TrainerPublicAPI):
         peft_config: Any = None,
         callbacks: Sequence[Any] | None = None,
         eval_dataset: Any = None,
+        require_prompt: bool = True,
     ):
         """The run and its policy: accelerator, distributed strategy, batch plan, policy and tokenizer.
 
         A subclass then builds what the policy trains with (:meth:`_build_training`), adding its
         own parts in between (PPO: the critic, whose parameters the optimizer also updates), and
-        last the trainer's parts (:meth:`_build_parts`).
+        last the trainer's parts (:meth:`_build_parts`). ``require_prompt=False``: the datasets' rows
+        may lack a ``prompt`` (environments supply it; see data/prompts.py's ``row_prompt``).
         """
         self.args = args if args is not None else self.config_class()
         if not isinstance(self.args, self.config_class):
             raise ConfigError(f"args must be a {self.config_class.__name__}, got {type(self.args).__name__}")
         if train_dataset is None:
-            raise ConfigError("`train_dataset` is required: pass a datasets.Dataset with a 'prompt' column (TRL 1.16 "
-                              "lets an environment_factory replace it; here the prompts come from a dataset always)")
+            raise ConfigError("`train_dataset` is required: pass a datasets.Dataset with a 'prompt' column (GRPOTrainer: "
+                              "or an environment_factory whose environments supply the prompts, with max_steps > 0)")
         args = self.args
-        self.eval_sets = EvalSets(eval_dataset, args)  # before loading anything: refuse eval settings without a dataset
+        self.require_prompt = require_prompt
+        self.eval_sets = EvalSets(eval_dataset, args, require_prompt)  # before loading anything: refuse eval settings without a dataset
         self.eval_dataset = eval_dataset
         check_streamed_steps(args, train_dataset, eval_dataset)
         dev.seed_everything(args.seed)
@@ -134,7 +137,8 @@ class RLTrainerBase(TrainerPublicAPI):
         TRL's tokenizers for reward models (see reward_models.RewardSet)."""
         args, plan = self.args, self.plan
         self.optimizer = build_optimizer(trainable_parameters(self.policy) + list(extra_parameters), args)
-        self.sampler = make_prompt_sampler(self.train_dataset, seed=args.seed, shuffle=args.shuffle_dataset)
+        self.sampler = make_prompt_sampler(self.train_dataset, seed=args.seed, shuffle=args.shuffle_dataset,
+                                           require_prompt=self.require_prompt)
         self.run.max_steps = total_steps(args, None if is_stream(self.train_dataset) else len(self.train_dataset), plan)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(args, self.max_steps))
         self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
@@ -174,7 +178,7 @@ class RLTrainerBase(TrainerPublicAPI):
         self.evaluator = Evaluator(
             args=args, sets=self.eval_sets, run=run, rollout=self.rollout, rewards=self.rewards, ranks=self.ranks,
             device=self.device, policy=self.policy, rollout_context=self._rollout_context,
-            reward_state=self._trainer_state_for_rewards)
+            reward_state=self._trainer_state_for_rewards, eval_loss=self._eval_loss())
         self.events = EventHub(
             args=args, accelerator=self.accelerator, callbacks=self._callbacks, run=run, sampler=self.sampler,
             objects={"model": self.policy, "processing_class": self.tokenizer, "optimizer": self.optimizer,
@@ -186,6 +190,10 @@ class RLTrainerBase(TrainerPublicAPI):
         self.recorder = RunRecorder(
             args=args, plan=self.plan, run=run, events=self.events, ranks=self.ranks, device=self.device,
             scheduler=self.scheduler, sampler=self.sampler, policy=self.policy, is_main_process=self.is_main_process)
+
+    def _eval_loss(self) -> EvalLoss | None:
+        """Subclass hook: the algorithm's evaluation loss (trainers/evaluating.py's EvalLoss); None: none."""
+        return None
 
     def _trainable_module(self) -> nn.Module:
         """What a checkpoint holds: the policy (PPO adds its critic)."""

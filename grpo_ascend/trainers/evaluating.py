@@ -12,6 +12,10 @@ rollout context (sharded engines gather the whole weights there, all ranks toget
 inside it generation makes no collective calls, so the ranks' chunk counts may differ.
 Tool-calling and ``rollout_func`` runs evaluate through the run's rollout (its
 :meth:`~grpo_ascend.rollout.protocol.Rollout.for_evaluation` copy: environments of its own).
+
+An algorithm with a loss to report (TRL's ``eval_loss``) gives an :class:`EvalLoss` hook: after the
+sampled pass, every rank enters its context once and the hook scores each of its batches; ``loss`` is
+their mean weighted by rows (summed over ranks like the rest), also returned as ``<prefix>_loss``.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -32,7 +36,8 @@ from grpo_ascend.data.prompts import check_prompt_dataset, eval_prompt_rows
 from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.eval_metrics import TOOL_SUMS, eval_sums, finish_eval_metrics, resolved_eval_steps
-from grpo_ascend.experience import score_rollout, tool_counts
+from grpo_ascend.experience import RolloutScores, score_rollout, tool_counts
+from grpo_ascend.rollout.backend import RolloutBatch
 from grpo_ascend.rollout.protocol import Rollout
 from grpo_ascend.trainers.run_state import RunState
 
@@ -42,20 +47,31 @@ logger = logging.getLogger(__name__)
 _EVAL_SEED_OFFSET = 50_000_017
 
 
+class EvalLoss(Protocol):
+    """An algorithm's evaluation loss (GRPO: trainers/eval_loss.py; None where there is none, as PPO)."""
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """Entered once by every rank around a set's loss calls (the calls themselves make no collective calls)."""
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]], batch: RolloutBatch, scores: RolloutScores) -> float:
+        """The loss of one sampled eval batch (``batch.num_generations`` completions per row of ``rows``)."""
+
+
 class EvalSets:
     """The trainer's eval sets, checked when the trainer is made (before any model loads); a stream is
     read into rows once. ``dataset`` is what the trainer was given (one set, a dict of named sets, or None)."""
 
-    def __init__(self, eval_dataset: Any, args: BaseRLConfig):
+    def __init__(self, eval_dataset: Any, args: BaseRLConfig, require_prompt: bool = True):
         self._rows: dict[int, Any] = {}  # by id, streams read once into rows
         self.args = args
+        self.require_prompt = require_prompt
         if isinstance(eval_dataset, Mapping):
             if not eval_dataset:
                 raise ConfigError("eval_dataset is an empty dict: give {name: dataset, ...} or one dataset")
             for dataset in eval_dataset.values():
-                self._rows[id(dataset)] = _checked_eval_rows(dataset)
+                self._rows[id(dataset)] = _checked_eval_rows(dataset, require_prompt)
         elif eval_dataset is not None:
-            self._rows[id(eval_dataset)] = _checked_eval_rows(eval_dataset)
+            self._rows[id(eval_dataset)] = _checked_eval_rows(eval_dataset, require_prompt)
         elif args.eval_strategy != "no":
             raise ConfigError(f"eval_strategy is {args.eval_strategy!r} but there is no eval dataset: pass "
                               "eval_dataset= (recipes: eval_dataset, eval_split or eval_fraction), or set eval_strategy: no")
@@ -81,7 +97,7 @@ class EvalSets:
         rows = self._rows.get(id(dataset))
         if rows is None:  # a set given to evaluate() only: TRL's rule for streams applies to it now
             check_stream_dispatch(self.args, dataset)
-            rows = _checked_eval_rows(dataset)
+            rows = _checked_eval_rows(dataset, self.require_prompt)
         return [(prefix, rows)]
 
 
@@ -89,12 +105,13 @@ class Evaluator:
     """Generates and scores eval sets through the run's rollout; says when an in-run evaluation is due.
 
     ``rollout_context``: the trainer's context around generation (eval mode, autocast, whole weights,
-    LoRA folded in); ``reward_state``: ``trainer_state`` as reward functions receive it.
+    LoRA folded in); ``reward_state``: ``trainer_state`` as reward functions receive it; ``eval_loss``: the
+    algorithm's loss hook (None: no ``loss`` metric).
     """
 
     def __init__(self, *, args: BaseRLConfig, sets: EvalSets, run: RunState, rollout: Rollout, rewards: Any, ranks: Ranks,
                  device: torch.device, policy: Any, rollout_context: Callable[[], contextlib.AbstractContextManager],
-                 reward_state: Callable[[], dict[str, Any]]):
+                 reward_state: Callable[[], dict[str, Any]], eval_loss: EvalLoss | None = None):
         self.args = args
         self.sets = sets
         self.run = run
@@ -105,6 +122,7 @@ class Evaluator:
         self.rollout_context = rollout_context
         self.reward_state = reward_state
         self.device = device
+        self.eval_loss = eval_loss
         self._eval_rollout: Rollout | None = None  # made at the first evaluation (see rollout)
 
     @property
@@ -128,7 +146,10 @@ class Evaluator:
             sums, names, n = self._eval_sums(rows)
             metrics = finish_eval_metrics(self._sum_over_ranks(sums), names, n)
             metrics["runtime"] = time.perf_counter() - started
-            records.append({f"{prefix}/{k}": v for k, v in metrics.items()})
+            record = {f"{prefix}/{k}": v for k, v in metrics.items()}
+            if "loss" in metrics:  # transformers' / TRL's name too: eval_loss, eval_<set>_loss
+                record[f"{prefix}_loss"] = metrics["loss"]
+            records.append(record)
         return records
 
     # ------------------------------------------------------------------------------ generation
@@ -154,15 +175,29 @@ class Evaluator:
                     generator.manual_seed(args.seed + _EVAL_SEED_OFFSET + index)
                     sampled.append(self._eval_generate(rollout, chunk, sampled_params, generator))
                     greedy.append(self._eval_generate(rollout, chunk, greedy_params, None))
+            loss_sums = self._loss_sums(sampled) if self.eval_loss is not None else {}
         finally:
             dev.set_rng_state(saved_rng, self.device)
             self.policy.train(was_training)
         names = sampled[0]["names"] if sampled else list(self.rewards.names)
         sums = eval_sums(_join(sampled, len(names)), _join(greedy, len(names)), names, n, args.eval_pass_threshold)
+        sums.update(loss_sums)
         if any(part["tools"] for part in sampled):  # tool calls of the sampled pass (multi-turn rollouts)
             for key in TOOL_SUMS:
                 sums[f"sampled/{key}"] = sum(part["tools"].get(key, 0.0) for part in sampled)
         return sums, names, n
+
+    def _loss_sums(self, sampled: list[dict[str, Any]]) -> dict[str, float]:
+        """The loss hook over this rank's sampled batches: the row-weighted sum and the rows (every rank
+        enters the hook's context once, also with no batch)."""
+        assert self.eval_loss is not None
+        total = rows = 0.0
+        with torch.no_grad(), self.eval_loss.context():
+            for part in sampled:
+                size = float(part["batch"].completion_ids.shape[0])
+                total += self.eval_loss(part["rows"], part["batch"], part["scores"]) * size
+                rows += size
+        return {"sampled/loss_sum": total, "sampled/loss_rows": rows}
 
     @property
     def rollout(self) -> Rollout:
@@ -190,9 +225,12 @@ class Evaluator:
         environments, ``rollout_func`` included); reward logging calls are ignored."""
         batch = rollout.generate_rows(rows, params, generator)
         scores = score_rollout(self.rewards, rows, batch, self.reward_state())
-        return {"total": scores.scored.total.float().cpu(), "per_function": scores.scored.per_function.float().cpu(),
+        part = {"total": scores.scored.total.float().cpu(), "per_function": scores.scored.per_function.float().cpu(),
                 "lengths": batch.completion_mask.sum(1).cpu(), "names": list(scores.scored.names),
                 "tools": tool_counts(batch)}
+        if self.eval_loss is not None:  # kept for the loss, computed after generation (see _loss_sums)
+            part.update(rows=rows, batch=batch, scores=scores)
+        return part
 
 
 def eval_chunks(size: int, per_call: int, rank: int, world: int) -> list[tuple[int, range]]:
@@ -206,9 +244,10 @@ def eval_chunks(size: int, per_call: int, rank: int, world: int) -> list[tuple[i
     return [(i, range(s, min(s + per_call, size))) for i, s in enumerate(starts)][rank::world]
 
 
-def _checked_eval_rows(dataset: Any) -> Any:
-    """An eval set checked (prompt column, not empty) and indexable by row (a stream is read into rows)."""
-    check_prompt_dataset(dataset)
+def _checked_eval_rows(dataset: Any, require_prompt: bool = True) -> Any:
+    """An eval set checked (prompt column unless ``require_prompt`` is False, not empty) and indexable by row
+    (a stream is read into rows)."""
+    check_prompt_dataset(dataset, require_prompt=require_prompt)
     return eval_prompt_rows(dataset)
 
 

@@ -11,9 +11,11 @@ One round is :meth:`GRPOTrainer._train_round`, top to bottom.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,10 +46,12 @@ from grpo_ascend.config.trl_compat import (
 )
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, experience_metrics
-from grpo_ascend.models.policy import mix_into_reference
+from grpo_ascend.models.policy import CompletionLogprobs, adapters_disabled, mix_into_reference
 from grpo_ascend.rollout.row_rollouts import RolloutFuncRollout, build_tool_rollout, prepare_tools
+from grpo_ascend.tools.environment_data import environment_train_dataset
 from grpo_ascend.tracking.phases import PhaseTimer
 from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
+from grpo_ascend.trainers.eval_loss import GRPOEvalLoss
 from grpo_ascend.trainers.step_metrics import accumulate, policy_metrics
 from grpo_ascend.trainers.step_segments import Segment, step_log, step_parts, straddling_normalisers
 from grpo_ascend.trainers.trl_api import MicroBatchInputs, TRLTrainerAPI, check_router_aux_loss
@@ -126,7 +130,9 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
                 cfg = dataclasses.replace(cfg, reward_weights=list(cfg.reward_weights) + [1.0] * len(env_rewards))
         if not _as_list(reward_funcs):  # reward_funcs may be left out only when an environment scores rollouts
             raise ConfigError(NO_REWARD_SOURCE)
-        super().__init__(model, cfg, train_dataset, processing_class, peft_config, callbacks, eval_dataset)
+        train_dataset = environment_train_dataset(train_dataset, environment_factory, cfg)  # environments' own data
+        super().__init__(model, cfg, train_dataset, processing_class, peft_config, callbacks, eval_dataset,
+                         require_prompt=environment_factory is None)
         check_router_aux_loss(self.policy, cfg.router_aux_loss_coef)
         if cfg.sync_ref_model and self.is_peft:
             raise ConfigError(
@@ -263,6 +269,30 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
             self._backward(loss)
         accumulate(inputs.stats, {"loss": loss, **stats, **self._trained_entropy(batch)})
         return loss.detach()
+
+    def _eval_loss(self) -> GRPOEvalLoss:
+        """TRL's ``eval_loss`` (trainers/eval_loss.py) through a log-prob forward of the policy itself: not the
+        data-parallel wrapper, whose forward may make collective calls while ranks score different numbers of
+        eval batches."""
+        forward = CompletionLogprobs(self.policy, self.args.logprob_chunk_size, self.args.share_prompt_prefill)
+
+        def reference(*inputs: torch.Tensor) -> torch.Tensor:
+            if self.ref_logprob_model is not None:
+                return self.ref_logprob_model(*inputs, temperature=self.args.temperature)[0]
+            with adapters_disabled(self.policy):
+                return forward(*inputs, temperature=self.args.temperature)[0]
+
+        return GRPOEvalLoss(
+            args=self.args, reward_weights=torch.tensor(self.rewards.weights, dtype=torch.float32), forward=forward,
+            reference=reference, importance_sampling=self.experience.importance_sampling, scope=self._eval_loss_scope,
+            settings=lambda: dataclasses.replace(self.loss_settings, entropy_coef=self.entropy_control.applied()))
+
+    @contextlib.contextmanager
+    def _eval_loss_scope(self) -> Iterator[None]:
+        """Around the eval loss's forwards: eval mode (the evaluator restores the mode), autocast, whole weights."""
+        self.policy.eval()
+        with self._autocast(), self.strategy.whole_weights(self.logprob_model):
+            yield
 
     def _sync_reference(self) -> None:
         """TR-DPO: every ``ref_model_sync_steps`` optimizer steps, reference ← α·policy + (1 − α)·reference."""

@@ -90,7 +90,7 @@ def test_every_server_dead_is_one_clear_line():
 
 
 def test_ledger_keeps_versions_in_use_and_the_newest():
-    ledger = VersionLedger("base", keep=2)
+    ledger = VersionLedger(keep=2)
     assert ledger.lease(None) is None  # before any sync: the base model
     v = {i: Loaded(i, f"policy-v{i}", Path_(f"/x/{i}")) for i in range(5)}
     assert ledger.add(v[0]) == [] and ledger.add(v[1]) == []
@@ -103,7 +103,7 @@ def test_ledger_keeps_versions_in_use_and_the_newest():
     assert ledger.release(newest) == [] and ledger.add(v[3]) == [v[1]]
     with pytest.raises(RolloutError, match="policy version 0 is not on the vLLM servers"):
         ledger.lease(0)
-    full = VersionLedger("base", keep=2)
+    full = VersionLedger(keep=2)
     full.add(Loaded(7, "base"))
     assert full.add(Loaded(8, "base")) == [] and full.lease(7).version == 8  # weights replaced in place: the newest
 
@@ -276,6 +276,10 @@ def test_generate_while_sync_keeps_adapters_requests_use(servers, tmp_path):
     assert all(not f.violations for f in fakes)
     assert all(f.loaded == {"policy-v6"} for f in fakes)  # the older ones unloaded once free
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy-v6"]
+    client.close()  # unloads and deletes what it loaded; the next sync of the same version loads it again
+    assert all(not f.loaded for f in fakes) and not list(tmp_path.iterdir())
+    client.sync_weights(Adapter(6))
+    assert all(f.loaded == {"policy-v6"} for f in fakes) and (tmp_path / "policy-v6").is_dir()
 
 
 def test_pinned_version_and_a_sync_past_its_timeout(servers, tmp_path):

@@ -96,7 +96,7 @@ class VLLMServerRollout(VLLMBackend):
         self.sync_timeout = float(sync_timeout)
         self.retries = int(retries)
         self.pool: ServerPool = ServerPool(urls, per_server=max_concurrent_requests)
-        self.ledger = VersionLedger(model, keep=keep_versions)
+        self.ledger = VersionLedger(keep=keep_versions)
         self._version: int | None = None
         self._sync_lock = threading.Lock()
         self._local = threading.local()
@@ -259,9 +259,12 @@ class VLLMServerRollout(VLLMBackend):
         """Nothing: see :meth:`release_memory`."""
 
     def close(self) -> None:
-        """Delete the adapter versions this client wrote (the servers keep running)."""
-        for loaded in self.ledger.held:
-            remove_folder(loaded.folder)
+        """Unload the adapter versions this client loaded and delete their folders (a server reads an adapter's
+        files again when it needs them, so a folder goes only with its version); the servers keep running, and
+        the next sync loads its version again."""
+        with self._sync_lock:
+            self._version = None
+            self._unload(self.ledger.clear())
 
 
 class _Pin:

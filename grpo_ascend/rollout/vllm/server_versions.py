@@ -32,10 +32,9 @@ class Loaded:
 
 
 class VersionLedger:
-    """The versions loaded (oldest first) and the leases on them; thread-safe. ``base``: the name before any sync."""
+    """The versions loaded (oldest first) and the leases on them; thread-safe."""
 
-    def __init__(self, base: str, keep: int = 1) -> None:
-        self.base = base
+    def __init__(self, keep: int = 1) -> None:
         self.keep = max(1, int(keep))
         self._loaded: collections.OrderedDict[int, Loaded] = collections.OrderedDict()
         self._leases: collections.Counter[int] = collections.Counter()
@@ -85,6 +84,13 @@ class VersionLedger:
                                    f"{list(self._loaded)}); a request can pin one of the newest {self.keep} versions")
             self._leases[chosen.version] += 1
             return chosen
+
+    def clear(self) -> list[Loaded]:
+        """Forget every version (the client closes); the adapter versions, to unload."""
+        with self._lock:
+            gone = [v for v in self._loaded.values() if v.adapter]
+            self._loaded.clear()
+            return gone
 
     def release(self, loaded: Loaded | None) -> list[Loaded]:
         """A request holding ``loaded`` ended; the versions to unload now."""

@@ -215,6 +215,40 @@ def test_generate_while_sync_tags_versions_and_keeps_adapters_in_use(server, tok
     rollout.close()
 
 
+def test_a_pinned_version_samples_with_its_own_adapter(server, tokenizer, untied_model_dir, tmp_path):
+    """Two adapter versions loaded at once (keep_versions 2, as ahead of training): the newest and the pinned
+    previous one each sample with their own weights."""
+    policy = lora_policy(untied_model_dir)
+    rollout = client(server, tokenizer, tmp_path, keep_versions=2)
+    params, prompts = sampling(temperature=1.0), long_prompts(2)
+    lora = {n: p for n, p in policy.named_parameters() if "lora_B" in n}
+    with torch.no_grad():
+        for p in lora.values():
+            p.add_(0.05 * torch.randn_like(p))
+    rollout.sync_weights(PolicyWeights(policy, 1))
+    first = {n: p.detach().clone() for n, p in lora.items()}
+    with torch.no_grad():
+        for p in lora.values():
+            p.add_(0.05 * torch.randn_like(p))
+    rollout.sync_weights(PolicyWeights(policy, 2))
+    for _ in range(2):
+        newest = rollout.generate(prompts, params, torch.Generator().manual_seed(0))
+        assert newest.policy_versions.unique().tolist() == [2]
+        assert max_error(policy, newest, params.temperature) <= PARITY
+        with rollout.pinned(1):
+            older = rollout.generate(prompts, params, torch.Generator().manual_seed(0))
+        assert older.policy_versions.unique().tolist() == [1]
+        second = {n: p.detach().clone() for n, p in lora.items()}
+        with torch.no_grad():
+            for n, p in lora.items():
+                p.copy_(first[n])
+        assert max_error(policy, older, params.temperature) <= PARITY
+        with torch.no_grad():
+            for n, p in lora.items():
+                p.copy_(second[n])
+    rollout.close()
+
+
 @pytest.mark.parametrize("mode", ["one_step_off", "async"])
 def test_grpo_ahead_of_training_on_a_server(server, untied_model_dir, tmp_path, mode):
     """rollout_mode one_step_off / async with vllm_mode server: batches tagged with the version that sampled them

@@ -101,7 +101,10 @@ class BaseRLConfig(_Validated):
         "colocate", "colocate: an in-process vLLM engine beside the trainer on its device; server: a client of a "
         "running vLLM / vllm-ascend OpenAI server (vllm_server_base_url or host + port)."
     )
-    vllm_server_base_url: str | None = _f(None, "Server mode: the server's URL (overrides host and port).")
+    vllm_server_base_url: str | list[str] | None = _f(
+        None, "Server mode: the server's URL, or a list of servers' URLs (a YAML list, or comma-separated) that "
+        "requests are spread over, a dead one dropped; overrides host and port."
+    )
     vllm_server_host: str = _f("0.0.0.0", "Server mode: the server's host when no base URL is given.")
     vllm_server_port: int = _f(8000, "Server mode: the server's port when no base URL is given.")
     vllm_server_timeout: float = _f(240.0, "Server mode: seconds to wait for the server to answer at start.")

@@ -60,8 +60,14 @@ class VLLMBackend(RolloutBackend):
         return list(self._eos)
 
     @abstractmethod
-    def complete(self, prompt_ids: Sequence[Sequence[int]], fields: Sequence[dict[str, Any]]) -> list[list[Completion]]:
-        """Each prompt's completions under its vLLM sampling ``fields`` (:func:`requests.sampling_fields`)."""
+    def complete(self, prompt_ids: Sequence[Sequence[int]], fields: Sequence[dict[str, Any]],
+                 keys: Sequence[int] | None = None) -> list[list[Completion]]:
+        """Each prompt's completions under its vLLM sampling ``fields`` (:func:`requests.sampling_fields`).
+        ``keys``: each prompt's group (default its index), for a backend that spreads requests over servers."""
+
+    def sampled_version(self) -> int | None:
+        """The policy version the calling thread's last :meth:`complete` sampled with (None: not tracked)."""
+        return None
 
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,
                      generator: torch.Generator | None = None,
@@ -76,6 +82,9 @@ class VLLMBackend(RolloutBackend):
             [list(p) for p in prompt_ids], skip_special_tokens=False)
         batch = build_batch(self.tokenizer, prompt_ids, texts, groups, params, self.pad_token_id, self.device,
                             self.length_bucket)
+        version = self.sampled_version()
+        if version is not None:
+            batch.policy_versions = torch.full_like(batch.completion_ids, version)
         batch.timing["total_s"] = time.perf_counter() - started
         return batch
 
@@ -119,7 +128,9 @@ class VLLMSession(RolloutSession):
                 f["max_tokens"] = limit - len(self.tokens[r])
                 fields.append(f)
             self.rounds += 1
-            outs = self.backend.complete([self.prompts[r] + self.tokens[r] for r in rows], fields)
+            G = self.params.num_generations
+            outs = self.backend.complete([self.prompts[r] + self.tokens[r] for r in rows], fields,
+                                         keys=[r // G for r in rows])
             for r, (c,) in zip(rows, outs):
                 self.tokens[r].extend(c.token_ids)
                 self.logprobs[r].extend(c.logprobs)

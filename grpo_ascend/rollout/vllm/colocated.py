@@ -149,7 +149,8 @@ class VLLMColocatedRollout(VLLMBackend):
     # ------------------------------------------------------------------ generation
 
     @torch.no_grad()
-    def complete(self, prompt_ids: Sequence[Sequence[int]], fields: Sequence[dict[str, Any]]) -> list[list[Completion]]:
+    def complete(self, prompt_ids: Sequence[Sequence[int]], fields: Sequence[dict[str, Any]],
+                 keys: Sequence[int] | None = None) -> list[list[Completion]]:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 

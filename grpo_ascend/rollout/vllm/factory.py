@@ -12,6 +12,7 @@ from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm.base import VLLMBackend
 from grpo_ascend.rollout.vllm.colocated import VLLMColocatedRollout
 from grpo_ascend.rollout.vllm.server import VLLMServerRollout
+from grpo_ascend.rollout.vllm.server_pool import server_urls
 from grpo_ascend.rollout.vllm.weights import lora_rank
 
 
@@ -37,10 +38,13 @@ def build_vllm_backend(policy: nn.Module, tokenizer: Any, params: SamplingParams
     path = base_model_path(policy)
     bucket = params.length_bucket or 1
     if args.vllm_mode == "server":
-        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        urls = server_urls(args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}")
         sync_dir = args.vllm_sync_dir or str(Path(args.output_dir) / "vllm-sync")
-        return VLLMServerRollout(url, path, tokenizer, params, adapter_dir=sync_dir, device=device,
-                                 start_timeout=args.vllm_server_timeout, length_bucket=bucket)
+        # ahead of training, one_step_off pins the previous version: keep it loaded beside the newest
+        keep = 1 if getattr(args, "rollout_mode", "sync") == "sync" else 2
+        return VLLMServerRollout(urls, path, tokenizer, params, adapter_dir=sync_dir, device=device,
+                                 start_timeout=args.vllm_server_timeout, request_timeout=args.request_timeout,
+                                 sync_timeout=args.weight_sync_timeout, length_bucket=bucket, keep_versions=keep)
     peft_config = getattr(policy, "peft_config", None)
     rank = lora_rank(next(iter(peft_config.values())).to_dict()) if peft_config else None
     return VLLMColocatedRollout(

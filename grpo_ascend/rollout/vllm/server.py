@@ -5,67 +5,74 @@ Start the server with ``python -m vllm.entrypoints.openai.api_server --model BAS
 for LoRA add ``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; for
 full fine-tuning ``VLLM_SERVER_DEV_MODE=1`` (docs/vllm.md).
 
-* **Start**: ``/health``, ``/v1/models`` (the served model) and ``/version`` are checked, waiting up
-  to ``start_timeout`` seconds for the server to come up; a mismatch is one clear error.
+* **Start**: ``/health``, ``/v1/models`` (the served model) and ``/version`` are checked on every
+  server, waiting up to ``start_timeout`` seconds for them to come up (one that does not is dropped
+  with a warning while another answers); a mismatch is one clear error.
 * **Generation**: token ids in (``prompt`` as ids), token ids out (``return_token_ids``), ``n = G``
   per prompt with a seed per prompt, the sampled tokens' log-probs (``logprobs=0``).
 * **LoRA sync**: the adapter written atomically into ``adapter_dir`` (a folder the server must be
   able to read: the same machine or a shared file system) and loaded under a new name per version
-  through ``/v1/load_lora_adapter``; the previous version is unloaded.
+  through ``/v1/load_lora_adapter``; older versions are unloaded once no request uses them.
 * **Full sync** (dev mode only): the weights written to ``adapter_dir`` as safetensors, then
   ``/collective_rpc`` ``reload_weights`` from that folder; refused with a clear error otherwise.
 * The prefix cache is reset (``/reset_prefix_cache``) after every full sync; an adapter version has
   its own cache namespace.
-* **Failures**: every request is retried ``retries`` times on a connection error or a timeout.
-  Requests are idempotent (a generation request carries its seed, an adapter is loaded in place
-  under its version's name), so a retry never loses or repeats a round. A server that stays
-  unreachable raises :class:`ServerGone`, one line that says what to do.
+* **Several servers** (``base_url`` a list): each call's prompts are spread over the live servers,
+  a group on one server, answers in prompt order; a server that stops answering is dropped with one
+  warning and its prompts go to the others (:mod:`.server_pool`). Weight syncs go to every live server.
+* **Threads**: a producer thread may sample while the trainer thread syncs. Each request leases the
+  version it samples with (:mod:`.server_versions`): an adapter version is unloaded only when it is
+  past the ``keep_versions`` newest and no request uses it; :meth:`pinned` samples an older one
+  (``one_step_off``); each batch carries ``policy_versions``. A sync longer than ``sync_timeout``
+  stops the run with one :class:`~grpo_ascend.errors.RolloutError` line.
+* **Failures**: timeouts and reset connections are retried ``retries`` times; a refused one means the
+  server is gone. Requests are idempotent (a generation request carries its seed, an adapter is
+  loaded in place under its version's name), so a retry never loses or repeats a round. When every
+  server is gone the run stops with :class:`ServerGone`, one line that says what to do.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
+import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from grpo_ascend.checkpoints.files import AtomicFolder, save_tensors
-from grpo_ascend.errors import ConfigError
+from grpo_ascend.errors import ConfigError, RolloutError
 from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm.base import VLLMBackend
 from grpo_ascend.rollout.vllm.requests import LOGPROBS_MODE, Completion
+from grpo_ascend.rollout.vllm.server_http import ServerError, ServerGone, request_json
+from grpo_ascend.rollout.vllm.server_pool import ServerPool, server_urls
+from grpo_ascend.rollout.vllm.server_versions import Loaded, VersionLedger
 from grpo_ascend.rollout.vllm.weights import remove_folder, write_adapter
+
+__all__ = ["ServerError", "ServerGone", "VLLMServerRollout"]
 
 logger = logging.getLogger(__name__)
 
 
-class ServerGone(RuntimeError):
-    """The vLLM server stopped answering (after retries)."""
-
-
-class ServerError(RuntimeError):
-    """The vLLM server answered a request with an error."""
-
-
 class VLLMServerRollout(VLLMBackend):
-    """Grouped completions from a vLLM server at ``base_url`` serving ``model`` (the policy's base).
+    """Grouped completions from the vLLM servers at ``base_url`` (one URL or a list) serving ``model``.
 
-    ``adapter_dir``: where adapter versions (and full weights) are written for the server to read.
-    ``start_timeout``: seconds to wait for the server at start (TRL's ``vllm_server_timeout``);
-    ``request_timeout``: seconds per request; ``retries``: further tries of a failed request.
+    ``adapter_dir``: where adapter versions (and full weights) are written for the servers to read.
+    ``start_timeout``: seconds to wait for the servers at start (TRL's ``vllm_server_timeout``);
+    ``request_timeout``: seconds per request; ``retries``: further tries of a timed-out request;
+    ``sync_timeout``: seconds a weight sync may take (``weight_sync_timeout``); ``keep_versions``:
+    adapter versions kept loaded besides those requests still use (2 lets ``one_step_off`` pin the
+    previous one); ``max_concurrent_requests``: per server.
     """
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         model: str,
         tokenizer: Any,
         params: SamplingParams,
@@ -75,82 +82,99 @@ class VLLMServerRollout(VLLMBackend):
         eos_token_ids: Sequence[int] = (),
         start_timeout: float = 240.0,
         request_timeout: float = 600.0,
+        sync_timeout: float = 1800.0,
         retries: int = 2,
         length_bucket: int = 1,
         max_concurrent_requests: int = 8,
+        keep_versions: int = 1,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        urls = server_urls(base_url)
+        self.base_url = urls[0]
         self.model = model
         self.adapter_dir = Path(adapter_dir)
         self.request_timeout = float(request_timeout)
+        self.sync_timeout = float(sync_timeout)
         self.retries = int(retries)
-        self.max_concurrent_requests = max(1, int(max_concurrent_requests))
-        self._adapter: tuple[str, Path] | None = None  # (served name, folder) of the current adapter version
+        self.pool: ServerPool = ServerPool(urls, per_server=max_concurrent_requests)
+        self.ledger = VersionLedger(keep=keep_versions)
         self._version: int | None = None
+        self._sync_lock = threading.Lock()
+        self._local = threading.local()
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         super().__init__(tokenizer, params, device=device, eos_token_ids=list(dict.fromkeys([*eos, *eos_token_ids])),
                          length_bucket=length_bucket)
-        self.version = self._check_server(float(start_timeout))
+        self.version = self._check_servers(float(start_timeout))
 
     # ------------------------------------------------------------------ HTTP
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None, timeout: float | None = None,
-                 retries: int | None = None) -> Any:
-        """One JSON request, retried on connection errors and timeouts; the decoded answer (None if empty)."""
-        url = f"{self.base_url}{path}"
-        data = None if body is None else json.dumps(body).encode()
-        tries = 1 + (self.retries if retries is None else retries)
-        for attempt in range(tries):
-            req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as resp:
-                    raw = resp.read()
-                return _decoded(raw)
-            except urllib.error.HTTPError as err:
-                detail = err.read().decode(errors="replace")[:500]
-                raise ServerError(f"vLLM server {method} {path} answered {err.code}: {detail}") from err
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
-                if attempt + 1 == tries:
-                    raise ServerGone(
-                        f"the vLLM server at {self.base_url} stopped answering ({method} {path}: {err}); "
-                        "restart it and resume from the last checkpoint (resume_from_checkpoint=True)"
-                    ) from None
-                logger.warning("vLLM server %s %s failed (%s); retry %d of %d", method, path, err, attempt + 1,
-                               tries - 1)
-                time.sleep(min(2.0 * (attempt + 1), 10.0))
-        raise AssertionError("unreachable")
+    def _request(self, url: str, method: str, path: str, body: dict[str, Any] | None = None,
+                 timeout: float | None = None, retries: int | None = None) -> Any:
+        """One JSON request to the server at ``url`` (:func:`.server_http.request_json`)."""
+        return request_json(url, method, path, body, timeout=timeout or self.request_timeout,
+                            retries=self.retries if retries is None else retries)
 
-    def _check_server(self, start_timeout: float) -> str:
-        """Wait for ``/health``, then check the served model; returns the server's vLLM version."""
+    def _check_servers(self, start_timeout: float) -> str:
+        """Wait for every server's ``/health`` (dropping the silent ones if another answered), check the
+        served model; returns the first server's vLLM version."""
         deadline = time.monotonic() + start_timeout
-        while True:
-            try:
-                self._request("GET", "/health", timeout=5.0, retries=0)
+        waiting, errors = list(self.pool.urls), {}
+        while waiting:
+            for url in list(waiting):
+                try:
+                    self._request(url, "GET", "/health", timeout=5.0, retries=0)
+                    waiting.remove(url)
+                except (ServerGone, ServerError) as err:
+                    errors[url] = err
+            if waiting and time.monotonic() > deadline:
                 break
-            except (ServerGone, ServerError) as err:
-                if time.monotonic() > deadline:
-                    raise ConfigError(
-                        f"no vLLM server answers at {self.base_url} after {start_timeout:.0f} s ({err}); start one with "
-                        f"`python -m vllm.entrypoints.openai.api_server --model {self.model} --logprobs-mode "
-                        f"{LOGPROBS_MODE}` or set vllm_server_base_url / vllm_server_host / vllm_server_port"
-                    ) from None
+            if waiting:
                 time.sleep(1.0)
-        served = [m.get("id") for m in (self._request("GET", "/v1/models") or {}).get("data", [])]
-        if self.model not in served:
-            raise ConfigError(f"the vLLM server at {self.base_url} serves {served}, not the policy's base model "
-                              f"{self.model!r}; start it with --model {self.model}")
-        version = str((self._request("GET", "/version") or {}).get("version", "unknown"))
-        logger.info("vLLM server %s: version %s, model %s", self.base_url, version, self.model)
-        return version
+        if len(waiting) == len(self.pool.urls):
+            raise ConfigError(
+                f"no vLLM server answers at {', '.join(self.pool.urls)} after {start_timeout:.0f} s "
+                f"({errors[waiting[0]]}); start one with `python -m vllm.entrypoints.openai.api_server --model "
+                f"{self.model} --logprobs-mode {LOGPROBS_MODE}` or set vllm_server_base_url / vllm_server_host / "
+                "vllm_server_port"
+            )
+        for url in waiting:
+            self.pool.drop(url, f"no answer within vllm_server_timeout={start_timeout:g} s at start")
+        versions = []
+        for url in self.pool.live:
+            served = [m.get("id") for m in (self._request(url, "GET", "/v1/models") or {}).get("data", [])]
+            if self.model not in served:
+                raise ConfigError(f"the vLLM server at {url} serves {served}, not the policy's base model "
+                                  f"{self.model!r}; start it with --model {self.model}")
+            versions.append(str((self._request(url, "GET", "/version") or {}).get("version", "unknown")))
+        logger.info("vLLM servers %s: version %s, model %s", self.pool.live, versions[0], self.model)
+        return versions[0]
 
     # ------------------------------------------------------------------ generation
 
-    def complete(self, prompt_ids: Sequence[Sequence[int]], fields: Sequence[dict[str, Any]]) -> list[list[Completion]]:
-        name = self._adapter[0] if self._adapter is not None else self.model
-        bodies = [self._completion_body(name, p, f) for p, f in zip(prompt_ids, fields)]
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrent_requests, len(bodies))) as pool:
-            answers = list(pool.map(lambda b: self._request("POST", "/v1/completions", b), bodies))
+    def pinned(self, version: int | None) -> contextlib.AbstractContextManager:
+        """Inside the block, this thread samples with policy ``version`` (None: the newest synced); an adapter
+        version must still be loaded (the ``keep_versions`` newest). Full weights hold one version: the newest."""
+        return _Pin(self._local, version)
+
+    def sampled_version(self) -> int | None:
+        return getattr(self._local, "used", None)
+
+    def complete(self, prompt_ids: Sequence[Sequence[int]], fields: Sequence[dict[str, Any]],
+                 keys: Sequence[int] | None = None) -> list[list[Completion]]:
+        with self._leased(getattr(self._local, "pin", None)) as loaded:
+            name = self.model if loaded is None else loaded.name
+            bodies = [self._completion_body(name, p, f) for p, f in zip(prompt_ids, fields)]
+            answers = self.pool.map(lambda url, b: self._request(url, "POST", "/v1/completions", b), bodies, keys)
+        self._local.used = None if loaded is None else loaded.version
         return [_completions(a, f["n"]) for a, f in zip(answers, fields)]
+
+    @contextlib.contextmanager
+    def _leased(self, version: int | None) -> Iterator[Loaded | None]:
+        """Hold ``version`` (None: the newest) while a request runs; unload what it was the last to use."""
+        loaded = self.ledger.lease(version)
+        try:
+            yield loaded
+        finally:
+            self._unload(self.ledger.release(loaded))
 
     @staticmethod
     def _completion_body(model: str, prompt: Sequence[int], fields: dict[str, Any]) -> dict[str, Any]:
@@ -162,43 +186,71 @@ class VLLMServerRollout(VLLMBackend):
     # ------------------------------------------------------------------ weight sync
 
     def sync_weights(self, weights: PolicyWeights) -> None:
-        """Load ``weights`` into the server (an adapter version, or the full weights in dev mode)."""
-        if weights.version == self._version and weights.version is not None:
-            return
-        if weights.adapter_only:
-            self._load_adapter(weights)
-        else:
-            self._reload_full(weights)
-        self._version = weights.version
+        """Load ``weights`` into every live server (an adapter version, or the full weights in dev mode), within
+        ``sync_timeout`` seconds: past it the run stops with one RolloutError line instead of hanging."""
+        with self._sync_lock:
+            if weights.version == self._version and weights.version is not None:
+                return
+            outcome: list[BaseException | None] = []
+            worker = threading.Thread(target=lambda: outcome.append(_caught(self._sync, weights)), daemon=True,
+                                      name="vllm-weight-sync")
+            worker.start()
+            worker.join(self.sync_timeout)
+            if worker.is_alive():
+                raise RolloutError(f"the weight sync of policy version {weights.version} to the vLLM servers "
+                                   f"{self.pool.urls} took more than weight_sync_timeout={self.sync_timeout:g} s; "
+                                   "check the servers (and that they can read vllm_sync_dir), or raise "
+                                   "weight_sync_timeout")
+            if outcome[0] is not None:
+                raise outcome[0]
+            self._version = weights.version
 
-    def _load_adapter(self, weights: PolicyWeights) -> None:
+    def _sync(self, weights: PolicyWeights) -> None:
+        loaded = self._load_adapter(weights) if weights.adapter_only else self._reload_full(weights)
+        self._unload(self.ledger.add(loaded))
+
+    def _load_adapter(self, weights: PolicyWeights) -> Loaded:
         name = f"policy-v{weights.version}"
         folder = write_adapter(weights.adapter_config(), weights.named_tensors(), self.adapter_dir / name)
-        self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder.resolve()),
-                                                         "load_inplace": True})
-        old, self._adapter = self._adapter, (name, folder)
-        if old is not None and old[0] != name:
-            try:
-                self._request("POST", "/v1/unload_lora_adapter", {"lora_name": old[0]})
-            except ServerError as err:
-                logger.warning("could not unload the previous adapter %s: %s", old[0], err)
-            remove_folder(old[1])
+        body = {"lora_name": name, "lora_path": str(folder.resolve()), "load_inplace": True}
+        self.pool.broadcast(lambda url: self._request(url, "POST", "/v1/load_lora_adapter", body,
+                                                      timeout=self.sync_timeout))
+        return Loaded(weights.version, name, folder)
 
-    def _reload_full(self, weights: PolicyWeights) -> None:
+    def _unload(self, versions: Sequence[Loaded]) -> None:
+        """Unload adapter versions no request uses any more, on every live server, and delete their folders."""
+        for old in versions:
+            def unload(url: str, name: str = old.name) -> None:
+                try:
+                    self._request(url, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
+                except ServerError as err:
+                    logger.warning("could not unload the adapter %s from %s: %s", name, url, err)
+
+            with contextlib.suppress(ServerGone):  # no server left: the next request says so
+                self.pool.broadcast(unload)
+            remove_folder(old.folder)
+
+    def _reload_full(self, weights: PolicyWeights) -> Loaded:
         folder = self.adapter_dir / "full-weights"
         with AtomicFolder(folder) as tmp:
             save_tensors(tmp / "model.safetensors", dict(weights.named_tensors()))
-        try:
-            self._request("POST", "/collective_rpc", {"method": "reload_weights",
-                                                      "kwargs": {"weights_path": str(folder.resolve())}})
-        except ServerError as err:
-            if "404" in str(err):
-                raise ConfigError(
-                    "full fine-tuning with vllm_mode='server' reloads weights through the server's dev-mode endpoints; "
-                    "start the server with VLLM_SERVER_DEV_MODE=1, or train a LoRA adapter (adapter-only sync)"
-                ) from None
-            raise
-        self._request("POST", "/reset_prefix_cache")
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(folder.resolve())}}
+
+        def reload(url: str) -> None:
+            try:
+                self._request(url, "POST", "/collective_rpc", body, timeout=self.sync_timeout)
+            except ServerError as err:
+                if "404" in str(err):
+                    raise ConfigError(
+                        "full fine-tuning with vllm_mode='server' reloads weights through the server's dev-mode "
+                        "endpoints; start the server with VLLM_SERVER_DEV_MODE=1, or train a LoRA adapter "
+                        "(adapter-only sync)"
+                    ) from None
+                raise
+            self._request(url, "POST", "/reset_prefix_cache")
+
+        self.pool.broadcast(reload)
+        return Loaded(weights.version, self.model)
 
     def release_memory(self) -> None:
         """Nothing: the server owns its memory (it runs on other devices than the trainer)."""
@@ -207,19 +259,35 @@ class VLLMServerRollout(VLLMBackend):
         """Nothing: see :meth:`release_memory`."""
 
     def close(self) -> None:
-        """Delete the adapter version this client wrote last (the server keeps running)."""
-        if self._adapter is not None:
-            remove_folder(self._adapter[1])
+        """Unload the adapter versions this client loaded and delete their folders (a server reads an adapter's
+        files again when it needs them, so a folder goes only with its version); the servers keep running, and
+        the next sync loads its version again."""
+        with self._sync_lock:
+            self._version = None
+            self._unload(self.ledger.clear())
 
 
-def _decoded(raw: bytes) -> Any:
-    """A response body: JSON when it is JSON, else its text (some endpoints answer plain text); None if empty."""
-    if not raw.strip():
-        return None
+class _Pin:
+    """The version a thread samples with inside a ``with backend.pinned(v):`` block (nested pins restore)."""
+
+    def __init__(self, local: threading.local, version: int | None) -> None:
+        self.local, self.version = local, version
+
+    def __enter__(self) -> None:
+        self.before = getattr(self.local, "pin", None)
+        self.local.pin = self.version
+
+    def __exit__(self, *exc: object) -> None:
+        self.local.pin = self.before
+
+
+def _caught(fn: Any, *args: Any) -> BaseException | None:
+    """Run ``fn(*args)``; the exception it raised, or None."""
     try:
-        return json.loads(raw)
-    except ValueError:
-        return raw.decode(errors="replace")
+        fn(*args)
+    except BaseException as exc:  # handed to the calling thread
+        return exc
+    return None
 
 
 def _completions(answer: dict[str, Any], n: int) -> list[Completion]:

@@ -37,7 +37,9 @@ RUNS = {
 
 
 def first_digit_is_one(completions, **kwargs):
-    return [1.0 if c.strip()[:1] == "1" else 0.0 for c in completions]
+    """The learning test's reward: answers that start with the digit 1."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [1.0 if t.strip().removeprefix("<answer>").startswith("1") else 0.0 for t in texts]
 
 
 def run(seed: int, settings: dict) -> dict[str, float]:

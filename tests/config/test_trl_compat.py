@@ -51,7 +51,7 @@ def test_every_trl_field_is_classified():
 
 
 def test_detection_matches_only_trl_configs(tmp_path):
-    """(That grpo_ascend never imports trl is checked by tests/test_device_names.py's import test.)"""
+    """(That grpo_ascend never imports trl is checked by tests/project/test_device_names.py's import test.)"""
     from grpo_ascend.config.configs import GRPOConfig
 
     assert not is_trl_grpo_config(GRPOConfig())

@@ -26,7 +26,7 @@ def _track_env(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# fakes (tests/fake_device.py)
+# fakes (tests/support/fake_device.py)
 # --------------------------------------------------------------------------------------------
 
 
@@ -325,7 +325,7 @@ def test_cuda_branch(fake_cuda, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# fused NPU kernels (npu_patches) through the fake torch_npu of tests/fake_device.py
+# fused NPU kernels (npu_patches) through the fake torch_npu of tests/support/fake_device.py
 # --------------------------------------------------------------------------------------------
 
 

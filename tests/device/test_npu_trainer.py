@@ -1,6 +1,6 @@
 """Through the trainer: fused Ascend kernels go into the model that trains, on the device it was placed on.
 
-The NPU is the fake of tests/fake_device.py (kernels computed with torch on CPU tensors); the
+The NPU is the fake of tests/support/fake_device.py (kernels computed with torch on CPU tensors); the
 trainer's accelerator reports the resolved fake device, and placement onto it is recorded.
 """
 

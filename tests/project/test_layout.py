@@ -1,4 +1,5 @@
-"""The tree's shape stays what docs/layout.md says, and the package's import graph stays acyclic."""
+"""The tree's shape stays what docs/layout.md says, the package's import graph stays acyclic, and no test folder
+shadows a package."""
 
 from __future__ import annotations
 
@@ -101,3 +102,19 @@ def test_no_module_is_much_longer_than_500_lines(limit):
     long = {p.relative_to(ROOT).as_posix(): n for package in PACKAGES for p in package.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > limit}
     assert not long, f"split these by concern: {long}"
+
+
+def test_no_test_folder_is_named_like_a_dependency():
+    """tests/ is on ``sys.path`` while the tests run, so a folder there named like a package (tests/vllm/, tests/trl/)
+    is imported as that package wherever it is not installed, and ``pytest.importorskip`` then runs the tests it
+    should skip. Test folders stay clear of the requirements of pyproject.toml (and of their first word)."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    names = set()
+    for requirement in requirements:
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower().replace("-", "_")
+        names |= {name, name.split("_")[0]}
+    assert {"vllm", "trl", "deepspeed"} <= names
+    folders = {p.name for p in (ROOT / "tests").rglob("*") if p.is_dir() and p.name != "__pycache__"}
+    assert not folders & names, f"rename these test folders: {sorted(folders & names)}"

@@ -1,6 +1,6 @@
-"""One rank of the multi-process tests: ``python tests/dist_worker.py MODE OUT_DIR SPEC_JSON``.
+"""One rank of the multi-process tests: ``python tests/support/dist_worker.py MODE OUT_DIR SPEC_JSON``.
 
-tests/test_distributed.py starts one of these per rank with the environment a launcher sets
+tests/distributed/test_distributed.py starts one of these per rank with the environment a launcher sets
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT); accelerate then joins them
 in a gloo process group on the CPU. Each rank writes its results to ``OUT_DIR/<name>_rank<R>.*``
 (never into the trainer's output_dir, whose writers the ``train`` mode audits).
@@ -8,7 +8,7 @@ in a gloo process group on the CPU. Each rank writes its results to ``OUT_DIR/<n
 Modes:
   draws  a short GRPO or PPO run (``"algorithm"``) whose reward records the dataset rows it scores;
          saves those row ids per round and the logged epochs.
-  contract  the strategy contract (tests/test_strategy_contract.py) on a fixed global batch (this
+  contract  the strategy contract (tests/distributed/test_strategy_contract.py) on a fixed global batch (this
          rank's slice): an evaluation, gradients (where whole), loss and global gradient norm of real
          steps at learning rate 0, the NaN skip, a checkpoint round trip and a no-sync micro-batch,
          in one launch. Under ZeRO-3 the (partitioned) trainable weights are gathered to be set or read.

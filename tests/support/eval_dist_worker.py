@@ -1,4 +1,4 @@
-"""One rank of tests/test_evaluation_distributed.py: ``python tests/eval_dist_worker.py evaluate OUT_DIR SPEC``.
+"""One rank of tests/trainers/test_evaluation_distributed.py: ``python tests/support/eval_dist_worker.py evaluate OUT_DIR SPEC``.
 
 Under the gloo process group the launcher's environment describes, in one launch:
 

@@ -30,7 +30,7 @@ source), so a rename breaks a test here before it breaks a user:
   (also ``torch_npu.npu.utils``);
 - ``torch.npu.is_bf16_supported(including_emulation=False)`` (the argument arrived after 2.5);
 - the names torch_npu deprecated (:data:`DEPRECATED_NPU_APIS`) are absent from the fake runtime, so calling
-  one fails here; tests/test_stack_versions.py also checks the device layer never names them;
+  one fails here; tests/device/test_stack_versions.py also checks the device layer never names them;
 - the HCCL watchdog switches are ``TORCH_HCCL_ASYNC_ERROR_HANDLING`` / ``TORCH_HCCL_BLOCKING_WAIT`` from
   2.13 on, the older ``HCCL_*`` names still read when the new ones are unset.
 """

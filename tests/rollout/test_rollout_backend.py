@@ -14,8 +14,7 @@ from helpers import SMALL_RUN
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models.policy import default_lora_config
-from grpo_ascend.rollout import backend
-from grpo_ascend.rollout.backend import PolicyWeights, build_backend
+from grpo_ascend.rollout.backend import PolicyWeights, build_backend, register_backend
 from grpo_ascend.rollout.engine import RolloutEngine
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.trainers.components import build_rollout_backend
@@ -29,7 +28,7 @@ def _same_completions(a, b) -> None:
     assert a.completion_texts == b.completion_texts and a.prompt_texts == b.prompt_texts
 
 
-def test_registry_builds_backends_by_name_and_names_the_known_ones(chaotic, monkeypatch):
+def test_registry_builds_backends_by_name_and_names_the_known_ones(chaotic):
     model, tok = chaotic
     params = SamplingParams(num_generations=2)
     built = build_backend("builtin", model, tok, params, None)
@@ -42,11 +41,11 @@ def test_registry_builds_backends_by_name_and_names_the_known_ones(chaotic, monk
         made.append((policy, sampling.num_generations, args.rollout_backend))
         return RolloutEngine(policy, tokenizer, sampling)
 
-    monkeypatch.setitem(backend._BACKENDS, "mine", factory)
+    register_backend("mine", factory)  # names only these tests use: left registered
     engine = build_rollout_backend(model, tok, GRPOConfig(rollout_backend="mine", num_generations=4,
                                                  per_device_train_batch_size=4), torch.device("cpu"))
     assert isinstance(engine, RolloutEngine) and made == [(model, 4, "mine")]
-    monkeypatch.setitem(backend._BACKENDS, "wrong", lambda *a: object())
+    register_backend("wrong", lambda *a: object())
     with pytest.raises(ConfigError, match="built object, not a RolloutBackend"):
         build_backend("wrong", model, tok, params, None)
 
@@ -146,7 +145,7 @@ def test_policy_weights_name_the_adapter_or_every_tensor_without_copies(tiny_mod
     assert adapter.adapter_config()["r"] == 4
 
 
-def test_the_trainer_serves_its_backend_around_every_generation(tmp_path, tiny_model_dir, monkeypatch):
+def test_the_trainer_serves_its_backend_around_every_generation(tmp_path, tiny_model_dir):
     """Each round: restore, then sync the policy's weights of that step (LoRA: adapter only), then
     release after sampling; the trainer never asks which backend it holds."""
     calls = []
@@ -161,7 +160,7 @@ def test_the_trainer_serves_its_backend_around_every_generation(tmp_path, tiny_m
         def release_memory(self):
             calls.append("release")
 
-    monkeypatch.setitem(backend._BACKENDS, "recording", lambda p, t, s, a: Recording(p, t, s))
+    register_backend("recording", lambda p, t, s, a: Recording(p, t, s))
     cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path), "rollout_backend": "recording"})
     trainer = GRPOTrainer(str(tiny_model_dir), lambda completions, **kw: [float(len(c)) for c in completions], cfg,
                           Dataset.from_list([{"prompt": p} for p in ("alpha", "beta", "gamma", "delta")]),

@@ -86,7 +86,7 @@ def _experience(tensors: dict[str, torch.Tensor]) -> Any:
 
 def step_gradients(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: str) -> tuple[list[torch.Tensor], float]:
     """Gradients of one optimizer step over all rows of ``tensors`` (the step itself is not taken)."""
-    from helpers import run_round
+    from helpers import intercept_optimizer_steps, run_round
 
     captured: list[list[torch.Tensor]] = []
 
@@ -95,7 +95,7 @@ def step_gradients(trainer: Any, tensors: dict[str, torch.Tensor], loss_type: st
         trainer.optimizer.zero_grad(set_to_none=True)
         return 0.0, True
 
-    trainer._clip_and_step = capture
+    intercept_optimizer_steps(trainer, capture)
     trainer.args.loss_type = loss_type
     trainer.max_steps = trainer.step + 1
     record = run_round(trainer, _experience(tensors))
@@ -147,7 +147,7 @@ def nan_then_finite_step(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict
 
 def trainable_weights(trainer: Any) -> list[torch.Tensor]:
     """Whole copies of the trainable parameters (every rank must call: partitions are gathered)."""
-    with trainer._gathered_trainable():
+    with trainer.checkpointer.gathered():
         return [whole(p.detach()).clone() for p in trainer.policy.parameters() if p.requires_grad]
 
 
@@ -199,9 +199,9 @@ def unsynced_micro_batch(trainer: Any, tensors: dict[str, torch.Tensor]) -> dict
     model = trainer.logprob_model
     inputs = [tensors[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
     trainer.policy.train()
-    with trainer._no_sync(model, last=False):
+    with trainer.strategy.no_sync(model, last=False):
         logps, _ = model(*inputs, temperature=1.0)
-        trainer._backward((logps * tensors["completion_mask"]).sum(), model)
+        trainer.strategy.backward(model, (logps * tensors["completion_mask"]).sum())
     boundary = getattr(model, "is_gradient_accumulation_boundary", None)
     params = [p for p in trainer.policy.parameters() if p.requires_grad]
     return {"boundary": boundary() if callable(boundary) else None,
@@ -235,11 +235,13 @@ def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[st
 def run_contract(out: Path, spec: dict[str, Any], rank: int, world: int) -> None:
     """The strategy contract in one launch: elementwise gradients (where the engine keeps them whole),
     loss and global gradient norm of real steps, the NaN skip, and a checkpoint round trip."""
+    from helpers import restore_optimizer_steps
+
     cfg = grads_config(str(out / "run"), world)
     if "max_grad_norm" in spec:
         cfg = cfg.replace(max_grad_norm=spec["max_grad_norm"])
     trainer = make_trainer(spec["model_dir"], cfg)
-    with trainer._gathered_trainable(modifier_rank=0):  # ZeRO-3: rank 0's values are partitioned back
+    with trainer.checkpointer.gathered(modifier_rank=0):  # ZeRO-3: rank 0's values are partitioned back
         deterministic_trainable_init(trainer.policy)
     zero = getattr(trainer.optimizer, "optimizer", None)
     if hasattr(zero, "_restore_from_bit16_weights"):  # ZeRO's fp32 master copy of the re-initialised weights
@@ -257,7 +259,7 @@ def run_contract(out: Path, spec: dict[str, Any], rank: int, world: int) -> None
                 grads, loss = step_gradients(trainer, mine, loss_type)
                 results[f"budget_grads/{loss_type}"] = {"grads": grads, "loss": loss}
             trainer.micro_batcher.token_budget = None
-        del trainer._clip_and_step  # back to the strategy's step
+        restore_optimizer_steps(trainer)  # back to the strategy's step
     for loss_type in spec["loss_types"]:
         results[loss_type] = step_loss_and_norm(trainer, mine, loss_type)
     if spec.get("token_budget"):
@@ -365,7 +367,7 @@ def run_train(out: Path, spec: dict[str, Any], rank: int) -> None:
     except Preempted:
         status = "preempted"
     audit.active = False
-    with trainer._gathered_trainable():  # ZeRO-3 partitions them; every rank takes part
+    with trainer.checkpointer.gathered():  # ZeRO-3 partitions them; every rank takes part
         weights = {k: whole(v.detach()).cpu().clone() for k, v in trainer.policy.named_parameters() if v.requires_grad}
     torch.save(weights, out / f"weights_rank{rank}.pt")
     # Parameters this rank holds only a slice of (DeepSpeed ZeRO-3 partitions; none otherwise).

@@ -16,15 +16,14 @@ class Preempted(Exception):
 
 def preempt_after_save(trainer, step: int | None = None, error: type[BaseException] = Preempted) -> None:
     """Make ``trainer`` raise ``error`` right after it saves its checkpoint at ``step`` (default: its first),
-    as a job preempted then would stop."""
-    original_save = trainer._save
+    as a job preempted then would stop: from an ``on_save`` callback, the save's last act."""
 
-    def save_then_stop():
-        original_save()
-        if step is None or trainer.step == step:
-            raise error(f"preempted after the save at step {trainer.step}")
+    class StopAfterSave:
+        def on_save(self, args, state, control, **kwargs):
+            if step is None or trainer.step == step:
+                raise error(f"preempted after the save at step {trainer.step}")
 
-    trainer._save = save_then_stop
+    trainer.add_callback(StopAfterSave())
 
 
 def train_until_preempted(trainer, step: int | None = None) -> None:
@@ -147,6 +146,18 @@ def run_round(trainer, exp, values=None, advantages=None, returns=None, made=Non
     return trainer.run.last_record
 
 
+def intercept_optimizer_steps(trainer, step) -> None:
+    """Make ``trainer`` call ``step(params, loss_finite) -> (grad_norm, stepped)`` in place of each optimizer step
+    (clipping, the NaN check, the step and the scheduler), the gradients of ``params`` in place, until
+    :func:`restore_optimizer_steps`. The one place the tests replace that private method of the trainers."""
+    trainer._clip_and_step = step
+
+
+def restore_optimizer_steps(trainer) -> None:
+    """Undo :func:`intercept_optimizer_steps`: the trainer's own optimizer steps again."""
+    vars(trainer).pop("_clip_and_step", None)
+
+
 def one_round_gradients(trainer, exp, **ppo_fixed):
     """(gradients of the first optimizer step of one round on ``exp`` by parameter name, the step's metrics);
     the step itself is not taken."""
@@ -158,7 +169,7 @@ def one_round_gradients(trainer, exp, **ppo_fixed):
             captured.update({names[id(p)]: p.grad.detach().clone() for p in params if p.grad is not None})
         return 0.0, True
 
-    trainer._clip_and_step = capture
+    intercept_optimizer_steps(trainer, capture)
     return captured, run_round(trainer, exp, **ppo_fixed)
 
 

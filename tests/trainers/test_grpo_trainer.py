@@ -92,8 +92,8 @@ def test_no_full_vocabulary_tensor_outlives_a_micro_batch_backward(tmp_path, tin
     trainer = GRPOTrainer(str(tiny_model_dir), first_digit_is_one, cfg, arithmetic_dataset(8),
                           peft_config=default_lora_config(r=4))
     vocab = trainer.policy.config.vocab_size
-    alive, backward = [], trainer._backward
-    trainer._backward = lambda loss, *a: (backward(loss, *a), alive.append(vocab_tensors(vocab)))
+    alive, backward = [], trainer.strategy.backward  # every micro-batch's backward goes through the strategy
+    trainer.strategy.backward = lambda model, loss: (backward(model, loss), alive.append(vocab_tensors(vocab)))
     one_round_gradients(trainer, fixed_experience())
     assert alive == [0, 0]
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from helpers import SMALL_RUN, first_digit_is_one, make_experience, run_round
+from helpers import SMALL_RUN, first_digit_is_one, intercept_optimizer_steps, make_experience, run_round
 
 from grpo_ascend import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from grpo_ascend.data.synthetic import arithmetic_dataset
@@ -190,7 +190,7 @@ def step_gradients(trainer, exp, **ppo_fixed):
         trainer.optimizer.zero_grad(set_to_none=True)
         return 0.0, True
 
-    trainer._clip_and_step = capture
+    intercept_optimizer_steps(trainer, capture)
     trainer.max_steps = trainer.step + 1
     return captured, run_round(trainer, exp, **ppo_fixed)
 

@@ -1,7 +1,7 @@
 """Does learning survive rollouts ahead of training? sync vs one_step_off vs async (max_staleness 1 and 4), two
 seeds each, side by side in one script (docs/async.md).
 
-The task is the learning test's (tests/trainers: the built-in tiny-warm model learns to start its answer with
+The task is the learning test's (tests/trainers/test_grpo_trainer.py: the built-in tiny-warm model learns to start its answer with
 the digit 1 on the synthetic arithmetic prompts; LoRA r 8, 30 steps of 32 completions): each run prints its
 held-out reward before and after training (64 prompts x 8 samples, the same evaluation for every run) and its
 training wall time.

@@ -18,7 +18,7 @@ callable function): for that part the script rebuilds the ratio from TRL's docum
 (exp of the per-token, or per-sequence summed, trainer − sampler log-prob difference, truncated or
 masked to [clip_min, clip_max]) and compares it with ours; the resulting weights then go through
 TRL's ``_compute_loss``. k1/k2 KL estimators have no TRL counterpart and are checked in
-tests/test_loss_objectives.py only.
+tests/algorithms/test_loss_objectives.py only.
 """
 
 from __future__ import annotations

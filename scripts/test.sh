@@ -4,8 +4,9 @@
 #                                   # (installs, 4 min 49 s of tests in two workers, 2 min 7 s of vLLM tests);
 #                                   # an AMD EPYC ran the suite about 1.8x slower than this Xeon in earlier sessions
 #   bash scripts/test.sh --fast     # skip the slow end-to-end tests
-#   bash scripts/test.sh tests/test_config.py -k yaml   # any pytest arguments
-# A whole run (no test paths given) also runs the vLLM tests (tests/test_vllm_*.py) in a second venv, .venv-vllm:
+#   bash scripts/test.sh tests/config/test_config.py -k yaml   # any pytest arguments
+#   bash scripts/test.sh tests/rollout   # one package's tests (tests/ mirrors grpo_ascend/'s folders)
+# A whole run (no test paths given) also runs the vLLM tests (tests/rollout/vllm_backend/) in a second venv, .venv-vllm:
 # vLLM's CPU build pins transformers <5.20, so it cannot share the main venv. GRPO_TEST_VLLM=0 skips them.
 # At the end it prints the 15 slowest tests and the wall time (venv and installs included).
 set -euo pipefail
@@ -38,5 +39,5 @@ if [ "$with_vllm" = 1 ]; then
   echo "[test.sh] the vLLM tests, in .venv-vllm"
   # Two workers, whole files each: every worker process holds at most one in-process vLLM engine at a time.
   "$ROOT/.venv-vllm/bin/python" -m pytest -p no:cacheprovider -n "${GRPO_TEST_WORKERS:-2}" --dist loadfile \
-    --durations=5 tests/test_vllm_*.py "${vllm_args[@]}"
+    --durations=5 tests/rollout/vllm_backend "${vllm_args[@]}"
 fi

@@ -1,11 +1,23 @@
 """Shared fixtures: the offline tiny model (built once per machine, cached), quiet logs, and no fake
-torch_npu outliving its test."""
+torch_npu outliving its test.
+
+The tests mirror the packages' folders (tests/rollout/ holds the tests of grpo_ascend/rollout/, tests/project/
+the repository-wide checks); code they share lives in tests/support/, which this file puts on ``sys.path``
+so that any test imports it by module name (``from helpers import SMALL_RUN``). A test module never imports
+another test module.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,7 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(autouse=True)
 def _forget_torch_npu():
     """After each test (and its monkeypatches' undo) the device layer imports torch_npu afresh, so a
-    fake from tests/fake_device.py never outlives the test that put it in."""
+    fake from tests/support/fake_device.py never outlives the test that put it in."""
     yield
     from grpo_ascend.device import forget_torch_npu
 
@@ -81,7 +93,7 @@ def chaotic(tiny_model_dir):
 #: The longest files first, so that neither of scripts/test.sh's two workers is left running a long file
 #: alone at the end (xdist hands out whole files in this order as workers free up). Seconds of one
 #: worker in a full run on the 2-core machine in brackets (Intel Xeon, quiet, ranks forked from
-#: tests/rank_forker.py); single-process files alternate with two-process ones (which use both cores
+#: tests/support/rank_forker.py); single-process files alternate with two-process ones (which use both cores
 #: while they run). Refresh from `bash scripts/test.sh --durations=0` when files grow.
 LONGEST_FILES = (
     "test_memory_plan.py",  # 82, one test with two fresh-interpreter ranks

@@ -1,6 +1,6 @@
 """The declared default of every field of TRL 1.16's ``GRPOConfig`` (before its ``__post_init__``), in TRL's
 order: what "left at TRL's default" means for a TRL field given to our own ``GRPOConfig`` as a keyword,
-without importing trl. tests/test_trl_keywords.py checks the table against the installed trl. The fields that
+without importing trl. tests/config/test_trl_keywords.py checks the table against the installed trl. The fields that
 choose a distributed engine come from grpo_ascend/distributed/trl_config.py (as in grpo_ascend/config/trl_fields.py).
 """
 

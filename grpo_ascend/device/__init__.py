@@ -24,7 +24,7 @@ nor torch_npu. Code outside the package calls them through this package
 (``from grpo_ascend import device as dev; dev.memory_stats(...)``); that makes this namespace the
 one seam for tests: ``monkeypatch.setattr(grpo_ascend.device, name, fake)`` is seen by every
 caller outside the package. A fake accelerator runtime (the torch_npu module, torch.npu) goes
-in through ``sys.modules`` / ``torch`` followed by :func:`forget_torch_npu` (tests/fake_device.py).
+in through ``sys.modules`` / ``torch`` followed by :func:`forget_torch_npu` (tests/support/fake_device.py).
 """
 
 from __future__ import annotations

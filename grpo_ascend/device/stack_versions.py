@@ -2,7 +2,7 @@
 vllm-ascend / vLLM / torch_npu / CANN sets; the check doctor runs against them, with a one-line fix.
 
 One place: ``grpo-ascend doctor``, docs/ascend.md's tables (:func:`markdown_tables`) and pyproject's ``npu``
-extra (:func:`npu_extra`) are all checked against these rows by tests/test_stack_versions.py. No torch import.
+extra (:func:`npu_extra`) are all checked against these rows by tests/device/test_stack_versions.py. No torch import.
 
 Sources, looked up on :data:`LOOKED_UP`:
 

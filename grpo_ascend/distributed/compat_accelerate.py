@@ -8,7 +8,7 @@
   shared state and ``AcceleratorState.fsdp_plugin``;
 - the plugin fields the strategies read or set.
 
-:data:`PINNED_INTERNALS` lists each with a probe; tests/test_compat.py runs every probe, so an
+:data:`PINNED_INTERNALS` lists each with a probe; tests/distributed/test_compat.py runs every probe, so an
 accelerate release that changes one fails there with a :class:`CompatError` naming it.
 """
 

@@ -3,7 +3,7 @@
 Everything the DeepSpeed strategy calls beyond ``accelerate.prepare`` goes through here: the
 ZeRO-3 gather helpers, the engine's accumulation boundary, backward without accumulation
 scaling, its step outcome, and the ZeRO optimizer's state-dict layout. :data:`PINNED_INTERNALS`
-lists each with a probe; tests/test_compat.py runs every probe, so a DeepSpeed release that
+lists each with a probe; tests/distributed/test_compat.py runs every probe, so a DeepSpeed release that
 renames one fails there with a :class:`CompatError` naming it.
 """
 

@@ -6,7 +6,7 @@ duration and its forward bookkeeping cleared afterwards. torch has no public API
 these private names are used: ``FSDPModule._get_fsdp_state()``, ``FSDPState._lazy_init()``,
 ``FSDPState._fsdp_param_groups``, ``FSDPState._comm_ctx.post_forward_order``,
 ``FSDPParamGroup.post_forward_mesh_info`` and ``FSDPParamGroup._post_forward_indices``.
-tests/test_compat.py checks each on a real ``fully_shard`` model; a torch that renames one fails
+tests/distributed/test_compat.py checks each on a real ``fully_shard`` model; a torch that renames one fails
 there with :class:`CompatError` naming it, not deep inside a rollout.
 """
 
@@ -22,7 +22,7 @@ from torch import nn
 
 from grpo_ascend.errors import CompatError
 
-#: The private attributes used here, as (owner, name) pairs; tests/test_compat.py checks each one.
+#: The private attributes used here, as (owner, name) pairs; tests/distributed/test_compat.py checks each one.
 PINNED_INTERNALS: tuple[tuple[str, str], ...] = (
     ("FSDPModule", "_get_fsdp_state"),
     ("FSDPState", "_lazy_init"),

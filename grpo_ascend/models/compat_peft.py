@@ -6,7 +6,7 @@ would change the stored base weights by ``W + Δ - Δ`` rounding): the layer cla
 ``peft.tuners.lora.layer``, their ``merged`` / ``disable_adapters`` / ``active_adapters`` /
 ``lora_A`` / ``lora_variant`` attributes, ``get_base_layer()``, ``get_delta_weight()`` and the
 private ``_disable_adapters`` flag. :data:`PINNED_INTERNALS` lists each with a probe on a real
-LoRA layer; tests/test_compat.py runs them, so a peft release that changes one fails there with a
+LoRA layer; tests/distributed/test_compat.py runs them, so a peft release that changes one fails there with a
 :class:`CompatError` naming it.
 """
 

@@ -13,7 +13,7 @@ from grpo_ascend.rollout.vllm import VLLMColocatedRollout  # vLLM itself loads o
 from grpo_ascend.smoke.context import BUILTIN_MODEL, SmokeContext, prompt_texts
 from grpo_ascend.smoke.report import CheckResult
 
-#: Largest |vLLM log-prob - trainer log-prob| accepted, per precision (tests/test_vllm_colocated.py: 1e-4 in fp32).
+#: Largest |vLLM log-prob - trainer log-prob| accepted, per precision (tests/rollout/vllm_backend/test_vllm_colocated.py: 1e-4 in fp32).
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1}
 
 

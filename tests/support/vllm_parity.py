@@ -1,0 +1,66 @@
+"""What the vLLM backend tests (tests/rollout/vllm_backend/) share: the parity bounds of the sampler's log-probs
+against the trainer's, long prompts that span several KV-cache blocks, and a few training steps that move
+every weight. Imports no vLLM itself."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_ascend.models.policy import CompletionLogprobs
+from grpo_ascend.rollout.backend import PolicyWeights
+from grpo_ascend.rollout.sampling import SamplingParams
+
+#: Parity bound of the sampler's log-probs and the trainer's recomputed ones (fp32).
+PARITY = 1e-4
+#: A difference that a missing sync or a stale prefix cache must exceed.
+STALE = 1e-2
+WORDS = "the model answers one question then the next with a short number plus a word about the city".split()
+
+
+def long_prompts(n: int, words: int = 200) -> list[str]:
+    """``n`` distinct prompts of ``words`` words (well over one 128-token cache block each)."""
+    return [" ".join(WORDS[(i * 7 + j * (i + 3)) % len(WORDS)] for j in range(words)) for i in range(n)]
+
+
+def recomputed(policy, batch, temperature: float) -> torch.Tensor:
+    """The trainer's log-probs of the batch's completions (its log-prob forward), 0 where masked."""
+    with torch.no_grad():
+        logps, _ = CompletionLogprobs(policy)(batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                              batch.completion_mask, temperature=temperature)
+    return logps * batch.completion_mask
+
+
+class Versions:
+    """Successive weight versions of one policy, as the trainer's optimizer steps number them."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def __call__(self, policy) -> PolicyWeights:
+        self.step += 1
+        return PolicyWeights(policy, self.step)
+
+
+def max_error(policy, batch, temperature: float) -> float:
+    return float((recomputed(policy, batch, temperature) - batch.sampling_logprobs).abs().max())
+
+
+def train_steps(policy, batch, steps: int = 3, lr: float = 5e-2) -> None:
+    """``steps`` AdamW steps raising the log-likelihood of the batch's completions (moves every weight used)."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    policy.train()
+    for _ in range(steps):
+        logps, _ = CompletionLogprobs(policy)(batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                              batch.completion_mask, temperature=1.0)
+        loss = -(logps * batch.completion_mask).sum() / batch.completion_mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    policy.eval()
+
+
+def sampling(**overrides) -> SamplingParams:
+    values = dict(num_generations=2, max_completion_length=12, temperature=0.8, max_prompt_length=None, seed=None)
+    values.update(overrides)
+    return SamplingParams(**values)

@@ -8,6 +8,7 @@ training wall time.
 
     python bench/bench_async_learning.py              # 2 seeds, at default threads (the rollout process
                                                       # takes half of them in one_step_off / async)
+    python bench/bench_async_learning.py --learning-rate 1e-3 --steps 60 --runs "async, max_staleness 4"
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ def first_digit_is_one(completions, **kwargs):
     return [1.0 if t.strip().removeprefix("<answer>").startswith("1") else 0.0 for t in texts]
 
 
-def run(seed: int, settings: dict) -> dict[str, float]:
+def run(seed: int, settings: dict, steps: int = 30, learning_rate: float = 5e-3) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as out:
-        cfg = GRPOConfig(output_dir=out, max_steps=30, per_device_train_batch_size=32, num_generations=8,
-                         learning_rate=5e-3, max_completion_length=8, max_prompt_length=96, temperature=1.0,
+        cfg = GRPOConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=32, num_generations=8,
+                         learning_rate=learning_rate, max_completion_length=8, max_prompt_length=96, temperature=1.0,
                          per_device_eval_batch_size=256, save_steps=0, logging_steps=1, disable_tqdm=True,
                          log_completions_steps=0, seed=seed, lr_scheduler_type="constant", **settings)
         trainer = GRPOTrainer("builtin:tiny-warm", first_digit_is_one, cfg, arithmetic_dataset(400, seed=5 + seed),
@@ -63,9 +64,13 @@ def run(seed: int, settings: dict) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--learning-rate", type=float, default=5e-3)
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="which runs (sync always)")
     args = parser.parse_args()
     print(describe())
-    results = {name: [run(seed, settings) for seed in args.seeds] for name, settings in RUNS.items()}
+    names = ["sync", *[n for n in args.runs if n != "sync"]]
+    results = {name: [run(seed, RUNS[name], args.steps, args.learning_rate) for seed in args.seeds] for name in names}
     sync_after = [r["after"] for r in results["sync"]]
     low, high = min(sync_after), max(sync_after)
     for name, rows in results.items():

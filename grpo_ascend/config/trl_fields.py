@@ -204,7 +204,8 @@ TRL_FIELDS: dict[str, TRLField] = {
     "top_k": same(),
     "min_p": same(),
     "generation_kwargs": to(tuple(sorted(_GENERATION_KEYS)), "only the keys temperature, top_p, top_k, min_p, "
-                            "repetition_penalty, stop_strings (overriding the fields, as TRL); others refused",
+                            "repetition_penalty, stop_strings (overriding the fields, as TRL); beam-search keys "
+                            "(num_beams, length_penalty, ...) ignored with a warning; others refused",
                             _generation_kwargs, differs=True),
     "chat_template_kwargs": same(),
     "repetition_penalty": same(),

@@ -4,6 +4,7 @@ refused), its constructors, and the converters the table in :mod:`grpo_ascend.co
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -141,8 +142,21 @@ def _steps_per_generation(value: Any, cfg: Any) -> dict[str, Any]:
 _GENERATION_KEYS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop_strings"}
 
 
+#: transformers' generate() keys of beam search and its switches: they shape a search, not a sample; GRPO samples
+#: num_generations completions per prompt, so they are ignored with a warning (TRL passes them to generate()).
+_SEARCH_ONLY_KEYS = {"num_beams", "length_penalty", "early_stopping", "num_beam_groups", "diversity_penalty",
+                     "do_sample", "num_return_sequences"}
+
+
 def _generation_kwargs(value: Any, cfg: Any) -> dict[str, Any]:
     value = dict(value or {})
+    search = sorted(set(value) & _SEARCH_ONLY_KEYS)
+    if search:
+        warnings.warn(f"generation_kwargs {search} are ignored: they shape transformers' beam / greedy search, and "
+                      "the rollout engine samples num_generations completions per prompt (num_generations, "
+                      "temperature, top_p, top_k, min_p and repetition_penalty set the sampling)", UserWarning,
+                      stacklevel=4)
+        value = {k: v for k, v in value.items() if k not in _SEARCH_ONLY_KEYS}
     unknown = sorted(set(value) - _GENERATION_KEYS)
     if unknown:
         raise _bad("generation_kwargs", value, f"only the keys {', '.join(sorted(_GENERATION_KEYS))} (the built-in "

@@ -128,12 +128,20 @@ def test_one_warning_lists_every_ignored_field_and_nothing_else(tmp_path):
     ({"optim": "sgd"}, "optim='sgd' is not supported by grpo-ascend: expected 'adamw_torch'"),
     ({"eval_strategy": "epoch"}, "eval_strategy='epoch' is not supported by grpo-ascend: expected 'no' or 'steps'"),
     ({"logging_steps": 0.1}, "logging_steps=0.1 is not supported by grpo-ascend: expected a whole number of steps"),
-    ({"generation_kwargs": {"num_beams": 4}}, "it has no num_beams"),
+    ({"generation_kwargs": {"num_beams": 4, "penalty_alpha": 0.6}}, "it has no penalty_alpha"),
 ])
 def test_refusals_say_which_field_and_why(tmp_path, changes, expected):
     with pytest.raises(ConfigError, match="not supported by grpo-ascend") as info:
         from_trl_config(_config(tmp_path, **changes))
     assert expected in str(info.value)
+
+
+def test_beam_search_generation_kwargs_are_ignored_with_a_warning(tmp_path):
+    """TRL passes generation_kwargs to generate(); beam-search keys shape a search GRPO never runs."""
+    with pytest.warns(UserWarning, match=r"generation_kwargs \['length_penalty', 'num_beams'\] are ignored"):
+        ours = from_trl_config(_config(tmp_path, generation_kwargs={"num_beams": 2, "length_penalty": -1.0,
+                                                                    "top_k": 7}))
+    assert ours.top_k == 7
 
 
 def test_trl_algorithm_options_map_onto_ours(tmp_path):

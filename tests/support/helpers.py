@@ -191,3 +191,17 @@ def uninterrupted_and_resumed(make, state, step: int | None = None):
     (default: its first) and resumed from it, the step it was preempted at); see :func:`preempt_and_resume`."""
     full, killed, resumed = preempt_and_resume(make, step)
     return state(full), state(resumed), killed.step
+
+
+def capture_scored(trainer) -> list:
+    """The scored experiences ``trainer``'s source hands each round (recorded as they pass), in order."""
+    seen = []
+    take = trainer.experience.source.next_scored
+
+    def recording(*args, **kwargs):
+        exp = take(*args, **kwargs)
+        seen.append(exp)
+        return exp
+
+    trainer.experience.source.next_scored = recording
+    return seen

@@ -7,25 +7,12 @@ import json
 
 import pytest
 from datasets import Dataset
-from helpers import SMALL_RUN, preempt_and_resume
+from helpers import SMALL_RUN, capture_scored, preempt_and_resume
 from multiturn_scripts import PROMPT, AddEnv, ScriptedQwen2, add, scripted_add_model, token_ids
 from transformers import AutoTokenizer
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.errors import ConfigError
-
-
-def _capture(trainer):
-    seen = []
-    make = trainer.experience.source.next_scored
-
-    def wrapped(*a, **kw):
-        exp = make(*a, **kw)
-        seen.append(exp)
-        return exp
-
-    trainer.experience.source.next_scored = wrapped
-    return seen
 
 
 @pytest.mark.parametrize(("surface", "mode"), [("tools", "sync"), ("environment", "sync"), ("environment", "async")])
@@ -44,7 +31,7 @@ def test_trainer_runs_tool_conversations_and_masks_tool_tokens(tmp_path, tiny_mo
     extra = {"tools": [add]} if surface == "tools" else {"environment_factory": AddEnv}
     trainer = GRPOTrainer(model, reward, cfg, Dataset.from_list([{"prompt": PROMPT}] * 4), processing_class=tok,
                           **extra)
-    seen = _capture(trainer)
+    seen = capture_scored(trainer)
     trainer.train()
     exp = seen[0]
     n = len(seq)
@@ -85,7 +72,7 @@ def test_rollout_func_contract(tmp_path, tiny_model_dir):
     cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), "max_steps": 1})
     dataset = Dataset.from_list([{"prompt": "alpha"}, {"prompt": "beta"}])
     trainer = GRPOTrainer(str(tiny_model_dir), reward, cfg, dataset, rollout_func=rollout_func)
-    seen = _capture(trainer)
+    seen = capture_scored(trainer)
     trainer.train()
     exp = seen[0]
     assert sorted(got["prompts"]) == ["alpha", "beta"]

@@ -8,7 +8,7 @@ import math
 
 import pytest
 from datasets import Dataset
-from helpers import SMALL_RUN
+from helpers import SMALL_RUN, capture_scored
 from transformers import AutoTokenizer
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
@@ -70,19 +70,6 @@ def _config(tmp_path, **kw):
                          "max_completion_length": 12, "max_tool_calling_iterations": 1, **kw})
 
 
-def _capture(trainer):
-    seen = []
-    make = trainer.experience.source.next_scored
-
-    def wrapped(*a, **kw):
-        exp = make(*a, **kw)
-        seen.append(exp)
-        return exp
-
-    trainer.experience.source.next_scored = wrapped
-    return seen
-
-
 def _prompt_texts(exp, tok):
     return tok.batch_decode([ids[mask.bool()] for ids, mask in zip(exp.prompt_ids, exp.prompt_mask)])
 
@@ -96,7 +83,7 @@ def test_environment_supplies_the_prompts_without_a_train_dataset(tmp_path, tiny
     trainer = GRPOTrainer(str(tiny_model_dir), None, _config(tmp_path), environment_factory=Adder)
     assert len(trainer.train_dataset) == 2  # 8 completions per round / 4 generations
     assert trainer.train_dataset[0]["prompt"] == EMPTY_PROMPT
-    seen = _capture(trainer)
+    seen = capture_scored(trainer)
     trainer.train()
     exp = seen[0]
     assert Adder.resets[-8:] == [{"prompt": EMPTY_PROMPT}] * 8
@@ -123,7 +110,7 @@ def test_routing_rows_without_prompt_pick_their_environment_beside_reward_functi
     trainer = GRPOTrainer(str(tiny_model_dir), [length], _config(tmp_path, shuffle_dataset=False), dataset,
                           environment_factory={"adder": Adder, "speller": Speller},
                           eval_dataset=Dataset.from_list([{"environment": "speller"}] * 2))
-    seen = _capture(trainer)
+    seen = capture_scored(trainer)
     trainer.train()
     exp = seen[0]
     assert Adder.resets[-4:] == [{}] * 4 and Speller.resets[-4:] == [{}] * 4

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run the test suite in a fresh or reused virtual environment.
-#   bash scripts/test.sh            # everything: on a fresh clone of a quiet 2-core Intel Xeon, 7 min 14 s wall
-#                                   # (installs, 4 min 49 s of tests in two workers, 2 min 7 s of vLLM tests);
-#                                   # an AMD EPYC ran the suite about 1.8x slower than this Xeon in earlier sessions
+#   bash scripts/test.sh            # everything: on a fresh clone of a quiet 2-core AMD EPYC (AVX-512), 8 min 35 s wall
+#                                   # (2026-12-05: 5 min 36 s of tests in two workers, 2 min 43 s of vLLM tests);
+#                                   # a quiet 2-core Intel Xeon took 7 min 14 s for a smaller suite earlier
 #   bash scripts/test.sh --fast     # skip the slow end-to-end tests
 #   bash scripts/test.sh tests/config/test_config.py -k yaml   # any pytest arguments
 #   bash scripts/test.sh tests/rollout   # one package's tests (tests/ mirrors grpo_ascend/'s folders)

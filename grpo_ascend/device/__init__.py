@@ -43,7 +43,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "default_shared_prefix_decode", "float64_supported", "grouped_attention_max_bytes",
     ),
     "memory": ("empty_cache", "free_memory", "memory_stats", "reset_peak_memory", "synchronize"),
-    "precision": ("autocast", "bf16_supported", "mixed_precision_for_accelerate"),
+    "precision": ("autocast", "bf16_supported", "mixed_precision_for_accelerate", "run_precision"),
     "rng": ("rng_state", "seed_everything", "set_rng_state"),
     "ascend": (
         "CHIP_FAMILIES", "CHIP_FAMILY_NAMES", "HCCL_EXEC_AIV_CAP_S", "HCCL_EXEC_MARGIN_S", "HCCL_EXEC_STEP_S",

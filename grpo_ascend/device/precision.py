@@ -6,7 +6,13 @@ import contextlib
 
 import torch
 
-from grpo_ascend.device.backends import ACCELERATOR_TYPES, cuda_available, device_type, npu_available
+from grpo_ascend.device.backends import (
+    ACCELERATOR_TYPES,
+    cuda_available,
+    device_type,
+    is_accelerator,
+    npu_available,
+)
 from grpo_ascend.errors import ConfigError, closest
 
 _PRECISION_ALIASES = {
@@ -69,6 +75,14 @@ def autocast(device: torch.device | str, dtype: str | torch.dtype | None) -> con
         )
     torch_dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=kind, dtype=torch_dtype)
+
+
+def run_precision(device: torch.device | str, bf16: bool | None, fp16: bool) -> str:
+    """'bf16', 'fp16' or 'fp32' for a run's ``bf16`` / ``fp16`` settings on ``device``: ``bf16`` None means bf16
+    on an accelerator that supports it."""
+    if bf16 is None:
+        bf16 = is_accelerator(device) and bf16_supported(device)
+    return "bf16" if bf16 else "fp16" if fp16 else "fp32"
 
 
 def mixed_precision_for_accelerate(bf16: bool, fp16: bool) -> str:

@@ -30,8 +30,7 @@ def launched_distributed(on_cpu: bool) -> bool:
 
 def precision_of(args: StrategyArgs, device: Any) -> str:
     """'bf16', 'fp16' or 'fp32': bf16 by default on an accelerator that supports it."""
-    bf16 = args.bf16 if args.bf16 is not None else (dev.is_accelerator(device) and dev.bf16_supported(device))
-    return "bf16" if bf16 else "fp16" if args.fp16 else "fp32"
+    return dev.run_precision(device, args.bf16, args.fp16)
 
 
 def make_accelerator(args: StrategyArgs) -> tuple[Any, str]:

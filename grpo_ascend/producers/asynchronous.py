@@ -100,7 +100,7 @@ class AsyncSource:
         self._cv = threading.Condition()
         self._queue: collections.deque[_Scored] = collections.deque()
         self._reissue: collections.deque[_Chunk] = collections.deque()
-        self._inflight = 0  # prompts drawn and not yet taken or dropped
+        self._inflight = 0  # prompts drawn and not yet trained (a dropped group's are sampled again)
         self._published = -1  # the newest version pushed
         self._step = 0  # the trainer's optimizer step (the version a group would be trained at)
         self._chunks = 0  # chunks drawn since start (one_step_off's round index)
@@ -201,7 +201,7 @@ class AsyncSource:
         with self._cv:
             oldest = min(self._open) if self._open else None
             state = self._open[oldest] if oldest is not None else self.sampler.state_dict()
-            return {"sampler": state, "trained": sorted(d for d in self._trained_past if oldest is None or d > oldest)}
+            return {"sampler": state, "trained": sorted(self._trained_past)}  # kept past the oldest only
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's ledger: draw again from its oldest untrained draw, skipping trained ones."""
@@ -216,14 +216,14 @@ class AsyncSource:
                 if chunk is None:
                     return
                 version = self._gate(chunk)
-                if version is None and self._stop.is_set():
+                if self._stop.is_set():
                     return
                 began = time.perf_counter()
                 batch = self._sample(chunk, version)
-                used = version if version is not None else self._published
-                if batch.policy_versions is None:
-                    batch.policy_versions = torch.full_like(batch.completion_ids, used)
-                sampled = int(batch.policy_versions.min()) if batch.policy_versions.numel() else used
+                if batch.policy_versions is None:  # a sampler that does not tag its tokens (a rollout_func)
+                    batch.policy_versions = torch.full_like(
+                        batch.completion_ids, version if version is not None else self._published)
+                sampled = int(batch.policy_versions.min())
                 self._stats.aborted_tokens += batch.timing.get("aborted_tokens", 0.0)
                 exp = self.parts.score(chunk.rows, chunk.group_ids, batch, self._trainer_state(),
                                        PhaseTimer(batch.completion_ids.device))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -286,9 +287,32 @@ class RolloutBackend(ABC):
         return None
 
     def pinned(self, version: int | None) -> contextlib.AbstractContextManager:
-        """Inside the block, the calling thread samples with policy ``version`` (None: the newest synced).
-        A backend holding one version at a time (default) samples with that one."""
-        return contextlib.nullcontext()
+        """Inside the block, the calling thread asks for policy ``version`` (None: the newest synced); nested
+        pins restore the outer one. A backend that keeps several versions reads :attr:`pinned_version`; one
+        holding a single version at a time samples with that one."""
+        return _ThreadPin(self._thread_pins(), version)
+
+    @property
+    def pinned_version(self) -> int | None:
+        """The version the calling thread pinned (None: the newest synced)."""
+        return getattr(self._thread_pins(), "version", None)
+
+    def _thread_pins(self) -> threading.local:
+        return self.__dict__.setdefault("_pins", threading.local())
+
+
+class _ThreadPin:
+    """One thread's ``with backend.pinned(version):`` block."""
+
+    def __init__(self, pins: threading.local, version: int | None) -> None:
+        self.pins, self.version = pins, version
+
+    def __enter__(self) -> None:
+        self.outer = getattr(self.pins, "version", None)
+        self.pins.version = self.version
+
+    def __exit__(self, *exc: object) -> None:
+        self.pins.version = self.outer
 
 
 @contextlib.contextmanager

@@ -24,15 +24,10 @@ def build_builtin_backend(policy: nn.Module, tokenizer: Any, params: SamplingPar
     if place.trainer_threads is not None:
         torch.set_num_threads(place.trainer_threads)
     settings = ProcessSettings(
-        device=place.device, threads=place.threads, precision=_precision(args, place.device), max_restarts=args.max_rollout_restarts,
+        device=place.device, threads=place.threads, precision=dev.run_precision(place.device, args.bf16, args.fp16),
+        max_restarts=args.max_rollout_restarts,
         heartbeat_stale_after_s=args.heartbeat_stale_after_s, request_timeout=args.request_timeout,
         weight_sync_timeout=args.weight_sync_timeout, partial_rollouts=args.partial_rollouts,
     )
     return ProcessBackend(policy, tokenizer, params, settings, trainer_device, version=0)
 
-
-def _precision(args: Any, device: str) -> str:
-    """The sampler's autocast precision, chosen as the trainer's rollouts choose theirs (bf16 by default
-    on an accelerator that has it)."""
-    bf16 = args.bf16 if args.bf16 is not None else dev.is_accelerator(device) and dev.bf16_supported(device)
-    return "bf16" if bf16 else "fp16" if args.fp16 else "fp32"

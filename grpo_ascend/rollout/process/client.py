@@ -64,7 +64,7 @@ class ProcessBackend(RolloutBackend):
     """The built-in engine in a rollout process of its own (see the module docstring).
 
     Sampling calls name a policy version through :meth:`pinned` (per calling thread; default the
-    newest pushed); :attr:`last_version` is the version the calling thread's last request sampled with.
+    newest pushed; a request pinned to one samples all its tokens with it); :attr:`last_version` is the version the calling thread's last request sampled with.
     """
 
     def __init__(self, policy: nn.Module, tokenizer: Any, params: SamplingParams, settings: ProcessSettings,
@@ -154,9 +154,9 @@ class ProcessBackend(RolloutBackend):
         self._start()
 
     def _stop_process(self) -> None:
-        if self._process is not None and self._process.is_alive():
-            self._process.kill()
         if self._process is not None:
+            if self._process.is_alive():
+                self._process.kill()
             self._process.join(timeout=10)
         self._process = None
         self._conn.close()
@@ -177,10 +177,6 @@ class ProcessBackend(RolloutBackend):
             self._stop_process()
 
     # ------------------------------------------------------------------ versions
-    def pinned(self, version: int | None) -> _Pin:
-        """Inside the block, this thread's sampling uses policy ``version`` (None: the newest pushed)."""
-        return _Pin(self._local, version)
-
     @property
     def last_version(self) -> int:
         """The version this thread's last sampling request used."""
@@ -190,9 +186,6 @@ class ProcessBackend(RolloutBackend):
     def published_version(self) -> int:
         """The newest version pushed (-1 before the first)."""
         return int(self.ring.latest.value)
-
-    def _version(self) -> int | None:
-        return getattr(self._local, "version", None)
 
     # ------------------------------------------------------------------ RolloutBackend
     @property
@@ -212,8 +205,8 @@ class ProcessBackend(RolloutBackend):
                      prompt_texts: Sequence[str] | None = None) -> RolloutBatch:
         params = self.checked(params)
         batch = self._call("generate", [list(p) for p in prompt_ids], params, _seed(generator),
-                           None if prompt_texts is None else list(prompt_texts), self._version())
-        self._local.used = int(batch.policy_versions.flatten()[0]) if batch.policy_versions.numel() else self._version()
+                           None if prompt_texts is None else list(prompt_texts), self.pinned_version)
+        self._local.used = int(batch.policy_versions.flatten()[0]) if batch.policy_versions.numel() else self.pinned_version
         return to_device(batch, self._device)
 
     def start_session(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,
@@ -221,7 +214,7 @@ class ProcessBackend(RolloutBackend):
         params = self.checked(params)
         sid = next(self._sessions)
         self._local.used = self._call("start_session", sid, [list(p) for p in prompt_ids], params, _seed(generator),
-                                      self._version())
+                                      self.pinned_version)
         return _ProcessSession(self, sid)
 
     def sync_weights(self, weights: PolicyWeights) -> None:
@@ -262,18 +255,6 @@ class _ProcessSession(RolloutSession):
     def close(self) -> None:
         if self.backend.restarts == self.restarts and self.backend.pid is not None:
             self.backend._call("close_session", self.sid, retry=False)
-
-
-class _Pin:
-    def __init__(self, local: threading.local, version: int | None) -> None:
-        self.local, self.version = local, version
-
-    def __enter__(self) -> None:
-        self.previous = getattr(self.local, "version", None)
-        self.local.version = self.version
-
-    def __exit__(self, *exc: object) -> None:
-        self.local.version = self.previous
 
 
 @contextlib.contextmanager

@@ -80,7 +80,7 @@ class WeightRing:
         return wanted
 
 
-def synced_tensors(model: nn.Module, names: Iterable[str]) -> dict[str, Tensor]:
+def named_tensors(model: nn.Module, names: Iterable[str]) -> dict[str, Tensor]:
     """The tensors named ``names`` in ``model``'s state dict, by reference (the sampler's side of a sync)."""
     state = dict(model.named_parameters())
     state.update(dict(model.named_buffers()))

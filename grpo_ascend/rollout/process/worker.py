@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from grpo_ascend import device as dev
 from grpo_ascend.rollout.backend import RolloutBatch, RolloutSession, SessionOutput
 from grpo_ascend.rollout.engine import RolloutEngine
-from grpo_ascend.rollout.process.weight_ring import WeightRing, synced_tensors
+from grpo_ascend.rollout.process.weight_ring import WeightRing, named_tensors
 from grpo_ascend.rollout.sampling import SamplingParams
 
 HEARTBEAT_PERIOD_S = 0.5
@@ -66,9 +66,11 @@ class RolloutServer:
         self.ring = ring
         self.model = spec.model.to(self.device)
         self.engine = RolloutEngine(self.model, spec.tokenizer, spec.params)
-        self.targets = synced_tensors(self.model, ring.names)
+        self.targets = named_tensors(self.model, ring.names)
         self.version = spec.initial_version
-        self.sessions: dict[int, tuple[RolloutSession, int]] = {}
+        self.sessions: dict[int, RolloutSession] = {}
+        self.swaps: list[tuple[int, int]] = []  # the running request's (first column sampled with it, version)
+        self.may_abort = False
         self.ops: dict[str, Callable[..., Any]] = {
             "hello": self.hello, "generate": self.generate, "start_session": self.start_session,
             "advance": self.advance, "append": self.append, "output": self.output, "close_session": self.close_session,
@@ -91,7 +93,7 @@ class RolloutServer:
         """Grouped completions; unpinned (``version`` None), a version pushed meanwhile is taken per
         ``partial_rollouts``. ``timing["aborted_tokens"]``: token slots sampled and thrown away."""
         used = self._load(version)
-        self.swaps: list[tuple[int, int]] = []  # (first column sampled with it, version)
+        self.swaps = []
         self.may_abort = self.spec.partial_rollouts == "abort"
         self.engine.between_steps = self.take_newer_weights if version is None else None
         aborted = 0
@@ -128,21 +130,21 @@ class RolloutServer:
     def start_session(self, sid: int, prompt_ids: list[list[int]], params: SamplingParams, seed: int | None,
                       version: int | None) -> int:
         used = self._load(version)
-        self.sessions[sid] = (self.engine.start_session(prompt_ids, params, self._generator(seed)), used)
+        self.sessions[sid] = self.engine.start_session(prompt_ids, params, self._generator(seed))
         return used
 
     def advance(self, sid: int) -> list[Any]:
         with torch.no_grad(), dev.autocast(self.device, self.spec.precision):
-            return self.sessions[sid][0].advance()
+            return self.sessions[sid].advance()
 
     def append(self, sid: int, row: int, token_ids: list[int]) -> None:
-        self.sessions[sid][0].append(row, token_ids)
+        self.sessions[sid].append(row, token_ids)
 
     def output(self, sid: int) -> SessionOutput:
-        return to_device(self.sessions[sid][0].output(), "cpu")
+        return to_device(self.sessions[sid].output(), "cpu")
 
     def close_session(self, sid: int) -> None:
-        session, _ = self.sessions.pop(sid, (None, 0))
+        session = self.sessions.pop(sid, None)
         if session is not None:
             session.close()
 

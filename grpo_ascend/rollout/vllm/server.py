@@ -150,17 +150,13 @@ class VLLMServerRollout(VLLMBackend):
 
     # ------------------------------------------------------------------ generation
 
-    def pinned(self, version: int | None) -> contextlib.AbstractContextManager:
-        """Inside the block, this thread samples with policy ``version`` (None: the newest synced); an adapter
-        version must still be loaded (the ``keep_versions`` newest). Full weights hold one version: the newest."""
-        return _Pin(self._local, version)
-
     def sampled_version(self) -> int | None:
         return getattr(self._local, "used", None)
 
     def complete(self, prompt_ids: Sequence[Sequence[int]], fields: Sequence[dict[str, Any]],
                  keys: Sequence[int] | None = None) -> list[list[Completion]]:
-        with self._leased(getattr(self._local, "pin", None)) as loaded:
+        # a pinned adapter version must still be loaded (the keep_versions newest); full weights hold one version
+        with self._leased(self.pinned_version) as loaded:
             name = self.model if loaded is None else loaded.name
             bodies = [self._completion_body(name, p, f) for p, f in zip(prompt_ids, fields)]
             answers = self.pool.map(lambda url, b: self._request(url, "POST", "/v1/completions", b), bodies, keys)
@@ -265,20 +261,6 @@ class VLLMServerRollout(VLLMBackend):
         with self._sync_lock:
             self._version = None
             self._unload(self.ledger.clear())
-
-
-class _Pin:
-    """The version a thread samples with inside a ``with backend.pinned(v):`` block (nested pins restore)."""
-
-    def __init__(self, local: threading.local, version: int | None) -> None:
-        self.local, self.version = local, version
-
-    def __enter__(self) -> None:
-        self.before = getattr(self.local, "pin", None)
-        self.local.pin = self.version
-
-    def __exit__(self, *exc: object) -> None:
-        self.local.pin = self.before
 
 
 def _caught(fn: Any, *args: Any) -> BaseException | None:

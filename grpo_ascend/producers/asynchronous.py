@@ -122,6 +122,12 @@ class AsyncSource:
         """Push the current weights as version ``step`` and start the producer (at ``train()``'s start)."""
         self._trainer_state = trainer_state
         self._step = self._first_step = step
+        with self._cv:  # a later train(): what the last one left in flight is sampled again, numbered anew
+            self._error = None
+            self._reissue = collections.deque(sorted(self._reissue, key=lambda chunk: chunk.key))
+            for index, chunk in enumerate(self._reissue):
+                chunk.index = index
+            self._chunks = len(self._reissue)
         self.policy_updated(step, force=True)
         self._stop.clear()
         self._thread = threading.Thread(target=self._produce, daemon=True, name="grpo-ascend-producer")
@@ -188,13 +194,17 @@ class AsyncSource:
         }
 
     def close(self) -> None:
-        """Stop the producer (a sample being made is finished and thrown away)."""
+        """Stop the producer; the groups it sampled and the trainer did not take (and a sample being made)
+        stay in flight, to be sampled again by a later ``train()`` (a checkpoint's ledger already has them)."""
         self._stop.set()
         with self._cv:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=60)
             self._thread = None
+        with self._cv:
+            self._reissue.extend(item.chunk for item in self._queue)
+            self._queue.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """The ledger: the sampler state at the oldest draw not yet trained, and the draws trained past it."""
@@ -215,26 +225,38 @@ class AsyncSource:
                 chunk = self._next_chunk()
                 if chunk is None:
                     return
-                version = self._gate(chunk)
-                if self._stop.is_set():
-                    return
-                began = time.perf_counter()
-                batch = self._sample(chunk, version)
-                if batch.policy_versions is None:  # a sampler that does not tag its tokens (a rollout_func)
-                    batch.policy_versions = torch.full_like(
-                        batch.completion_ids, version if version is not None else self._published)
-                sampled = int(batch.policy_versions.min())
-                self._stats.aborted_tokens += batch.timing.get("aborted_tokens", 0.0)
-                exp = self.parts.score(chunk.rows, chunk.group_ids, batch, self._trainer_state(),
-                                       PhaseTimer(batch.completion_ids.device))
-                self._stats.producer_busy_s += time.perf_counter() - began
-                with self._cv:
-                    self._queue.append(_Scored(chunk, exp, sampled))
-                    self._cv.notify_all()
+                try:
+                    self._produce_one(chunk)
+                except BaseException:
+                    with self._cv:
+                        self._reissue.appendleft(chunk)  # still in flight: sampled again after a restart
+                    raise
+        except RolloutInterrupted:
+            if not self._stop.is_set():
+                raise
         except BaseException as exc:  # handed to the trainer at its next take
             with self._cv:
                 self._error = exc
                 self._cv.notify_all()
+
+    def _produce_one(self, chunk: _Chunk) -> None:
+        """Sample and score ``chunk`` and queue it (a stop on the way raises RolloutInterrupted)."""
+        version = self._gate(chunk)
+        if self._stop.is_set():
+            raise RolloutInterrupted("the producer is stopping")
+        began = time.perf_counter()
+        batch = self._sample(chunk, version)
+        if batch.policy_versions is None:  # a sampler that does not tag its tokens (a rollout_func)
+            batch.policy_versions = torch.full_like(
+                batch.completion_ids, version if version is not None else self._published)
+        sampled = int(batch.policy_versions.min())
+        self._stats.aborted_tokens += batch.timing.get("aborted_tokens", 0.0)
+        exp = self.parts.score(chunk.rows, chunk.group_ids, batch, self._trainer_state(),
+                               PhaseTimer(batch.completion_ids.device))
+        self._stats.producer_busy_s += time.perf_counter() - began
+        with self._cv:
+            self._queue.append(_Scored(chunk, exp, sampled))
+            self._cv.notify_all()
 
     def _sample(self, chunk: _Chunk, version: int | None) -> Any:
         """``chunk``'s completions; work a recovering sampler lost (a restarted process) is sampled again."""

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.config.trl_compat import from_trl_async_config
 from grpo_ascend.data.synthetic import arithmetic_dataset
-from grpo_ascend.errors import ConfigError, RolloutError
+from grpo_ascend.errors import ConfigError, RolloutError, RolloutInterrupted
 from grpo_ascend.models.policy import default_lora_config
 from grpo_ascend.models.sampler_copy import sampler_copy, synced_tensors
 from grpo_ascend.rollout.backend import PolicyWeights
@@ -143,6 +143,10 @@ def test_one_step_off_samples_each_batch_with_the_weights_one_round_old(tmp_path
     assert trainer.rollout.backend.restarts == 0 and after.policy_versions.unique().tolist() == [5]
     # step 1: the sampler's and the trainer's weights are the same (float noise); later, one step apart
     assert len(gaps) == 5 and gaps[0] < 1e-5 and min(gaps[1:]) > 100 * gaps[0]
+    # a second train(): what the first left sampled ahead (draw 5) is sampled again with its start's weights
+    trainer.max_steps = 7
+    trainer.train()
+    assert [(step, groups, lo, hi) for step, groups, lo, hi in seen[5:]] == [(5, [10, 11], 5, 5), (6, [12, 13], 5, 5)]
 
 
 def test_async_drops_stale_groups_and_samples_their_prompts_again(tmp_path, tiny_model_dir):
@@ -237,6 +241,33 @@ def test_a_version_pushed_mid_request_is_taken_as_partial_rollouts_says(tiny_mod
     else:
         assert versions == [7] * 24 and batch.timing["aborted_tokens"] == 5 * 2
         assert torch.equal(batch.completion_ids, fresh.completion_ids)
+
+
+def test_an_open_session_keeps_its_weights_while_other_requests_load_newer_ones(tiny_model_dir):
+    """A multi-turn session (the producer's tool loop) advances on the version it started with, even after an
+    evaluation's request loaded a newer one in between; once two newer versions have pushed its own out of the
+    ring, the session ends and its caller is told to sample the rows again (RolloutInterrupted), not fed
+    tokens of weights it was not tagged with."""
+    model = perturb_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval())
+    newer = perturb_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), seed=3)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    params = SamplingParams(num_generations=1, max_completion_length=6, temperature=0.0, ignore_eos=True)
+    ring = WeightRing(dict(synced_tensors(model)), spawn_context())
+    server = RolloutServer(WorkerSpec(sampler_copy(model), tok, params, "cpu", None, "fp32", 0, 10.0, "continue"), ring)
+    ids = [tok("hello there").input_ids]
+    ring.write(0, synced_tensors(model), timeout=10)
+    assert server.start_session(1, ids, params, None, None) == 0
+    ring.write(1, synced_tensors(newer), timeout=10)
+    server.generate(ids, params, None, None, None)  # an evaluation's request: loads version 1
+    server.advance(1)
+    reference = RolloutEngine(model, tok, params).generate_ids(ids, params)
+    assert server.output(1).completion_ids[0, :6].tolist() == reference.completion_ids[0].tolist()
+    server.start_session(2, ids, params, None, 0)
+    ring.write(2, synced_tensors(newer), timeout=10)  # versions 2 and 1 in the ring: 0 is gone
+    server.generate(ids, params, None, None, None)
+    with pytest.raises(RolloutInterrupted, match="sampled again"):
+        server.advance(2)
+    assert 2 not in server.sessions
 
 
 def test_plot_panels_follow_what_a_run_logged():

@@ -139,6 +139,8 @@ class ProcessBackend(RolloutBackend):
             status, value = self._conn.recv()
         except (EOFError, OSError) as exc:
             raise _Died(f"pipe closed: {exc}") from None
+        if status == "interrupted":
+            raise RolloutInterrupted(value)
         if status == "error":
             raise RolloutError(f"the rollout process failed on {op!r}: {value}")
         return value

@@ -21,6 +21,10 @@ from grpo_ascend.errors import RolloutError
 SLOTS = 2
 
 
+class VersionEvicted(RolloutError):
+    """A version asked for is no longer in the ring: two newer ones were written since."""
+
+
 class WeightRing:
     """Two shared-memory slots of named tensors (see the module docstring); made by the trainer, then
     handed to the rollout process when it starts (the tensors travel as shared-memory handles)."""
@@ -70,7 +74,7 @@ class WeightRing:
             raise RolloutError(f"reading weights version {wanted} waited more than {timeout:g} s for the trainer's write")
         try:
             if self.versions[slot] != wanted:
-                raise RolloutError(f"weights version {wanted} is no longer in the ring (slot holds "
+                raise VersionEvicted(f"weights version {wanted} is no longer in the ring (slot holds "
                                    f"{self.versions[slot]}); a pinned sampler fell {SLOTS} versions behind")
             with torch.no_grad():
                 for name, tensor in self.slots[slot].items():

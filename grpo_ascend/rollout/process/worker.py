@@ -23,9 +23,10 @@ import torch
 from torch import Tensor, nn
 
 from grpo_ascend import device as dev
+from grpo_ascend.errors import RolloutInterrupted
 from grpo_ascend.rollout.backend import RolloutBatch, RolloutSession, SessionOutput
 from grpo_ascend.rollout.engine import RolloutEngine
-from grpo_ascend.rollout.process.weight_ring import WeightRing, named_tensors
+from grpo_ascend.rollout.process.weight_ring import VersionEvicted, WeightRing, named_tensors
 from grpo_ascend.rollout.sampling import SamplingParams
 
 HEARTBEAT_PERIOD_S = 0.5
@@ -69,6 +70,7 @@ class RolloutServer:
         self.targets = named_tensors(self.model, ring.names)
         self.version = spec.initial_version
         self.sessions: dict[int, RolloutSession] = {}
+        self.session_versions: dict[int, int] = {}  # the version each open session started with
         self.swaps: list[tuple[int, int]] = []  # the running request's (first column sampled with it, version)
         self.may_abort = False
         self.ops: dict[str, Callable[..., Any]] = {
@@ -131,9 +133,17 @@ class RolloutServer:
                       version: int | None) -> int:
         used = self._load(version)
         self.sessions[sid] = self.engine.start_session(prompt_ids, params, self._generator(seed))
+        self.session_versions[sid] = used
         return used
 
     def advance(self, sid: int) -> list[Any]:
+        """The session's next turn, on the weights it started with (another caller's request may have loaded
+        others since); when the ring no longer holds them, the session is over and its rows are sampled again."""
+        try:
+            self._load(self.session_versions[sid])
+        except VersionEvicted as exc:
+            self.close_session(sid)
+            raise SessionSuperseded(f"the session's weights are gone ({exc}); its rows are sampled again") from None
         with torch.no_grad(), dev.autocast(self.device, self.spec.precision):
             return self.sessions[sid].advance()
 
@@ -145,8 +155,13 @@ class RolloutServer:
 
     def close_session(self, sid: int) -> None:
         session = self.sessions.pop(sid, None)
+        self.session_versions.pop(sid, None)
         if session is not None:
             session.close()
+
+
+class SessionSuperseded(RolloutInterrupted):
+    """An open session's policy version left the ring: the caller samples its rows again."""
 
 
 class _Superseded(Exception):
@@ -177,5 +192,7 @@ def serve(conn: Any, spec: WorkerSpec, ring: WeightRing, heartbeat: Any) -> None
             return
         try:
             conn.send(("ok", server.ops[op](*args)))
+        except RolloutInterrupted as exc:  # work lost, the process fine: the client samples it again
+            conn.send(("interrupted", str(exc)))
         except Exception as exc:  # the client raises it, with the process's traceback
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))

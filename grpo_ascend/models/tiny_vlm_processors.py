@@ -83,7 +83,8 @@ def image_only_qwen2_5_vl_processor() -> type:
     and the processor's type check of that argument fails without it). This subclass declares no video
     processor, so it builds and loads with the PIL image processor alone; it saves under the real class's name
     (with a matching video processor section), so ``AutoProcessor`` loads the folder wherever torchvision works.
-    Made on first use, so importing this module does not import transformers.
+    Made on first use, so importing this module does not import transformers; it still pickles (a rollout
+    process can receive it), as the module's ``ImageOnlyQwen2_5_VLProcessor`` attribute.
     """
     from transformers import Qwen2_5_VLProcessor
 
@@ -102,7 +103,15 @@ def image_only_qwen2_5_vl_processor() -> type:
             out["processor_class"] = Qwen2_5_VLProcessor.__name__
             return out
 
+    ImageOnlyQwen2_5_VLProcessor.__qualname__ = ImageOnlyQwen2_5_VLProcessor.__name__
     return ImageOnlyQwen2_5_VLProcessor
+
+
+def __getattr__(name: str) -> type:
+    """``ImageOnlyQwen2_5_VLProcessor`` by name (what pickle looks up), made on first use."""
+    if name == "ImageOnlyQwen2_5_VLProcessor":
+        return image_only_qwen2_5_vl_processor()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _VIDEO_SETTINGS = ("patch_size", "temporal_patch_size", "merge_size", "size", "image_mean", "image_std", "resample")

@@ -4,6 +4,7 @@ image parts in their family's chat format, expand images to the right number of 
 from __future__ import annotations
 
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -137,6 +138,7 @@ def test_processor_loads_without_torchvision(built, monkeypatch):
     processor = load_vlm_processor(folder)
     assert type(processor.image_processor).__name__.endswith("Pil")
     assert not hasattr(processor, "video_processor")
+    assert type(pickle.loads(pickle.dumps(processor))) is type(processor)  # a rollout process can receive it
     assert (inputs(processor, [picture(0)])["input_ids"] == processor.image_token_id).sum() == EXPECTED[family][1]
     saved = json.loads((folder / "processor_config.json").read_text())
     assert saved["processor_class"] == {"qwen2_5_vl": "Qwen2_5_VLProcessor", "llava": "LlavaProcessor"}[family]

@@ -125,8 +125,16 @@ def load_vlm_processor(path: str | Path):
     from transformers import AutoProcessor
     from transformers.utils import is_torchvision_available
 
-    config = Path(path) / "processor_config.json"
-    name = json.loads(config.read_text()).get("processor_class") if config.exists() else None
+    name = _processor_class(Path(path))
     if is_torchvision_available() or name not in IMAGE_ONLY_PROCESSORS:
         return AutoProcessor.from_pretrained(path)
     return IMAGE_ONLY_PROCESSORS[name]().from_pretrained(path)
+
+
+def _processor_class(folder: Path) -> str | None:
+    """The processor class a local folder names: in processor_config.json, or (older saves, such as the
+    released Qwen2.5-VL checkpoints) in preprocessor_config.json."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        if (folder / name).exists():
+            return json.loads((folder / name).read_text()).get("processor_class")
+    return None

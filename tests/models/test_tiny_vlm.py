@@ -175,3 +175,21 @@ def test_cli_builds_the_family_asked_for(monkeypatch, tmp_path, capsys):
     assert cli.main(["build-tiny-vlm", "--family", "llava", "--seed", "3"]) == 0
     assert calls == [("llava", {"seed": 3, "out_dir": None, "force": False})]
     assert capsys.readouterr().out.strip() == str(tmp_path)
+
+
+def test_image_only_fallback_reads_older_saves(built, tmp_path, monkeypatch):
+    """Released Qwen2.5-VL folders name their processor in preprocessor_config.json (no processor_config.json)."""
+    import shutil
+
+    import transformers.utils
+
+    family, folder, _, _ = built
+    if family != "qwen2_5_vl":
+        pytest.skip("only Qwen2.5-VL's processor needs torchvision")
+    old = shutil.copytree(folder, tmp_path / "old")
+    images = json.loads((old / "processor_config.json").read_text())["image_processor"]
+    (old / "processor_config.json").unlink()
+    (old / "preprocessor_config.json").write_text(json.dumps({**images, "processor_class": "Qwen2_5_VLProcessor"}))
+    monkeypatch.setattr(transformers.utils, "is_torchvision_available", lambda: False)
+    processor = load_vlm_processor(old)
+    assert (inputs(processor, [picture(0)])["input_ids"] == processor.image_token_id).sum() == EXPECTED[family][1]

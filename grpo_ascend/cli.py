@@ -68,6 +68,8 @@ COMMANDS: dict[str, Command] = {
                     lazy("grpo_ascend.tracking.plot:add_plot_arguments"), lazy("grpo_ascend.tracking.plot:run_plot")),
     "build-tiny-model": Command("build the offline tiny/small Qwen2 model + tokenizer (cached) and print its folder",
                                 lazy("grpo_ascend.models.tiny_model:add_build_arguments"), lazy("grpo_ascend.models.tiny_model:run_build")),
+    "build-tiny-vlm": Command("build an offline tiny vision-language model (Qwen2.5-VL or LLaVA) + processor and print its folder",
+                              lazy("grpo_ascend.models.tiny_vlm:add_build_arguments"), lazy("grpo_ascend.models.tiny_vlm:run_build")),
     "plan": Command("the memory a recipe needs per device, per phase, before launch (no weights loaded), e.g. plan "
                     "recipes/gsm8k_qwen.yaml --model-config recipes/model_configs/qwen2.5-7b.json --device-memory 64GiB",
                     lazy("grpo_ascend.planning.cli:add_plan_arguments"), lazy("grpo_ascend.planning.cli:run_plan")),

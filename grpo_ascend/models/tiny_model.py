@@ -8,13 +8,10 @@ has signal), and saves both with ``save_pretrained``. Builds are cached per size
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +19,12 @@ from typing import Any
 from grpo_ascend.data.synthetic import arithmetic_problems, conversation
 from grpo_ascend.errors import ConfigError, closest
 from grpo_ascend.models import builtin_weights
+from grpo_ascend.models.build_cache import build_lock as _build_lock
+from grpo_ascend.models.build_cache import cache_dir, write_atomically
 from grpo_ascend.models.seeding import seeded
 from grpo_ascend.models.tiny_tokenizer import COMPACT_TOOLS_CHAT_TEMPLATE, VOCAB_SIZE, build_tokenizer
 from grpo_ascend.models.tiny_tool_warm import TOOL_WARM_PHASES, tool_warm_phase, tool_warm_start
+from grpo_ascend.models.tiny_vlm import resolve_builtin_vlm
 from grpo_ascend.models.warm_step import supervised_step
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,8 @@ TOOL_WARM_VERSION = 2
 #: Built-in model flavours: ``builtin:<size>``, ``-warm`` (arithmetic warm start), ``-tool-warm``
 #: (then calculator transcripts; compact tool prompt).
 FLAVOURS = ("", "warm", "tool-warm")
+#: Other built-in kinds, by the word before the first ``-``: ``builtin:vlm-<family>`` (vision-language).
+OTHER_BUILTINS = {"vlm": resolve_builtin_vlm}
 @dataclass(frozen=True)
 class TinySize:
     """Architecture of one built-in size."""
@@ -152,14 +154,6 @@ def _sft_batch(tokenizer, problems):
     return ids, lab
 
 
-def cache_dir() -> Path:
-    """Where built models live: ``$GRPO_ASCEND_CACHE`` or ``~/.cache/grpo_ascend``."""
-    root = os.environ.get("GRPO_ASCEND_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "grpo_ascend"
-    )
-    return Path(root) / "tiny-models"
-
-
 def build_name(size: str, warm: bool = False, tools: bool = False, seed: int = 0) -> str:
     """The cache folder name of a built-in model (also the name of its shipped weights)."""
     if tools:
@@ -228,39 +222,17 @@ class _Build:
         return f"{self.name}-scratch" if self.from_scratch and builtin_weights.manifest().get(self.name) else self.name
 
 
-@contextlib.contextmanager
-def _build_lock(target: Path) -> Iterator[None]:
-    """Hold an exclusive lock for building ``target``: a second process asking for the same model
-    (parallel test workers, two runs starting together) waits for the first build instead of repeating it."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: concurrent builds still end in one atomic rename, just duplicated work
-        yield
-        return
-    with open(target.parent / f".{target.name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _build_into(target: Path, build: _Build) -> Path:
     """Build the model in a temporary folder next to ``target`` and rename it into place."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         model, tokenizer, shipped = _built_model(build)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         if shipped is not None:  # the shipped bytes themselves: their checksum marks the folder as current
             shutil.copyfile(shipped, tmp / "model.safetensors")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return write_atomically(target, write)
 
 
 def _built_model(build: _Build):
@@ -326,15 +298,18 @@ def _load_shipped(build: _Build, tokenizer, path: Path):
 
 
 def resolve_builtin(name: str) -> Path | None:
-    """Map ``builtin:tiny``, ``builtin:tiny-warm``, ``builtin:tiny-tool-warm``, ``builtin:small`` to a
-    built model directory."""
+    """Map ``builtin:tiny``, ``builtin:tiny-warm``, ``builtin:tiny-tool-warm``, ``builtin:small`` (and
+    ``builtin:vlm-<family>``, see :data:`OTHER_BUILTINS`) to a built model directory."""
     if not name.startswith("builtin:"):
         return None
     spec = name.split(":", 1)[1]
     size, _, flavour = spec.partition("-")
+    if size in OTHER_BUILTINS:
+        return OTHER_BUILTINS[size](flavour)
     if flavour not in FLAVOURS:
         raise ConfigError(
-            f"unknown built-in model {name!r}: expected builtin:<size>[-warm|-tool-warm], size in {sorted(SIZES)}"
+            f"unknown built-in model {name!r}: expected builtin:<size>[-warm|-tool-warm], size in {sorted(SIZES)}, "
+            f"or builtin:vlm-<family>"
         )
     return build_tiny_model(size, warm=flavour != "", tools=flavour == "tool-warm")
 
@@ -347,6 +322,8 @@ def builtin_architecture(name: str) -> dict[str, Any]:
     """
     spec = name.split(":", 1)[1] if name.startswith("builtin:") else name
     size, _, flavour = spec.partition("-")
+    if size in OTHER_BUILTINS:
+        raise ConfigError(f"{name!r} cannot be planned: grpo-ascend plan knows text models only")
     if flavour not in FLAVOURS:
         raise ConfigError(f"unknown built-in model {name!r}: expected builtin:<size>[-warm|-tool-warm], size in {sorted(SIZES)}")
     arch = _size(size)

@@ -1,0 +1,204 @@
+"""Offline, deterministic tiny vision-language models: Qwen2.5-VL and LLaVA-1.5 architectures in miniature.
+
+Vision-language GRPO (issue #38) needs real ``*ForConditionalGeneration`` models with working processors and
+chat templates, without any download. Each family in :data:`FAMILIES` builds its model from a fixed seed and
+its processor around the tiny BPE tokenizer (:mod:`grpo_ascend.models.tiny_vlm_processors`), and saves both
+with ``save_pretrained``; the folder loads with ``AutoModelForImageTextToText`` and ``AutoProcessor`` (or
+:func:`~grpo_ascend.models.tiny_vlm_processors.load_vlm_processor` where torchvision is missing). Builds are
+cached per family, seed and version. Images are small (28 to 56 pixels a side): a picture is 4 to 16 tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_ascend.errors import ConfigError, closest
+from grpo_ascend.models.build_cache import build_lock, cache_dir, write_atomically
+from grpo_ascend.models.seeding import seeded
+from grpo_ascend.models.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN
+from grpo_ascend.models.tiny_vlm_processors import (
+    LLAVA_CHAT_TEMPLATE,
+    LLAVA_TOKENS,
+    QWEN2_5_VL_CHAT_TEMPLATE,
+    QWEN_VL_TOKENS,
+    image_only_qwen2_5_vl_processor,
+    vlm_tokenizer,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Bumped whenever a build's files change; part of the cache folder's name.
+VLM_BUILD_VERSION = 1
+#: The text decoder of every family: 2 layers, hidden 64, 4 query heads over 2 key/value heads (head dim 16).
+TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 2048}
+#: Vision patch side in pixels; Qwen2.5-VL merges 2x2 patches into one token.
+PATCH = 7
+#: LLaVA's square input side (its CLIP tower's image_size): (28 / 7)^2 = 16 image tokens.
+LLAVA_IMAGE = 28
+#: Qwen2.5-VL's pixel budget per image: 28x28 (4 tokens) to 56x56 (16 tokens).
+QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 28 * 28, 56 * 56
+
+
+@dataclass(frozen=True)
+class VLMFamily:
+    """One built-in vision-language family: its image tokens, chat template, model and processor."""
+
+    image_tokens: list[str]
+    chat_template: str
+    build_model: Callable  # (tokenizer, seed) -> a PreTrainedModel
+    build_processor: Callable  # (tokenizer) -> a ProcessorMixin
+
+
+def _special_ids(tokenizer) -> dict:
+    """The text config's special ids: no BOS, the ChatML end of turn as EOS, <|endoftext|> as padding."""
+    return {"bos_token_id": None, "eos_token_id": tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+            "pad_token_id": tokenizer.convert_tokens_to_ids(PAD_TOKEN)}
+
+
+def _qwen2_5_vl_model(tokenizer, seed: int):
+    """Qwen2.5-VL: a 2-block vision tower with window attention in block 0 (a 56x56 image is 2x2 windows of
+    2x2 merged patches) and full attention in block 1, then the 2-layer text decoder with 3D (mrope) positions."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config={**TEXT, "vocab_size": len(tokenizer), **_special_ids(tokenizer),
+                     # temporal, height, width sections of the rotary half-dimension: head dim 16 / 2 = 2 + 3 + 3
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0,
+                                         "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                       "patch_size": PATCH, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "window_size": 4 * PATCH, "fullatt_block_indexes": [1],
+                       "out_hidden_size": TEXT["hidden_size"]},
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+    with seeded(seed):
+        return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _qwen2_5_vl_processor(tokenizer):
+    """The image-only Qwen2.5-VL processor (PIL image processor; no torchvision needed) at the tiny patch size."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    images = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=2, temporal_patch_size=2,
+                                      min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS)
+    return image_only_qwen2_5_vl_processor()(image_processor=images, tokenizer=tokenizer,
+                                             chat_template=tokenizer.chat_template)
+
+
+def _llava_model(tokenizer, seed: int):
+    """LLaVA-1.5: a 2-layer CLIP vision tower (features of its second-to-last layer, CLS dropped), a 2-layer
+    GELU projector, and a 2-layer Llama text decoder."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=LLAVA_IMAGE, patch_size=PATCH, projection_dim=32)
+    text = LlamaConfig(**TEXT, vocab_size=len(tokenizer), **_special_ids(tokenizer), tie_word_embeddings=True)
+    config = LlavaConfig(vision_config=vision, text_config=text,
+                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+                         image_seq_length=(LLAVA_IMAGE // PATCH) ** 2, vision_feature_select_strategy="default",
+                         vision_feature_layer=-2, projector_hidden_act="gelu", tie_word_embeddings=True)
+    with seeded(seed):
+        return LlavaForConditionalGeneration(config)
+
+
+def _llava_processor(tokenizer):
+    """LlavaProcessor with a PIL CLIP image processor (resize and centre crop to 28x28): one image, 16 tokens."""
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    images = CLIPImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE},
+                                   crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE})
+    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                          chat_template=tokenizer.chat_template)
+
+
+FAMILIES: dict[str, VLMFamily] = {
+    "qwen2_5_vl": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen2_5_vl_model, _qwen2_5_vl_processor),
+    "llava": VLMFamily(LLAVA_TOKENS, LLAVA_CHAT_TEMPLATE, _llava_model, _llava_processor),
+}
+
+
+def _family(family: str) -> VLMFamily:
+    if family not in FAMILIES:
+        raise ConfigError(f"unknown vision-language family {family!r}; expected one of {sorted(FAMILIES)}"
+                          f"{closest(family, FAMILIES)}")
+    return FAMILIES[family]
+
+
+def vlm_build_name(family: str, seed: int = 0) -> str:
+    """The cache folder name of a built-in vision-language model."""
+    return f"vlm-{family}-s{seed}-v{VLM_BUILD_VERSION}"
+
+
+def build_vlm_parts(family: str, seed: int = 0):
+    """(model, processor) of ``family`` in memory, in eval mode: what :func:`build_tiny_vlm` saves."""
+    import torch
+
+    spec = _family(family)
+    tokenizer = vlm_tokenizer(spec.image_tokens, spec.chat_template, seed=seed)
+    model = spec.build_model(tokenizer, seed).to(torch.float32).eval()
+    special = _special_ids(tokenizer)
+    for key, value in special.items():
+        setattr(model.generation_config, key, value)
+    return model, spec.build_processor(tokenizer)
+
+
+def build_tiny_vlm(family: str, seed: int = 0, out_dir: str | os.PathLike | None = None,
+                   force: bool = False) -> Path:
+    """Build (or reuse from the cache) a built-in vision-language model + processor and return its folder.
+
+    ``family`` is a key of :data:`FAMILIES`; the same ``seed`` gives the same weights and files. The folder
+    loads with ``AutoModelForImageTextToText.from_pretrained`` and ``AutoProcessor.from_pretrained``.
+    """
+    _family(family)
+    target = Path(out_dir) if out_dir is not None else cache_dir() / vlm_build_name(family, seed)
+    if not force and _is_built(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(target):
+        if not force and _is_built(target):
+            return target  # another process built it while this one waited
+
+        def write(tmp: Path) -> None:
+            model, processor = build_vlm_parts(family, seed)
+            model.save_pretrained(tmp)
+            processor.save_pretrained(tmp)
+
+        logger.info("building %s", target.name)
+        return write_atomically(target, write)
+
+
+def _is_built(target: Path) -> bool:
+    return all((target / name).exists() for name in ("config.json", "model.safetensors", "processor_config.json"))
+
+
+def resolve_builtin_vlm(flavour: str) -> Path:
+    """``builtin:vlm-<family>`` (the part after ``vlm-``) to its built folder."""
+    if flavour not in FAMILIES:
+        raise ConfigError(f"unknown built-in model 'builtin:vlm-{flavour}': expected builtin:vlm-<family>, family "
+                          f"in {sorted(FAMILIES)}{closest(flavour, FAMILIES)}")
+    return build_tiny_vlm(flavour)
+
+
+def add_build_arguments(parser) -> None:
+    """Arguments of ``grpo-ascend build-tiny-vlm``."""
+    parser.add_argument("--family", default="qwen2_5_vl", choices=sorted(FAMILIES),
+                        help="architecture family (default qwen2_5_vl)")
+    parser.add_argument("--out", default=None, help="folder to write (default: the cache, reused if present)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the folder exists")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tokenizer and weights")
+
+
+def run_build(ns) -> int:
+    """``grpo-ascend build-tiny-vlm``: build (or find) a built-in vision-language model and print its folder."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(build_tiny_vlm(ns.family, seed=ns.seed, out_dir=ns.out, force=ns.force))
+    return 0

@@ -1,0 +1,140 @@
+"""Tokenizers, chat templates and processors of the built-in vision-language models, and a processor loader
+that keeps image-only use working without torchvision.
+
+The tokenizer is the tiny text models' byte-level BPE (:mod:`grpo_ascend.models.tiny_tokenizer`) plus each
+family's image tokens. The chat templates render conversational content parts (``{"type": "image"}``,
+``{"type": "text", "text": ...}``) as the real families' templates do: Qwen2.5-VL puts
+``<|vision_start|><|image_pad|><|vision_end|>`` where each image is; LLaVA-1.5 puts ``<image>\\n`` before the
+turn's text. The processors expand each image token to the image's number of feature tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from grpo_ascend.models.tiny_tokenizer import EOS_TOKEN, build_tokenizer
+
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+LLAVA_TOKENS = ["<image>"]
+
+# Qwen2.5-VL's template without its default system turn (as the tiny text template): a string content
+# renders as is; a list renders its parts in order, each image (or video) as its three vision tokens.
+QWEN2_5_VL_CHAT_TEMPLATE = (
+    "{%- set image_count = namespace(value=0) %}{%- set video_count = namespace(value=0) %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for content in message['content'] %}"
+    "{%- if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{%- set image_count.value = image_count.value + 1 %}"
+    "{%- if add_vision_id %}{{- 'Picture ' + image_count.value | string + ': ' }}{%- endif %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif content['type'] == 'video' or 'video' in content %}"
+    "{%- set video_count.value = video_count.value + 1 %}"
+    "{%- if add_vision_id %}{{- 'Video ' + video_count.value | string + ': ' }}{%- endif %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in content %}{{- content['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# LLaVA-1.5's template (llava-hf): ``USER: <image>\n<text> ASSISTANT:``; a turn's images first, then its
+# text; the system turn's text without a role. Assistant turns end with the tokenizer's EOS (the original
+# LLaVA conversation's ``</s>``) so that a completion's end is a token the model learns to emit.
+LLAVA_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] != 'system' %}{{- message['role'].upper() + ': ' }}{%- endif %}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}"
+    "{%- for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{- '<image>\\n' }}{%- endfor %}"
+    "{%- for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{- content['text'] }}{%- if not loop.last %}{{- ' ' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{%- if message['role'] == 'assistant' %}{{- '" + EOS_TOKEN + "' }}{%- endif %}"
+    "{{- ' ' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'ASSISTANT:' }}{%- endif %}"
+)
+
+
+def vlm_tokenizer(image_tokens: list[str], chat_template: str, seed: int = 0):
+    """The tiny BPE tokenizer with ``image_tokens`` appended as special tokens (every other id unchanged)
+    and ``chat_template`` as its template."""
+    from tokenizers import AddedToken
+
+    tokenizer = build_tokenizer(seed=seed)
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in image_tokens], special_tokens=True)
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+@functools.cache
+def image_only_qwen2_5_vl_processor() -> type:
+    """``ImageOnlyQwen2_5_VLProcessor``: Qwen2.5-VL's processor without its video processor, for images only.
+
+    transformers 5.25 cannot build ``Qwen2_5_VLProcessor`` without torchvision (its video processor needs it,
+    and the processor's type check of that argument fails without it). This subclass declares no video
+    processor, so it builds and loads with the PIL image processor alone; it saves under the real class's name
+    (with a matching video processor section), so ``AutoProcessor`` loads the folder wherever torchvision works.
+    Made on first use, so importing this module does not import transformers; it still pickles (a rollout
+    process can receive it), as the module's ``ImageOnlyQwen2_5_VLProcessor`` attribute.
+    """
+    from transformers import Qwen2_5_VLProcessor
+
+    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            kwargs.pop("video_processor", None)  # a saved folder's video section: unused without torchvision
+            super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                             chat_template=chat_template, **kwargs)
+
+        def to_dict(self) -> dict[str, Any]:
+            """The real processor's config: its class name, and a video processor matching the image settings."""
+            out = super().to_dict()
+            image = out["image_processor"]
+            out["video_processor"] = {"video_processor_type": "Qwen2VLVideoProcessor",
+                                      **{key: image[key] for key in _VIDEO_SETTINGS if key in image}}
+            out["processor_class"] = Qwen2_5_VLProcessor.__name__
+            return out
+
+    ImageOnlyQwen2_5_VLProcessor.__qualname__ = ImageOnlyQwen2_5_VLProcessor.__name__
+    return ImageOnlyQwen2_5_VLProcessor
+
+
+def __getattr__(name: str) -> type:
+    """``ImageOnlyQwen2_5_VLProcessor`` by name (what pickle looks up), made on first use."""
+    if name == "ImageOnlyQwen2_5_VLProcessor":
+        return image_only_qwen2_5_vl_processor()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_VIDEO_SETTINGS = ("patch_size", "temporal_patch_size", "merge_size", "size", "image_mean", "image_std", "resample")
+#: Processors whose video part needs torchvision, by the class a saved folder names: their image-only stand-in.
+IMAGE_ONLY_PROCESSORS: dict[str, Callable[[], type]] = {"Qwen2_5_VLProcessor": image_only_qwen2_5_vl_processor}
+
+
+def load_vlm_processor(path: str | Path):
+    """A vision-language model folder's processor: ``AutoProcessor``'s when torchvision is installed, else, for
+    the processors whose video part needs torchvision (:data:`IMAGE_ONLY_PROCESSORS`), their image-only stand-in."""
+    from transformers import AutoProcessor
+    from transformers.utils import is_torchvision_available
+
+    name = _processor_class(Path(path))
+    if is_torchvision_available() or name not in IMAGE_ONLY_PROCESSORS:
+        return AutoProcessor.from_pretrained(path)
+    return IMAGE_ONLY_PROCESSORS[name]().from_pretrained(path)
+
+
+def _processor_class(folder: Path) -> str | None:
+    """The processor class a local folder names: in processor_config.json, or (older saves, such as the
+    released Qwen2.5-VL checkpoints) in preprocessor_config.json."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        if (folder / name).exists():
+            return json.loads((folder / name).read_text()).get("processor_class")
+    return None

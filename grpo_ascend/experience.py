@@ -32,6 +32,7 @@ from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import DataError
 from grpo_ascend.rollout.backend import RolloutBatch
 from grpo_ascend.tracking.phases import PhaseTimer
+from grpo_ascend.vision.inputs import RowVision
 
 #: ``fn(prompt_ids, prompt_mask, completion_ids, completion_mask) -> [rows, Lc]`` log-probs.
 LogprobFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -77,14 +78,21 @@ class Experience:
     extra_columns: dict[str, list[Any]] = field(default_factory=dict)
     #: [B, Lc] the policy version that sampled each token (asynchronous rollouts); None: the current weights.
     policy_versions: Tensor | None = None
+    #: Each row's image inputs (prompts with images; vision/inputs.py), None for text.
+    vision: RowVision | None = None
 
     @property
     def size(self) -> int:
         return self.completion_ids.shape[0]
 
-    def model_inputs(self, rows: Tensor | slice) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The four tensors the log-prob forward takes, for ``rows``."""
-        return (self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows], self.completion_mask[rows])
+    def model_inputs(self, rows: Tensor | slice) -> tuple[Tensor, Tensor, Tensor, Tensor, RowVision | None]:
+        """What the log-prob forward takes, for ``rows``: the four token tensors and the rows' image inputs."""
+        vision = None
+        if self.vision is not None:
+            index = range(self.size)[rows] if isinstance(rows, slice) else rows.tolist()
+            vision = self.vision.select(index)
+        return (self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows], self.completion_mask[rows],
+                vision)
 
     def _tensor_fields(self) -> dict[str, Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -98,6 +106,7 @@ class Experience:
             self, **tensors, prompts=[self.prompts[i] for i in host], completions=[self.completions[i] for i in host],
             extras={k: v[index.to(v.device)] for k, v in self.extras.items()}, counts=dict(self.counts),
             extra_columns={k: [v[i] for i in host] for k, v in self.extra_columns.items()},
+            vision=self.vision.select(host) if self.vision is not None else None,
         )
 
     @classmethod
@@ -121,6 +130,7 @@ class Experience:
             first, **joined, prompts=[x for p in parts for x in p.prompts],
             completions=[x for p in parts for x in p.completions], extras=extras, counts=counts,
             reward_metrics=metrics, extra_columns=columns,
+            vision=RowVision.concat([p.vision for p in parts], [p.size for p in parts]),
         )
 
     def samples(self, n: int) -> list[dict[str, Any]]:
@@ -345,6 +355,7 @@ def scored_experience(rewards: Any, rows: Sequence[Mapping[str, Any]], group_ids
         reward_metrics=scores.logged,
         extra_columns=scores.extra,
         policy_versions=batch.policy_versions,
+        vision=batch.vision,
     )
 
 

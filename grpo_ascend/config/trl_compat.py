@@ -153,7 +153,7 @@ TRAINER_SURFACE: list[tuple[str, str, str]] = [
      "log_history (TRL's metric names beside ours, every logging_steps; transformers' closing summary entry)"),
     ("control", "supported", "a transformers.TrainerControl; should_training_stop ends the run"),
     ("accelerator", "supported", "the run's accelerate.Accelerator (print, is_main_process, ...)"),
-    ("processing_class", "supported", "the tokenizer"),
+    ("processing_class", "supported", "the tokenizer, or a vision-language model's processor (docs/vlm.md)"),
     ("train_dataset", "supported", ""),
     ("eval_dataset", "supported", ""),
     ("optimizer", "supported", "torch AdamW (prepared by the distributed strategy)"),

@@ -95,7 +95,7 @@ def is_stream(ds: Any) -> bool:
     return hasattr(ds, "__iter__") and not hasattr(ds, "__len__")
 
 
-def _columns(ds: Any) -> list[str]:
+def dataset_columns(ds: Any) -> list[str]:
     """The column names of a dataset, a stream (its features, else its first row) or a list of rows."""
     names = getattr(ds, "column_names", None)
     if names is not None:
@@ -104,10 +104,6 @@ def _columns(ds: Any) -> list[str]:
     if first is None:
         raise DataError("the prompt dataset is empty; check the file, split or max_train_samples")
     return list(first)
-
-
-#: TRL's columns of prompt images (one image, or a list per row).
-IMAGE_COLUMNS = ("image", "images")
 
 
 def check_prompt_dataset(ds: Any, prompt_column: str = "prompt", require_prompt: bool = True) -> None:
@@ -123,18 +119,11 @@ def check_prompt_dataset(ds: Any, prompt_column: str = "prompt", require_prompt:
         raise DataError(f"the dataset is a one-shot iterator ({type(ds).__name__}): it cannot be read again for a new "
                         "epoch, a resume or an evaluation; pass a datasets.Dataset or datasets.IterableDataset "
                         "(e.g. IterableDataset.from_generator)")
-    columns = _columns(ds)
+    columns = dataset_columns(ds)
     if require_prompt and prompt_column not in columns:
         raise DataError(
             f"the dataset has no prompt column {prompt_column!r}; its columns are {columns} — "
             "set prompt_column to the one holding the prompts"
-        )
-    images = [c for c in IMAGE_COLUMNS if c in columns]
-    if images:
-        raise DataError(
-            f"the dataset has image column(s) {images}: prompts with images (vision-language GRPO) are not supported "
-            "yet, and a text-only run would ignore them without a word. Train on the text alone with "
-            f"dataset.remove_columns({images!r}), or use a trainer that takes images"
         )
 
 

@@ -46,6 +46,7 @@ from grpo_ascend.models.policy import (
     preserve_requires_grad,
     resolve_model_path,
 )
+from grpo_ascend.vision.inputs import RowVision
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +105,10 @@ class CompletionValues(nn.Module):
 
     share_prompts = True  # a group's prompt runs once (see models.completion_hidden_states)
 
-    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
+    def forward(self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
+                vision: RowVision | None = None) -> Tensor:
         hidden = completion_hidden_states(
-            self.decoder, prompt_ids, prompt_mask, completion_ids, completion_mask, self.share_prompts
+            self.decoder, prompt_ids, prompt_mask, completion_ids, completion_mask, self.share_prompts, vision=vision
         )
         return self.head(hidden)
 

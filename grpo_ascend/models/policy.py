@@ -23,7 +23,15 @@ from grpo_ascend.models.attention_switch import activation_checkpointing_on
 from grpo_ascend.models.grouped_attention import grouped_attention
 from grpo_ascend.models.logprobs import token_logprobs_from_hidden
 from grpo_ascend.models.tiny_model import resolve_builtin
+from grpo_ascend.models.vision_language import (
+    config_of,
+    is_vision_language,
+    language_model_linear_targets,
+    takes_processor_images,
+)
 from grpo_ascend.models.wrappers import is_peft
+from grpo_ascend.vision.inputs import RowVision
+from grpo_ascend.vision.positions import completion_positions, image_placeholders, joined, prompt_positions
 
 logger = logging.getLogger(__name__)
 
@@ -38,15 +46,15 @@ def resolve_model_path(name: str) -> str:
 
 
 def load_causal_lm(model: str | nn.Module, dtype: str = "float32", init_kwargs: dict[str, Any] | None = None) -> nn.Module:
-    """A causal LM from a path / hub id / ``builtin:*`` name, or the given module unchanged.
+    """A causal LM (or an image-text-to-text model, models/vision_language.py) from a path / hub id /
+    ``builtin:*`` name, or the given module unchanged.
 
     ``init_kwargs`` go to ``from_pretrained`` (TRL's ``model_init_kwargs``); their ``dtype`` (a name or a
     torch dtype) overrides ``dtype``.
     """
     if isinstance(model, nn.Module):
-        check_text_only(model)
         return model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     kwargs = dict(init_kwargs or {})
     dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None) or dtype
@@ -55,32 +63,21 @@ def load_causal_lm(model: str | nn.Module, dtype: str = "float32", init_kwargs: 
             raise ConfigError(f"model dtype {dtype!r} is not one of {sorted(_DTYPES)}")
         dtype = _DTYPES[dtype]
     path = resolve_model_path(model)
+    auto = AutoModelForImageTextToText if is_vision_language(config_of(path, kwargs)) else AutoModelForCausalLM
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        return auto.from_pretrained(path, dtype=dtype, **kwargs)
     except OSError as exc:
         raise ConfigError(f"could not load model {model!r}: {exc}".splitlines()[0]) from exc
-    check_text_only(loaded)
-    return loaded
-
-
-def check_text_only(model: nn.Module) -> None:
-    """Refuse a vision-language model: its image inputs would never be fed (vision-language GRPO is not built yet)."""
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "vision_config", None) is not None:
-        raise ConfigError(
-            f"{type(model).__name__} ({getattr(config, 'model_type', '?')}) is a vision-language model: training it "
-            "on images is not supported yet, and its vision tower would sit unused. Train its language model alone "
-            "(a text-only checkpoint of it) on text prompts"
-        )
 
 
 def load_tokenizer(model: str | nn.Module, processing_class: Any = None,
                    init_kwargs: dict[str, Any] | None = None) -> Any:
-    """The tokenizer for ``model`` (or ``processing_class``), left-padded, with a pad token.
+    """The tokenizer for ``model`` (or ``processing_class``, or a multimodal processor's), left-padded, with a
+    pad token.
 
     The ``revision`` and ``trust_remote_code`` of ``init_kwargs`` (the model's) apply to it too.
     """
-    tok = processing_class
+    tok = processing_class.tokenizer if takes_processor_images(processing_class) else processing_class
     if tok is None:
         from transformers import AutoTokenizer
 
@@ -116,6 +113,10 @@ def apply_peft(model: nn.Module, peft_config: Any | None) -> nn.Module:
         return model
     from peft import get_peft_model
 
+    if is_vision_language(getattr(model, "config", None)) and peft_config.target_modules in ("all-linear", {"all-linear"}):
+        peft_config = copy.copy(peft_config)
+        peft_config.target_modules = language_model_linear_targets(model)
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         return get_peft_model(model, peft_config)
@@ -141,15 +142,20 @@ def position_ids_from_mask(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def shared_prompt_rows(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor] | None:
+def shared_prompt_rows(prompt_ids: Tensor, prompt_mask: Tensor,
+                       vision: RowVision | None = None) -> tuple[Tensor, Tensor] | None:
     """(first row of each run of identical consecutive prompts, each row's run index), or None.
 
     GRPO keeps a prompt's G completions next to each other, so a micro-batch usually holds a few
     distinct prompts; None when every row's prompt differs from the previous one (nothing to share).
+    With ``vision``, rows share a run only if they also share their images (the same token ids can
+    hold different pictures).
     """
     if prompt_ids.shape[0] < 2 or prompt_ids.shape[1] == 0:
         return None
     same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(1)
+    if vision is not None:
+        same &= torch.tensor(vision.same_as_previous()[1:], dtype=torch.bool, device=same.device)
     starts = torch.cat([same.new_ones(1), ~same])
     first = starts.nonzero().squeeze(1)  # one host sync: the number of distinct prompts
     if first.numel() == prompt_ids.shape[0]:
@@ -171,6 +177,7 @@ def completion_hidden_states(
     completion_mask: Tensor,
     share_prompts: bool = True,
     fixed_calls: bool = False,
+    vision: RowVision | None = None,
 ) -> Tensor:
     """Last hidden states [B, Lc, H] at the positions that predict each completion token.
 
@@ -182,33 +189,49 @@ def completion_hidden_states(
     ``fixed_calls``: take the cached two-call path even when no prompt repeats (each row its own
     run), so the decoder is called the same number of times whatever the batch holds -- under a
     parameter-sharding strategy (grpo_ascend/dist) every call gathers weights collectively, and all
-    ranks must make the same calls.
+    ranks must make the same calls. ``vision``: the rows' image inputs (vision/inputs.py); a shared prompt's
+    images are then encoded once for its rows, and positions follow the model's numbering of image tokens.
+    Completions always run as a second call then, as the sampler ran them: an image token a completion
+    sampled is a plain token there, not a slot for image features (under activation checkpointing, which
+    needs one call, such a token reads the padding token's embedding instead).
     """
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    positions = position_ids_from_mask(mask)
+    if vision is not None and not vision.any_images:
+        vision = None
+    if vision is None:
+        positions = position_ids_from_mask(mask)
+    else:
+        prompt_pos, next_pos = prompt_positions(backbone, prompt_ids, prompt_mask, vision.forward_kwargs(None, prompt_mask))
+        positions = joined(prompt_pos, completion_positions(next_pos, completion_mask))
     runs = None
-    if share_prompts and completion_ids.shape[1] > 0 and not activation_checkpointing_on(backbone):
-        runs = shared_prompt_rows(prompt_ids, prompt_mask)
-        if runs is None and fixed_calls:
+    if (share_prompts or vision is not None) and completion_ids.shape[1] > 0 and not activation_checkpointing_on(backbone):
+        runs = shared_prompt_rows(prompt_ids, prompt_mask, vision)
+        if runs is None and (fixed_calls or vision is not None):
             every = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
             runs = (every, every)
     width = prompt_ids.shape[1]
     if runs is None:
+        images = {}
+        if vision is not None:
+            images = vision.forward_kwargs(None, prompt_mask, completion_ids.shape[1])
+            completion_ids = completion_ids.masked_fill(image_placeholders(backbone.config, completion_ids), 0)
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
+        hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                          **images).last_hidden_state
         return hidden[:, width - 1 : width - 1 + completion_ids.shape[1]]
     from transformers import DynamicCache
 
     first, row_run = runs
     cache_kwarg = _cache_kwarg(type(backbone))
-    cache = DynamicCache(config=backbone.config)
+    cache = DynamicCache(config=backbone.config.get_text_config(decoder=True))
+    images = vision.forward_kwargs(first, prompt_mask[first]) if vision is not None else {}
     prefill = backbone(
-        input_ids=prompt_ids[first], attention_mask=prompt_mask[first], position_ids=positions[first, :width],
-        use_cache=True, **{cache_kwarg: cache},
+        input_ids=prompt_ids[first], attention_mask=prompt_mask[first],
+        position_ids=positions.index_select(-2, first)[..., :width], use_cache=True, **{cache_kwarg: cache}, **images,
     ).last_hidden_state
     _select_cache_rows(cache, row_run)
     completion = backbone(
-        input_ids=completion_ids, attention_mask=mask, position_ids=positions[:, width:],
+        input_ids=completion_ids, attention_mask=mask, position_ids=positions[..., width:],
         use_cache=True, **{cache_kwarg: cache},
     ).last_hidden_state
     # Token t of a completion is predicted from position t-1: the prompt's last for t = 0.
@@ -283,12 +306,14 @@ class CompletionLogprobs(nn.Module):
         prompt_mask: Tensor,
         completion_ids: Tensor,
         completion_mask: Tensor,
+        vision: RowVision | None = None,
         temperature: float = 1.0,
         with_entropy: bool = False,
         entropy_grad: bool = True,
     ) -> tuple[Tensor, Tensor | None]:
         """Log-probs [B, W] and entropies (or None) of the completions; ``entropy_grad=False`` when no
-        loss term differentiates the entropies (saves the backward a full-vocabulary tensor per chunk)."""
+        loss term differentiates the entropies (saves the backward a full-vocabulary tensor per chunk);
+        ``vision``: the rows' image inputs (prompts with images)."""
         width = completion_ids.shape[1]
         target = used_completion_width(completion_mask)
         if self.fixed_calls and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -297,21 +322,22 @@ class CompletionLogprobs(nn.Module):
             target = int(widest)  # padded columns come after every real token: attention never reads them
         if target == width:
             return self._logprobs(prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, with_entropy,
-                                  entropy_grad)
+                                  entropy_grad, vision)
         logps, entropies = self._logprobs(
             prompt_ids, prompt_mask, _fit_width(completion_ids, target), _fit_width(completion_mask, target),
-            temperature, with_entropy, entropy_grad,
+            temperature, with_entropy, entropy_grad, vision,
         )
         return _fit_width(logps, width), None if entropies is None else _fit_width(entropies, width)
 
     def _logprobs(
         self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-        temperature: float, with_entropy: bool, entropy_grad: bool = True,
+        temperature: float, with_entropy: bool, entropy_grad: bool = True, vision: RowVision | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         backbone, head = backbone_and_head(self.model)
         with grouped_attention(backbone):
             hidden = completion_hidden_states(
-                backbone, prompt_ids, prompt_mask, completion_ids, completion_mask, self.share_prompts, self.fixed_calls
+                backbone, prompt_ids, prompt_mask, completion_ids, completion_mask, self.share_prompts, self.fixed_calls,
+                vision,
             )
         return token_logprobs_from_hidden(
             hidden, head, completion_ids, temperature=temperature or 1.0,  # greedy (0) reads T=1 log-probs

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.prompts import Prompt, PromptEncoder
 from grpo_ascend.rollout.sampling import SamplingParams
+from grpo_ascend.vision.inputs import PromptImages, RowVision
 
 
 @dataclass
@@ -58,7 +59,8 @@ class RolloutBatch:
     messages; ``num_turns`` [N], assistant turns per row; ``tool_metrics``, the tool loop's
     numbers; ``extra_columns``, per-row values the reward functions receive as keyword arguments
     (e.g. ``environments``); ``policy_versions`` [N, Lc], the policy version that sampled each
-    token (asynchronous rollouts; None: the trainer's current weights sampled every token).
+    token (asynchronous rollouts; None: the trainer's current weights sampled every token); ``vision``,
+    each row's image inputs (prompts with images; vision/inputs.py).
     """
 
     prompt_ids: Tensor
@@ -78,6 +80,7 @@ class RolloutBatch:
     num_turns: Tensor | None = None
     tool_metrics: dict[str, float] = field(default_factory=dict)
     extra_columns: dict[str, list[Any]] = field(default_factory=dict)
+    vision: RowVision | None = None
     policy_versions: Tensor | None = None
 
     @property
@@ -251,6 +254,15 @@ class RolloutBackend(ABC):
         params = self.checked(params)
         encoded = self.prompts.encode(prompts, params)
         return self.generate_ids(encoded.ids, params, generator, prompt_texts=encoded.texts)
+
+    def generate_with_images(
+        self, prompt_ids: Sequence[Sequence[int]], images: Sequence[PromptImages], params: SamplingParams | None = None,
+        generator: torch.Generator | None = None, prompt_texts: Sequence[str] | None = None,
+    ) -> RolloutBatch:
+        """Completions for prompts with images: token ids with each image's tokens expanded, and each prompt's
+        image inputs (rollout/image_prompts.py). Only backends that feed images to the model implement it."""
+        raise ConfigError(f"the {type(self).__name__} rollout backend does not take prompts with images yet; sample "
+                          "them with the built-in engine (rollout_backend: builtin, rollout_mode: sync)")
 
     @abstractmethod
     def generate_ids(

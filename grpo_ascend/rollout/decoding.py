@@ -44,11 +44,13 @@ def stop_token_list(params: SamplingParams, eos_token_ids: Sequence[int]) -> lis
 
 @dataclass
 class PromptBatch:
-    """Left-padded prompts (``ids`` [P, Lp], ``mask`` [P, Lp] bool) and their token counts (host)."""
+    """Left-padded prompts (``ids`` [P, Lp], ``mask`` [P, Lp] bool), their token counts (host) and the position
+    each prompt's first completion token takes (None: its token count; images can number otherwise)."""
 
     ids: Tensor
     mask: Tensor
     lengths: list[int]
+    next_positions: Tensor | None = None
 
     def rows(self, group: int) -> tuple[Tensor, Tensor]:
         """Each prompt repeated for its ``group`` completions: (ids [P*G, Lp], mask [P*G, Lp] long)."""
@@ -78,7 +80,8 @@ class DecodeBatch:
         self.stop_list = stop_ids
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=dev) if stop_ids else None
         self.logits = logits.repeat_interleave(group, dim=0)
-        self.positions = torch.tensor(prompts.lengths, dtype=torch.long).repeat_interleave(group).to(dev)
+        starts = prompts.next_positions if prompts.next_positions is not None else torch.tensor(prompts.lengths)
+        self.positions = starts.long().repeat_interleave(group).to(dev)
         self.attn = torch.zeros((self.n_rows, self.prompt_width + completion_width), dtype=torch.bool, device=dev)
         self.attn[:, : self.prompt_width] = prompts.mask.repeat_interleave(group, dim=0)
         self.seen = self._seen_prompt_tokens() if params.repetition_penalty != 1.0 else None

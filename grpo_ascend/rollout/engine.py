@@ -38,7 +38,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,8 @@ from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.session import BuiltinSession
 from grpo_ascend.rollout.shared_prefix import SharedPrefixKVCache, supports_shared_prefix
 from grpo_ascend.rollout.stop_strings import StopStrings
+from grpo_ascend.vision.inputs import PromptImages, RowVision
+from grpo_ascend.vision.positions import prompt_positions
 
 __all__ = ["Prompt", "RolloutBatch", "RolloutEngine"]
 
@@ -201,15 +203,17 @@ class RolloutEngine(RolloutBackend):
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: BucketedKVCache,
-        model: nn.Module | None = None,
+        model: nn.Module | None = None, images: Mapping[str, Tensor] | None = None,
     ) -> Tensor:
-        """One forward (of ``model``, default the engine's) with the cache; the last position's logits [B, V]."""
+        """One forward (of ``model``, default the engine's) with the cache; the last position's logits [B, V].
+        ``images``: the prompts' image inputs (a prefill of prompts with images)."""
         kwargs = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "position_ids": position_ids,
             self._cache_kwarg: cache,
             "use_cache": True,
+            **(images or {}),
         }
         if self._keep_kwarg is not None:
             kwargs[self._keep_kwarg] = 1
@@ -257,6 +261,19 @@ class RolloutEngine(RolloutBackend):
         with self.evaluating():
             return self._rollout(prompt_ids, texts, params, generator)
 
+    @torch.no_grad()
+    def generate_with_images(
+        self, prompt_ids: Sequence[Sequence[int]], images: Sequence[PromptImages], params: SamplingParams | None = None,
+        generator: torch.Generator | None = None, prompt_texts: Sequence[str] | None = None,
+    ) -> RolloutBatch:
+        """As :meth:`generate_ids`, each prompt's images encoded once in its prefill (not once per completion)."""
+        params = self.checked(params)
+        texts = (list(prompt_texts) if prompt_texts is not None
+                 else self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False))
+        generator = self.sampling_generator(params, generator)
+        with self.evaluating():
+            return self._rollout(prompt_ids, texts, params, generator, list(images))
+
     def start_session(
         self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,
         generator: torch.Generator | None = None,
@@ -281,19 +298,20 @@ class RolloutEngine(RolloutBackend):
 
     def prefill(
         self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, generator: torch.Generator | None = None,
-        *, shared_prefix: bool = True,
+        *, shared_prefix: bool = True, images: Sequence[PromptImages | None] | None = None,
     ) -> DecodeBatch:
         """One forward per prompt (last-position logits) into a cache its G rows share: the start of a decode.
 
         ``shared_prefix=False`` always copies the prompt's keys/values into each row (needed when
-        rows are fed several tokens at once).
+        rows are fed several tokens at once). ``images``: each prompt's image inputs (vision/inputs.py).
         """
         dev, bucket, group = self.device, self.length_bucket(params), params.num_generations
         ids, mask = left_pad(prompt_ids, self.pad_token_id, bucket, dev)
         lp = ids.shape[1]
-        position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        image_inputs = RowVision(images).forward_kwargs(None, mask) if images is not None else {}
+        position_ids, next_positions = prompt_positions(self._base, ids, mask, image_inputs)
         prefill_cache = BucketedKVCache(self.num_layers, lp, bucket)
-        logits = self.forward(ids, mask, position_ids, prefill_cache)
+        logits = self.forward(ids, mask, position_ids, prefill_cache, images=image_inputs)
         lc = round_up(params.max_completion_length, bucket)
         decode_model = self.decode_model(params)
         if shared_prefix and self._shares_prefix(params, dev, group, compiled=decode_model is not self.model):
@@ -304,17 +322,18 @@ class RolloutEngine(RolloutBackend):
         if dev.type != "cpu":  # honest phase timings: wait for the queued device work
             device_layer.synchronize(dev)
         return DecodeBatch(
-            prompts=PromptBatch(ids, mask, [len(r) for r in prompt_ids]), params=params, generator=generator,
+            prompts=PromptBatch(ids, mask, [len(r) for r in prompt_ids], next_positions), params=params,
+            generator=generator,
             pad=self.pad_token_id, stop_ids=stop_token_list(params, self.eos_token_ids), cache=cache, logits=logits,
             completion_width=lc, bucket=bucket, forward=self.forward, decode_model=decode_model, compact=self.compact,
         )
 
     def _rollout(
         self, prompt_ids: Sequence[Sequence[int]], prompt_texts: list[str], params: SamplingParams,
-        generator: torch.Generator | None,
+        generator: torch.Generator | None, images: list[PromptImages] | None = None,
     ) -> RolloutBatch:
         t_start = time.perf_counter()
-        batch = self.prefill(prompt_ids, params, generator)
+        batch = self.prefill(prompt_ids, params, generator, images=images)
         t_prefill = time.perf_counter()
         out = Completions(batch.n_rows, batch.completion_width, self.pad_token_id, self.device)
         steps = self._decode(batch, out, params)
@@ -343,6 +362,7 @@ class RolloutEngine(RolloutBackend):
                 "tokens": float(sum(lengths_host)),
             },
             decode_batch_sizes=batch.batch_sizes,
+            vision=RowVision.repeated(images, group) if images is not None else None,
         )
 
     def _decode(self, batch: DecodeBatch, out: Completions, params: SamplingParams) -> int:

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from grpo_ascend.rollout.backend import RolloutBackend, RolloutBatch
+from grpo_ascend.rollout.image_prompts import VisionPromptEncoder
 from grpo_ascend.rollout.sampling import SamplingParams
+from grpo_ascend.vision.images import row_images
 
 
 class Rollout(ABC):
@@ -59,10 +61,12 @@ class Rollout(ABC):
 
 
 class PromptRollout(Rollout):
-    """Plain prompts on a backend: each row's ``prompt`` sampled by :meth:`RolloutBackend.generate`."""
+    """Plain prompts on a backend: each row's ``prompt`` sampled by :meth:`RolloutBackend.generate`; rows with
+    images (a vision-language model's ``processor`` given) through :meth:`RolloutBackend.generate_with_images`."""
 
-    def __init__(self, backend: RolloutBackend) -> None:
+    def __init__(self, backend: RolloutBackend, processor: Any = None) -> None:
         self._backend = backend
+        self._images = VisionPromptEncoder(processor) if processor is not None else None
 
     @property
     def backend(self) -> RolloutBackend:
@@ -70,7 +74,12 @@ class PromptRollout(Rollout):
 
     def generate_rows(self, rows: Sequence[Mapping[str, Any]], params: SamplingParams | None = None,
                       generator: torch.Generator | None = None) -> RolloutBatch:
-        return self._backend.generate([r["prompt"] for r in rows], params, generator)
+        prompts = [r["prompt"] for r in rows]
+        if self._images is None:
+            return self._backend.generate(prompts, params, generator)
+        params = self._backend.checked(params)
+        encoded, images = self._images.encode(prompts, [row_images(r, i) for i, r in enumerate(rows)], params)
+        return self._backend.generate_with_images(encoded.ids, images, params, generator, encoded.texts)
 
     def close(self) -> None:
         self._backend.close()

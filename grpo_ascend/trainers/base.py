@@ -60,6 +60,7 @@ from grpo_ascend.trainers.components import (
     check_streamed_steps,
     lr_factor,
     merge_lora_for_rollout,
+    policy_processor,
     total_steps,
 )
 from grpo_ascend.trainers.evaluating import EvalLoss, EvalSets, Evaluator
@@ -69,6 +70,7 @@ from grpo_ascend.trainers.publishing import ModelPublisher
 from grpo_ascend.trainers.run_recording import RoundLog, RunRecorder
 from grpo_ascend.trainers.run_state import RunState
 from grpo_ascend.trainers.surface import EventHub
+from grpo_ascend.vision.images import check_images_usable
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +124,10 @@ class RLTrainerBase(TrainerPublicAPI):
         self.model_name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
         self.policy, self.tokenizer = build_policy(model, processing_class, peft_config, args, self.device,
                                                    self.strategy.parameter_numel)
+        #: A vision-language policy's processor (prompts with images), None for a text model.
+        self.processor = policy_processor(model, self.policy, processing_class)
+        for dataset in (train_dataset, *self.eval_sets.datasets()):
+            check_images_usable(dataset, self.processor is not None, self.model_name)
         self.is_peft = is_peft(self.policy)
         self.strategy.validate_model(self.is_peft)
         self.train_dataset = train_dataset
@@ -152,7 +158,8 @@ class RLTrainerBase(TrainerPublicAPI):
             self.policy, self.is_peft, wants_reference=args.needs_reference_model)
         self.logprob_model, self.optimizer = self.strategy.prepare(self.logprob_model, self.optimizer, self.policy)
         #: What the trainer samples through (rollout/protocol.py); GRPO may wrap it in a tool loop or a rollout_func.
-        self.rollout: Rollout = PromptRollout(build_rollout_backend(self.policy, self.tokenizer, args, self.device))
+        self.rollout: Rollout = PromptRollout(build_rollout_backend(self.policy, self.tokenizer, args, self.device),
+                                              processor=self.processor)
         # Folding LoRA into the weights speeds up a backend that samples with the policy module itself.
         self.merge_lora_for_rollout = self.rollout.backend.samples_policy_module and merge_lora_for_rollout(
             self.policy, args.rollout_merge_lora, self.strategy.may_merge_lora(args.rollout_merge_lora, self.is_peft),

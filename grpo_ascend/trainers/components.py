@@ -31,6 +31,13 @@ from grpo_ascend.models.policy import (
     is_peft,
     load_causal_lm,
     load_tokenizer,
+    resolve_model_path,
+)
+from grpo_ascend.models.vision_language import (
+    freeze_vision,
+    is_vision_language,
+    load_processor,
+    takes_processor_images,
 )
 from grpo_ascend.planning.memory_plan import (
     AUTO_FRACTION,
@@ -60,6 +67,8 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
         logger.warning("model_init_kwargs are ignored: the model was passed already loaded")
     policy = load_causal_lm(model, init_kwargs=args.model_init_kwargs)
     tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class, args.model_init_kwargs)
+    if peft_config is None and is_vision_language(policy.config):
+        logger.info("vision-language model: %d vision tower / projector tensors frozen", freeze_vision(policy))
     if getattr(args, "cast_lm_head_to_fp32", False):
         cast_head_to_fp32(policy)  # before the adapter: TRL refuses an adapter on the head
     policy = apply_peft(policy, peft_config)
@@ -80,6 +89,24 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
         raise ConfigError("the model has no trainable parameters; pass a peft_config or a trainable model")
     logger.info("parameters: %d trainable of %d (%.2f%%)", trainable, total, 100 * trainable / total)
     return policy, tokenizer
+
+
+def policy_processor(model: str | nn.Module, policy: nn.Module, processing_class: Any) -> Any:
+    """The processor a vision-language ``policy`` samples and trains with (None for a text model):
+    ``processing_class`` when it is one, else the one saved with the model."""
+    if not is_vision_language(getattr(policy, "config", None)):
+        return None
+    if takes_processor_images(processing_class):
+        return processing_class
+    if processing_class is not None:
+        raise ConfigError(f"{type(policy).__name__} is a vision-language model but processing_class is a "
+                          f"{type(processing_class).__name__}, which takes no images; pass the model's processor "
+                          "(AutoProcessor.from_pretrained(...)) or leave processing_class out")
+    source = model if isinstance(model, str) else getattr(policy.config, "_name_or_path", None)
+    if not source:
+        raise ConfigError("pass processing_class=<the model's processor>: the vision-language model was given as an "
+                          "object without a path")
+    return load_processor(resolve_model_path(source))
 
 
 def build_optimizer(params: Sequence[nn.Parameter], args: BaseRLConfig) -> torch.optim.Optimizer:

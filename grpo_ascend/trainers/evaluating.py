@@ -77,6 +77,10 @@ class EvalSets:
                               "eval_dataset= (recipes: eval_dataset, eval_split or eval_fraction), or set eval_strategy: no")
         self.dataset = eval_dataset
 
+    def datasets(self) -> list[Any]:
+        """The eval sets the trainer was given, as rows."""
+        return list(self._rows.values())
+
     def resolve(self, eval_dataset: Any, prefix: str) -> list[tuple[str, Any]]:
         """(metric prefix, indexable rows) of each set ``evaluate(eval_dataset, prefix)`` evaluates, in order.
 

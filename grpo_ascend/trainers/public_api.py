@@ -87,7 +87,8 @@ class TrainerPublicAPI:
 
     @property
     def processing_class(self) -> Any:
-        return self.tokenizer
+        """The tokenizer, or a vision-language model's processor (TRL's ``processing_class``)."""
+        return self.processor if self.processor is not None else self.tokenizer
 
     @property
     def lr_scheduler(self) -> Any:

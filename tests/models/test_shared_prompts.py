@@ -198,7 +198,7 @@ def test_completions_cut_after_the_longest_give_the_uncut_logprobs_and_gradients
     results = []
     for forward in (lp, lp._logprobs):  # cut, and the uncut forward underneath
         policy.zero_grad(set_to_none=True)
-        logps, ent = forward(*inputs, 0.7, with_entropy)
+        logps, ent = forward(*inputs, temperature=0.7, with_entropy=with_entropy)
         loss = (logps * mask).sum() + (0 if ent is None else (ent * mask).sum() * 0.1)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}

@@ -1,0 +1,98 @@
+"""A prompt's image inputs (what a processor returns besides the token ids) and how rows of them batch.
+
+A processor's outputs are of two kinds: token-aligned tensors ``[1, L]`` beside ``input_ids`` (Qwen-VL's
+``mm_token_type_ids``, Gemma's ``token_type_ids``), padded with the prompt and extended with zeros over the
+completion; and per-image tensors (``pixel_values``, ``image_grid_thw``, ``image_sizes`` ...), joined along
+their first dimension in row order, which is the order the model scatters image features into image tokens.
+The G rows of a prompt share its :class:`PromptImages` by reference: nothing is copied per completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+#: Processor outputs that are the prompt itself, not image inputs.
+TEXT_KEYS = ("input_ids", "attention_mask")
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """One prompt's image inputs: ``per_image`` tensors and ``per_token`` ones (length = the prompt's tokens)."""
+
+    per_image: dict[str, Tensor]
+    per_token: dict[str, Tensor]
+    num_images: int
+
+    @classmethod
+    def from_processor(cls, outputs: Mapping[str, Tensor], num_images: int) -> PromptImages:
+        """Split one prompt's processor outputs (batch of 1) into per-token and per-image tensors."""
+        length = outputs["input_ids"].shape[-1]
+        per_token, per_image = {}, {}
+        for key, value in outputs.items():
+            if key in TEXT_KEYS or not isinstance(value, Tensor):
+                continue
+            if value.dim() == 2 and value.shape[0] == 1 and value.shape[1] == length and key != "pixel_values":
+                per_token[key] = value[0].cpu()
+            else:
+                per_image[key] = value.cpu()
+        return cls(per_image, per_token, num_images)
+
+
+class RowVision:
+    """The image inputs of a batch's rows (None: a row without images); see the module docstring."""
+
+    def __init__(self, rows: Sequence[PromptImages | None]) -> None:
+        self.rows = list(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @classmethod
+    def repeated(cls, prompts: Sequence[PromptImages | None], group: int) -> RowVision:
+        """Each prompt's inputs for its ``group`` rows (shared, not copied)."""
+        return cls([p for p in prompts for _ in range(group)])
+
+    def select(self, index: Sequence[int]) -> RowVision:
+        return RowVision([self.rows[i] for i in index])
+
+    @staticmethod
+    def concat(parts: Sequence[RowVision | None], sizes: Sequence[int]) -> RowVision | None:
+        """Row-wise join; a part without images contributes ``sizes[i]`` rows of None."""
+        if all(p is None for p in parts):
+            return None
+        return RowVision([r for p, n in zip(parts, sizes) for r in (p.rows if p is not None else [None] * n)])
+
+    def same_as_previous(self) -> list[bool]:
+        """Per row: whether it holds the very inputs of the row before it (a prompt's rows share them)."""
+        return [i > 0 and row is self.rows[i - 1] for i, row in enumerate(self.rows)]
+
+    @property
+    def any_images(self) -> bool:
+        return any(r is not None and r.num_images > 0 for r in self.rows)
+
+    def forward_kwargs(self, rows: Sequence[int] | Tensor | None, prompt_mask: Tensor,
+                       completion_width: int = 0) -> dict[str, Tensor]:
+        """The model's image keyword arguments for ``rows`` (None: all) whose prompts are left-padded as
+        ``prompt_mask`` [R, Lp] is; per-token tensors get ``completion_width`` zero columns after the prompt."""
+        index = range(len(self.rows)) if rows is None else [int(i) for i in rows]
+        chosen = [self.rows[i] for i in index]
+        device = prompt_mask.device
+        out: dict[str, Tensor] = {}
+        keys = {k for r in chosen if r is not None for k in r.per_image}
+        for key in sorted(keys):
+            pieces = [r.per_image[key] for r in chosen if r is not None and key in r.per_image]
+            out[key] = torch.cat(pieces).to(device)
+        token_keys = {k for r in chosen if r is not None for k in r.per_token}
+        width = prompt_mask.shape[1]
+        for key in sorted(token_keys):
+            full = torch.zeros((len(chosen), width + completion_width), dtype=torch.long, device=device)
+            for j, r in enumerate(chosen):
+                if r is not None and key in r.per_token:
+                    values = r.per_token[key].to(device)
+                    full[j, width - values.shape[0]: width] = values
+            out[key] = full
+        return out

@@ -14,12 +14,17 @@ from torch import nn
 
 from grpo_ascend.distributed import compat_accelerate, compat_deepspeed, compat_fsdp2
 from grpo_ascend.errors import CompatError
-from grpo_ascend.models import compat_peft
+from grpo_ascend.models import compat_peft, compat_transformers
 
 
 @pytest.mark.parametrize("name", sorted(compat_peft.PINNED_INTERNALS))
 def test_peft_internal_is_present(name):
     compat_peft.PINNED_INTERNALS[name]()
+
+
+@pytest.mark.parametrize("name", sorted(compat_transformers.PINNED_INTERNALS))
+def test_transformers_internal_is_present(name):
+    compat_transformers.PINNED_INTERNALS[name]()
 
 
 @pytest.mark.parametrize("name", sorted(compat_accelerate.PINNED_INTERNALS))

@@ -131,3 +131,19 @@ def test_more_image_tokens_than_max_prompt_length_says_how_many_and_what_to_chan
     engine = RolloutEngine(model, load_tokenizer(model, processor), SamplingParams(max_prompt_length=10))
     with pytest.raises(DataError, match=r"prompt 0 has \d+ tokens with its 1 image\(s\) expanded.*max_prompt_length=10"):
         PromptRollout(engine, processor=processor).generate_rows([_rows()[0]])
+
+
+def test_rollouts_ahead_of_training_carry_the_images(tmp_path):
+    """one_step_off samples in the rollout process: the images travel with each request, and step 1 (sampler and
+    trainer on the same weights) gives the trainer's log-probs exactly; later steps are one version old."""
+    cfg = GRPOConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, num_generations=4,
+                     learning_rate=1e-2, max_completion_length=4, max_prompt_length=128, save_steps=0,
+                     logging_steps=1, disable_tqdm=True, log_completions_steps=0, report_to=[],
+                     rollout_mode="one_step_off")
+    trainer = GRPOTrainer("builtin:vlm-llava", colour_code_reward, cfg, coloured_shapes_dataset(16, seed=1),
+                          peft_config=default_lora_config(r=4))
+    trainer.train()
+    steps = [r for r in trainer.state.log_history if "loss" in r]
+    gaps = [r["sampling/sampling_logp_difference/mean"] for r in steps]
+    assert [r["async/staleness_max"] for r in steps] == [0.0, 1.0, 1.0]
+    assert gaps[0] < 1e-5 and min(gaps[1:]) > 100 * max(gaps[0], 1e-9)

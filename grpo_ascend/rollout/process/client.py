@@ -37,6 +37,7 @@ from grpo_ascend.rollout.backend import (
 from grpo_ascend.rollout.process.weight_ring import WeightRing, spawn_context
 from grpo_ascend.rollout.process.worker import WorkerSpec, serve, to_device
 from grpo_ascend.rollout.sampling import SamplingParams
+from grpo_ascend.vision.inputs import PromptImages, RowVision
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.2
@@ -205,10 +206,23 @@ class ProcessBackend(RolloutBackend):
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,
                      generator: torch.Generator | None = None,
                      prompt_texts: Sequence[str] | None = None) -> RolloutBatch:
+        return self._generate(prompt_ids, None, params, generator, prompt_texts)
+
+    def generate_with_images(self, prompt_ids: Sequence[Sequence[int]], images: Sequence[PromptImages],
+                             params: SamplingParams | None = None, generator: torch.Generator | None = None,
+                             prompt_texts: Sequence[str] | None = None) -> RolloutBatch:
+        """Prompts with images: their image inputs travel with the request (CPU tensors)."""
+        return self._generate(prompt_ids, list(images), params, generator, prompt_texts)
+
+    def _generate(self, prompt_ids: Sequence[Sequence[int]], images: list[PromptImages] | None,
+                  params: SamplingParams | None, generator: torch.Generator | None,
+                  prompt_texts: Sequence[str] | None) -> RolloutBatch:
         params = self.checked(params)
         batch = self._call("generate", [list(p) for p in prompt_ids], params, _seed(generator),
-                           None if prompt_texts is None else list(prompt_texts), self.pinned_version)
+                           None if prompt_texts is None else list(prompt_texts), self.pinned_version, images)
         self._local.used = int(batch.policy_versions.flatten()[0]) if batch.policy_versions.numel() else self.pinned_version
+        if images is not None:
+            batch.vision = RowVision.repeated(images, params.num_generations)
         return to_device(batch, self._device)
 
     def start_session(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,

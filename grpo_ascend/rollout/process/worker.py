@@ -24,10 +24,12 @@ from torch import Tensor, nn
 
 from grpo_ascend import device as dev
 from grpo_ascend.errors import RolloutInterrupted
+from grpo_ascend.models.compat_transformers import register_unpickled
 from grpo_ascend.rollout.backend import RolloutBatch, RolloutSession, SessionOutput
 from grpo_ascend.rollout.engine import RolloutEngine
 from grpo_ascend.rollout.process.weight_ring import VersionEvicted, WeightRing, named_tensors
 from grpo_ascend.rollout.sampling import SamplingParams
+from grpo_ascend.vision.inputs import PromptImages
 
 HEARTBEAT_PERIOD_S = 0.5
 
@@ -65,6 +67,7 @@ class RolloutServer:
         self.device = torch.device(spec.device)
         self.spec = spec
         self.ring = ring
+        register_unpickled(spec.model)
         self.model = spec.model.to(self.device)
         self.engine = RolloutEngine(self.model, spec.tokenizer, spec.params)
         self.targets = named_tensors(self.model, ring.names)
@@ -91,9 +94,11 @@ class RolloutServer:
         return self.engine.pad_token_id, list(self.engine.eos_token_ids)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int | None,
-                 prompt_texts: list[str] | None, version: int | None) -> RolloutBatch:
-        """Grouped completions; unpinned (``version`` None), a version pushed meanwhile is taken per
-        ``partial_rollouts``. ``timing["aborted_tokens"]``: token slots sampled and thrown away."""
+                 prompt_texts: list[str] | None, version: int | None,
+                 images: list[PromptImages] | None = None) -> RolloutBatch:
+        """Grouped completions (``images``: each prompt's image inputs); unpinned (``version`` None), a version
+        pushed meanwhile is taken per ``partial_rollouts``. ``timing["aborted_tokens"]``: token slots sampled
+        and thrown away."""
         used = self._load(version)
         self.swaps = []
         self.may_abort = self.spec.partial_rollouts == "abort"
@@ -103,14 +108,18 @@ class RolloutServer:
             while True:
                 try:
                     with torch.no_grad(), dev.autocast(self.device, self.spec.precision):
-                        batch = self.engine.generate_ids(prompt_ids, params, self._generator(seed), prompt_texts)
+                        if images is None:
+                            batch = self.engine.generate_ids(prompt_ids, params, self._generator(seed), prompt_texts)
+                        else:
+                            batch = self.engine.generate_with_images(prompt_ids, images, params, self._generator(seed),
+                                                                     prompt_texts)
                     break
                 except _Superseded as superseded:
                     aborted += superseded.steps * len(prompt_ids) * params.num_generations
                     used = self._load(None)
         finally:
             self.engine.between_steps = None
-        batch = to_device(batch, "cpu")
+        batch = to_device(dataclasses.replace(batch, vision=None), "cpu")  # the client holds the images already
         versions = torch.full_like(batch.completion_ids, used)
         for column, newer in self.swaps:
             versions[:, column:] = newer

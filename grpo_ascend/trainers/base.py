@@ -400,8 +400,9 @@ class RLTrainerBase(TrainerPublicAPI):
         return path
 
     def load_checkpoint(self, path: str | Path) -> None:
-        """Restore the run from the checkpoint at ``path`` (every rank must call), the algorithm's own state
-        included: what ``train(resume_from_checkpoint=path)`` does before it goes on."""
+        """Restore the trainer from the checkpoint at ``path`` (every rank must call): weights, optimizer, schedule,
+        RNGs, counters and the algorithm's own state, as a resume does (which also takes the run's best
+        checkpoint back from ``best.json``)."""
         resumed = self.checkpointer.load(Path(path))
         ledgers = resumed.trainer_state.get("rollout_ledger")
         if ledgers is not None:

@@ -65,45 +65,58 @@ def _owned_module(name: str, owners: tuple[str, ...]) -> bool:
     return name.split(".")[0] in owners
 
 
-def private_references(tree: ast.Module, owned: set[str], owners: tuple[str, ...]) -> list[tuple[int, str]]:
-    """(line, name) of each place ``tree`` names an underscore name of the ``owners`` modules."""
-    own = defined_names(tree)
-    imported = set()  # names bound to the owners' objects: their subclasses' overrides are found too
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and _owned_module(node.module or "", owners):
-            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names if is_private(a.name)]
-            imported |= {a.asname or a.name for a in node.names}
-        elif isinstance(node, ast.Import):
-            imported |= {(a.asname or a.name).split(".")[0] for a in node.names if _owned_module(a.name, owners)}
-    subclass_defs = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and any(
-                isinstance(b, (ast.Name, ast.Attribute)) and _root_name(b) in imported for b in node.bases):
-            for item in node.body:
-                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name in owned:
-                    found.append((item.lineno, f"{node.name}.{item.name} (overrides the package's)"))
-                    subclass_defs.add(item.name)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and is_private(node.attr) and node.attr in owned - (own - subclass_defs):
-            found.append((node.lineno, f".{node.attr}"))
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            text = node.value
-            if text.isidentifier() and is_private(text) and text in owned - own:
-                found.append((node.lineno, repr(text)))
-            elif _owned_module(text, owners) and text.replace(".", "").isidentifier() and any(
-                    is_private(part) for part in text.split(".")):
-                found.append((node.lineno, repr(text)))
-    return sorted(set(found))
-
-
 def _root_name(node: ast.expr) -> str:
     while isinstance(node, ast.Attribute):
         node = node.value
     return node.id if isinstance(node, ast.Name) else ""
 
 
-def scan() -> dict[str, list[tuple[int, str]]]:
+def _private_part(dotted: str) -> str | None:
+    return next((part for part in dotted.split(".") if is_private(part)), None)
+
+
+def private_references(tree: ast.Module, owned: set[str], owners: tuple[str, ...]) -> list[tuple[int, str, str]]:
+    """(line, the underscore name, how it is named) of each place ``tree`` names an underscore name of the
+    ``owners`` modules; ``owned``: the underscore names those modules define."""
+    own = defined_names(tree)
+    imported = set()  # names bound to the owners' objects: their subclasses' overrides are found too
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and _owned_module(node.module or "", owners):
+            for alias in node.names:
+                imported.add(alias.asname or alias.name)
+                private = _private_part(f"{node.module}.{alias.name}")
+                if private:
+                    found.append((node.lineno, private, f"from {node.module} import {alias.name}"))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if _owned_module(alias.name, owners):
+                    imported.add((alias.asname or alias.name).split(".")[0])
+                    if _private_part(alias.name):
+                        found.append((node.lineno, _private_part(alias.name), f"import {alias.name}"))
+    overridden = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any(
+                isinstance(b, (ast.Name, ast.Attribute)) and _root_name(b) in imported for b in node.bases):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name in owned:
+                    found.append((item.lineno, item.name, f"{node.name}.{item.name} overrides the package's"))
+                    overridden.add(item.name)
+    foreign = owned - (own - overridden)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in foreign:
+            found.append((node.lineno, node.attr, f".{node.attr}"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+            if text in foreign:
+                found.append((node.lineno, text, repr(text)))
+            elif (_owned_module(text, owners) and text.replace(".", "").isidentifier()
+                  and _private_part(text)):
+                found.append((node.lineno, _private_part(text), repr(text)))
+    return sorted(set(found))
+
+
+def scan() -> dict[str, list[tuple[int, str, str]]]:
     """file -> its references to private names of the package (tests: of bench's modules too)."""
     package = package_privates(tuple(ROOT / p for p in PACKAGES))
     bench_modules = tuple(p.stem for p in (ROOT / "bench").glob("*.py"))
@@ -114,11 +127,9 @@ def scan() -> dict[str, list[tuple[int, str]]]:
             rel = path.relative_to(ROOT).as_posix()
             if rel == SELF:
                 continue
-            owners = PACKAGES + bench_modules if folder == "tests" else PACKAGES
-            owned = with_bench if folder == "tests" else package
-            hits = [(line, name) for line, name in private_references(ast.parse(path.read_text(encoding="utf-8")),
-                                                                       owned, owners)
-                    if (rel, name.lstrip(".").strip("'").split(" ")[0].rpartition(".")[2]) not in ALLOWED]
+            owners, owned = (PACKAGES + bench_modules, with_bench) if folder == "tests" else (PACKAGES, package)
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            hits = [hit for hit in private_references(tree, owned, owners) if (rel, hit[1]) not in ALLOWED]
             if hits:
                 out[rel] = hits
     return out
@@ -126,7 +137,7 @@ def scan() -> dict[str, list[tuple[int, str]]]:
 
 def test_tests_and_benchmarks_use_public_names_only():
     found = scan()
-    listed = "\n".join(f"  {path}:{line}: {name}" for path, hits in found.items() for line, name in hits)
+    listed = "\n".join(f"  {path}:{line}: {how}" for path, hits in found.items() for line, _, how in hits)
     assert not found, ("private names of the package (leading underscore) outside it; use or make a public seam, "
                        f"or observe the behaviour instead:\n{listed}")
 
@@ -135,6 +146,7 @@ def test_the_scan_sees_every_kind_of_reference():
     source = '''
 from grpo_ascend.run import _hidden, public
 import grpo_ascend.trainers.base as base
+import grpo_ascend._private_module
 from grpo_ascend import GRPOTrainer
 
 
@@ -148,9 +160,11 @@ def test(trainer, monkeypatch):
     base._CACHE.clear()
     monkeypatch.setattr(base, "_CACHE", {})
     monkeypatch.setattr("grpo_ascend.run._hidden", None)
-    trainer.config._attn_implementation, trainer.__class__, Mine()._mine
+    trainer.config._attn_implementation, trainer.__class__, Mine()._mine, public._own
 '''
-    owned = {"_hidden", "_begin", "_CACHE", "_train_round"}
-    assert [name for _, name in private_references(ast.parse(source), owned, PACKAGES)] == [
-        "grpo_ascend.run._hidden", "Mine._train_round (overrides the package's)", "._begin", "._CACHE", "'_CACHE'",
-        "'grpo_ascend.run._hidden'"]
+    owned = {"_hidden", "_begin", "_CACHE", "_train_round", "_own"}
+    found = private_references(ast.parse(source), owned, PACKAGES)
+    assert [(name, how) for _, name, how in found] == [
+        ("_hidden", "from grpo_ascend.run import _hidden"), ("_private_module", "import grpo_ascend._private_module"),
+        ("_train_round", "Mine._train_round overrides the package's"), ("_begin", "._begin"), ("_CACHE", "._CACHE"),
+        ("_CACHE", "'_CACHE'"), ("_hidden", "'grpo_ascend.run._hidden'"), ("_own", "._own")]

@@ -66,13 +66,13 @@ def main(argv: list[str] | None = None) -> None:
     forward = CompletionLogprobs(model)
 
     calls = {"grouped": 0}
-    plain_attend = grouped_attention._attend
+    plain_attend = grouped_attention.grouped_softmax_attention
 
     def counted(*a, **k):  # type: ignore[no-untyped-def]
         calls["grouped"] += 1
         return plain_attend(*a, **k)
 
-    grouped_attention._attend = counted
+    grouped_attention.grouped_softmax_attention = counted
     budget = dev.grouped_attention_max_bytes
     settings = {"grouped": budget, "sdpa": lambda device: 0}
 

@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from grpo_ascend import device as devmod  # noqa: E402
 from grpo_ascend.models.tiny_model import build_tiny_model  # noqa: E402
-from grpo_ascend.models.tiny_tokenizer import _WORDS  # noqa: E402
+from grpo_ascend.models.tiny_tokenizer import WORDS  # noqa: E402
 from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
 from grpo_ascend.rollout.sampling import SamplingParams  # noqa: E402
 from grpo_ascend.rollout.vllm import VLLMColocatedRollout  # noqa: E402
@@ -116,7 +116,7 @@ def make_prompts(tokenizer, n: int, length: int, seed: int = 0) -> list[str]:
         target = length - (i * length // 8) // max(1, n - 1) if n > 1 else length
         words: list[str] = []
         while len(tokenizer(" ".join(words), add_special_tokens=False)["input_ids"]) < target:
-            words.append(rng.choice(_WORDS))
+            words.append(rng.choice(WORDS))
         while len(tokenizer(" ".join(words), add_special_tokens=False)["input_ids"]) > target:
             words.pop()
         prompts.append(" ".join(words))

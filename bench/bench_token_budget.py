@@ -87,22 +87,21 @@ def worker(args: argparse.Namespace) -> None:
     cost = TokenCost(args.prompt, args.long, share_prompts=cfg.share_prompt_prefill, length_bucket=1)
     lengths = exp.completion_mask.sum(1).tolist()
     step_tokens: list[int] = []
-    original = trainer._micro_batches
+    original = trainer.training_step
 
-    def recording(rows: Any, e: Any) -> Any:
-        for part, last in original(rows, e):
-            ids = part.tolist()
-            step_tokens[-1] += cost(len(ids), len({i // 8 for i in ids}), max(lengths[i] for i in ids))
-            yield part, last
+    def recording(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:  # once per micro-batch
+        ids = inputs.rows.tolist()
+        step_tokens[-1] += cost(len(ids), len({i // 8 for i in ids}), max(lengths[i] for i in ids))
+        return original(model, inputs, num_items_in_batch)
 
-    trainer._micro_batches = recording
-    trainer._begin(None)
+    trainer.training_step = recording
+    trainer.begin_run()
     rss_before = dev.memory_stats(trainer.device)["allocated"] / 2**20
     steps = []
     while trainer.step < trainer.max_steps:
         step_tokens.append(0)
         cpu, wall = time.process_time(), time.perf_counter()
-        trainer._train_round()
+        trainer.train_round()
         rec = trainer.run.last_record
         steps.append({"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu,
                       "tokens": step_tokens[-1], "micro_batches": rec.get("micro_batches", float(accum)),

@@ -429,7 +429,7 @@ def run_trl(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------ driver
 @dataclass
-class _Worker:
+class Worker:
     """One worker's command line, environment and files."""
 
     impl: str
@@ -443,7 +443,7 @@ class _Worker:
         return SystemExit(f"{self.impl} worker failed (exit {code}); log {self.log}:\n{tail}")
 
 
-def _worker(impl: str, s: Settings, python: str, log_dir: Path, index: int, mmap_threshold: int) -> _Worker:
+def make_worker(impl: str, s: Settings, python: str, log_dir: Path, index: int, mmap_threshold: int) -> Worker:
     """A worker in a fresh process with the thread count (and malloc setting) fixed in its environment."""
     out = log_dir / f"{impl}-{index}.json"
     from machine import isa_environment
@@ -453,12 +453,12 @@ def _worker(impl: str, s: Settings, python: str, log_dir: Path, index: int, mmap
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     cmd = [python, str(Path(__file__).resolve()), "--worker", impl, "--settings", json.dumps(asdict(s)),
            "--result", str(out)]
-    return _Worker(impl, cmd, env, out, log_dir / f"{impl}-{index}.log")
+    return Worker(impl, cmd, env, out, log_dir / f"{impl}-{index}.log")
 
 
 def spawn(impl: str, s: Settings, python: str, log_dir: Path, index: int, mmap_threshold: int = 0) -> dict[str, Any]:
     """Run one worker to its end, alone."""
-    w = _worker(impl, s, python, log_dir, index, mmap_threshold)
+    w = make_worker(impl, s, python, log_dir, index, mmap_threshold)
     with open(w.log, "w") as handle:
         proc = subprocess.run(w.cmd, env=w.env, stdout=handle, stderr=subprocess.STDOUT, check=False)
     if proc.returncode != 0:
@@ -469,7 +469,7 @@ def spawn(impl: str, s: Settings, python: str, log_dir: Path, index: int, mmap_t
 def spawn_lockstep(s: Settings, python: str, log_dir: Path, index: int,
                    mmap_threshold: int = 0) -> dict[str, dict[str, Any]]:
     """Run ours and TRL's workers together, one optimizer step at a time in turn (see StepClock)."""
-    workers = [_worker(impl, s, python, log_dir, index, mmap_threshold) for impl in IMPLS]
+    workers = [make_worker(impl, s, python, log_dir, index, mmap_threshold) for impl in IMPLS]
     procs, pipes, handles = {}, {}, []
     try:
         for w in workers:
@@ -484,7 +484,7 @@ def spawn_lockstep(s: Settings, python: str, log_dir: Path, index: int,
             os.close(from_worker)
             pipes[w.impl] = (from_driver, to_driver)  # the driver writes the first, reads the second
 
-        def expect(w: _Worker, message: bytes) -> None:
+        def expect(w: Worker, message: bytes) -> None:
             if os.read(pipes[w.impl][1], 1) != message:
                 raise w.failed(procs[w.impl].wait())
 

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[bt.rule_reward], args=cfg, train_dataset=bt.dataset(s),
                           processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=bt.lora_config(s))
     trainer.rollout.params.ignore_eos = True  # every completion at full length, as bench_trainer's default
-    plain_round, rounds = trainer._train_round, []
+    plain_round, rounds = trainer.train_round, []
 
     def profiled_round() -> None:
         rounds.append(None)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             wall_text = f"wall {phase_wall:.0f} ms, " if phase_wall else ""
             print(f"  {phase}: {wall_text}operators {ops:.0f} ms: {shown}")
 
-    trainer._train_round = profiled_round  # type: ignore[method-assign]
+    trainer.train_round = profiled_round  # type: ignore[method-assign]
     trainer.train()
 
 

@@ -33,7 +33,7 @@ def build_trainer(recipe: RecipeConfig, args: BaseRLConfig) -> Any:
         system_prompt=recipe.system_prompt,
         max_samples=recipe.max_train_samples,
     )
-    dataset, eval_dataset = _eval_dataset(recipe, dataset, args.seed)
+    dataset, eval_dataset = train_and_eval_prompts(recipe, dataset, args.seed)
     peft_config = (
         default_lora_config(recipe.lora_r, recipe.lora_alpha, recipe.lora_dropout, recipe.lora_target_modules)
         if recipe.use_peft
@@ -60,8 +60,9 @@ def build_trainer(recipe: RecipeConfig, args: BaseRLConfig) -> Any:
                        eval_dataset=eval_dataset, peft_config=peft_config, **tool_options)
 
 
-def _eval_dataset(recipe: RecipeConfig, dataset: Any, seed: int) -> tuple[Any, Any]:
-    """(train prompts, eval prompts or None) from eval_dataset / eval_split / eval_fraction."""
+def train_and_eval_prompts(recipe: RecipeConfig, dataset: Any, seed: int) -> tuple[Any, Any]:
+    """(train prompts, eval prompts or None) of a recipe whose train prompts are ``dataset``: ``eval_fraction``
+    of them held out (split with ``seed``), or the recipe's ``eval_dataset`` / ``eval_split`` loaded."""
 
     if recipe.eval_fraction is not None:
         n_eval = max(1, round(len(dataset) * recipe.eval_fraction))

@@ -29,7 +29,8 @@ from grpo_ascend.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'grpo-ascend[math]' (or pip install math-verify)"
-_WORKER = Path(__file__).with_name("_math_verify_worker.py")
+#: The worker's program: a JSON line ``{"ready": true}`` once up, then one answer line per request line.
+WORKER_SCRIPT = Path(__file__).with_name("_math_verify_worker.py")
 _STARTUP_TIMEOUT = 120.0
 
 
@@ -48,13 +49,15 @@ class MathVerifyChecker:
     """``equivalent(predicted, reference)`` through a Math-Verify worker process (thread-safe).
 
     Returns True/False, or None when the check ran past ``timeout`` seconds or Math-Verify raised
-    (``timeouts`` and ``errors`` count those). The worker starts on the first check.
+    (``timeouts`` and ``errors`` count those). The worker (``worker_script``, run with this Python) starts on
+    the first check.
     """
 
-    def __init__(self, timeout: float = 5.0) -> None:
+    def __init__(self, timeout: float = 5.0, worker_script: str | os.PathLike = WORKER_SCRIPT) -> None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"math_verify timeout must be a positive number of seconds, got {timeout!r}")
         self.timeout = float(timeout)
+        self.worker_script = Path(worker_script)
         self.timeouts = 0
         self.errors = 0
         self._proc: subprocess.Popen | None = None
@@ -62,10 +65,16 @@ class MathVerifyChecker:
         self._lock = threading.Lock()
         atexit.register(self.close)
 
+    @property
+    def worker_process(self) -> subprocess.Popen | None:
+        """The worker process last started (it may have died since); None before the first check that needs
+        one and after :meth:`close`."""
+        return self._proc
+
     def _start(self) -> subprocess.Popen:
         require_math_verify()
         proc = subprocess.Popen(
-            [sys.executable, "-u", str(_WORKER)],
+            [sys.executable, "-u", str(self.worker_script)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

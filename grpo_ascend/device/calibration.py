@@ -35,6 +35,12 @@ def plain_operand_faster(rows: int, in_features: int, out_features: int, dtype: 
     return _CHOICES[key]
 
 
+def forget_measurements() -> None:
+    """Drop this process's measured choices: each shape is timed again at its next use (after the machine's
+    load or thread budget changed, say)."""
+    _CHOICES.clear()
+
+
 def measure_layouts(rows: int, in_features: int, out_features: int, dtype: torch.dtype,
                     repeats: int = 7) -> tuple[float, float]:
     """Best seconds of ``F.linear`` with a ``[out, in]`` weight and with the same weight stored ``[in, out]``,

@@ -70,11 +70,14 @@ def grouped_attention_forward(
             (), dtype=query.dtype, device=query.device).masked_fill(~mask, torch.finfo(query.dtype).min)
     scale = scaling if scaling is not None else dim**-0.5
     with torch.autocast(query.device.type, enabled=False):
-        return _attend(query, key, value, bias, scale), None
+        return grouped_softmax_attention(query, key, value, bias, scale), None
 
 
-def _attend(query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None, scale: float) -> Tensor:
-    """``softmax(q·kᵀ·scale + bias)·v`` with each kv head's query heads stacked as query rows."""
+def grouped_softmax_attention(query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None,
+                              scale: float) -> Tensor:
+    """``softmax(q·kᵀ·scale + bias)·v``, output ``[B, Lq, heads, D]``, with each kv head's query heads stacked
+    as query rows (``query`` [B, heads, Lq, D], ``key``/``value`` [B, kv_heads, Lk, D]; ``bias`` additive,
+    broadcast to the scores, or None): what :func:`grouped_attention_forward` runs when it keeps a call."""
     rows, heads, queries, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads  # query head h reads key/value head h // group

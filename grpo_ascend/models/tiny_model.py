@@ -60,12 +60,12 @@ SIZES: dict[str, TinySize] = {
 def build_model(size: str, tokenizer, seed: int = 0):
     """A randomly initialised Qwen2ForCausalLM of the given built-in size, reproducible by ``seed``,
     with embeddings for the whole tokenizer (tool tokens included)."""
-    return add_tool_token_embeddings(_build_base_model(size, tokenizer, seed), tokenizer, seed)
+    return add_tool_token_embeddings(build_base_model(size, tokenizer, seed), tokenizer, seed)
 
 
-def _build_base_model(size: str, tokenizer, seed: int = 0):
-    """The model over the BPE vocabulary only (without the tool tokens added after training): the
-    same weights as build version 2, so the warm start is unchanged."""
+def build_base_model(size: str, tokenizer: Any, seed: int = 0) -> Any:
+    """The random-init model over the BPE vocabulary only (:func:`add_tool_token_embeddings` adds the tool
+    tokens after training): the same weights as build version 2, so the warm start is unchanged."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -254,7 +254,7 @@ def _built_model(build: _Build):
         model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32)
         logger.info("building %s: calculator warm start (minutes of CPU)", build.name)
         return tool_warm_start(model, tokenizer, seed=build.seed), tokenizer, None
-    model = _build_base_model(build.size, tokenizer, seed=build.seed)
+    model = build_base_model(build.size, tokenizer, seed=build.seed)
     if build.warm:
         logger.info("building %s: supervised warm start (a minute or two of CPU)", build.name)
         warm_start(model, tokenizer, seed=build.seed)
@@ -278,7 +278,7 @@ def first_warm_start_losses(size: str = "tiny", tools: bool = False, seed: int =
         tool_warm_phase(model, tokenizer, dataclasses.replace(first, steps=steps), seed + first.seed_offset, losses)
     else:
         tokenizer = build_tokenizer(seed=seed)
-        warm_start(_build_base_model(size, tokenizer, seed=seed), tokenizer, steps=steps, seed=seed, losses=losses)
+        warm_start(build_base_model(size, tokenizer, seed=seed), tokenizer, steps=steps, seed=seed, losses=losses)
     return losses
 
 

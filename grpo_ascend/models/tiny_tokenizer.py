@@ -78,7 +78,8 @@ CHAT_TEMPLATE = _FULL_TOOLS_SYSTEM + _MESSAGES
 COMPACT_TOOLS_CHAT_TEMPLATE = _COMPACT_TOOLS_SYSTEM + _MESSAGES
 
 
-_WORDS = (
+#: The words of the tokenizer's general text (word soup); benchmarks draw prompts from them too.
+WORDS = (
     "the a model reward policy group token sample answer question number step value train learn "
     "good bad fast slow small large think reason because so then first next last plus minus times "
     "equal result correct wrong yes no please write short long story about cat dog sun moon tree "
@@ -93,7 +94,7 @@ def _tokenizer_corpus(seed: int = 0, n: int = 4000) -> list[str]:
     for p in arithmetic_problems(n, seed=seed, max_operand=100, ops="+-*"):
         lines.append(f"<|im_start|>user\n{p.question}<|im_end|>\n<|im_start|>assistant\n{p.completion}<|im_end|>")
     for _ in range(n):
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 16))]
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 16))]
         sentence = " ".join(words).capitalize() + rng.choice([".", "?", "!", ","])
         lines.append(sentence)
     return lines

@@ -195,7 +195,7 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: flo
     return logits
 
 
-def _inverse_cdf(weights: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+def draw_by_inverse_cdf(weights: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
     """(one draw per row with probability ``weights / row sum``, the float64 row sums).
 
     ``weights`` [B, V] are non-negative with a positive row sum; zero-weight tokens are never drawn:
@@ -212,7 +212,7 @@ def sample_categorical(logits: Tensor, generator: torch.Generator | None = None)
     """One draw per row from softmax(logits); -inf logits are never drawn."""
     if float64_supported(logits.device):
         weights = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
-        return _inverse_cdf(weights, generator)[0]
+        return draw_by_inverse_cdf(weights, generator)[0]
     probs = torch.softmax(logits, dim=-1)
     race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
     return probs.div_(race).argmax(dim=-1)
@@ -237,10 +237,10 @@ def sample_with_logprob(
     are computed while the chunk is in the cache. The chunk totals rescaled to the row max (float64)
     give the normaliser (log-prob = ``(x_tok - max) / T - log(total)``) and, with one uniform per
     row, the chunk the token falls in; the draw then finishes by inverse CDF inside that one chunk
-    (recomputed: 1/C of the row). A vocabulary of one chunk is drawn directly (:func:`_inverse_cdf`).
-    Chunk sums are float32 (cascade summation over at most a few thousand terms: relative error
-    ~1e-7, the size of float32 ``exp``'s own rounding); sums across chunks and inside the picked
-    chunk are float64. The RNG use is unchanged: one float64 uniform per row.
+    (recomputed: 1/C of the row). A vocabulary of one chunk is drawn directly
+    (:func:`draw_by_inverse_cdf`). Chunk sums are float32 (cascade summation over at most a few
+    thousand terms: relative error ~1e-7, the size of float32 ``exp``'s own rounding); sums across
+    chunks and inside the picked chunk are float64. The RNG use is unchanged: one float64 uniform per row.
     """
     inv_t = 1.0 / temperature
     logits = logits.float()  # a no-op for float32; mixed-dtype kernels are slower than this copy
@@ -251,7 +251,7 @@ def sample_with_logprob(
     if width >= vocab:
         neg_peak = logits.amax(dim=-1, keepdim=True) * -inv_t
         weights = torch.add(neg_peak, logits, alpha=inv_t).exp_()
-        tokens, total = _inverse_cdf(weights, generator)
+        tokens, total = draw_by_inverse_cdf(weights, generator)
         chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) * inv_t + neg_peak.squeeze(-1)
         return tokens, chosen - total.log().float()
     return _chunked_with_logprob(logits, inv_t, width, generator)

@@ -119,6 +119,11 @@ class EnvironmentPool:
             )
         return instance
 
+    def instances(self, name: str | None = None) -> list[Any]:
+        """The instances made so far of environment ``name`` (None: the single factory), in the order they are
+        handed out each round (one per rollout; reused from round to round)."""
+        return list(self._pool[name])
+
     def names_for(self, rows: Sequence[Mapping[str, Any]]) -> list[str | None]:
         """The environment name of each row: its ``environment`` column with a dict of factories, else None."""
         if not self.multi:

@@ -1,8 +1,11 @@
 """What the GRPO and PPO trainers share: setup on accelerate, the experience pipeline, optimizer and
 schedule, and the run loop; the trainer's parts do the rest.
 
-A subclass implements :meth:`RLTrainerBase._train_round`: one generation round (an
-:class:`~grpo_ascend.experience.Experience`) and the optimizer steps it feeds.
+A subclass implements :meth:`RLTrainerBase.train_round`: one generation round (an
+:class:`~grpo_ascend.experience.Experience`) and the optimizer steps it feeds. ``train()`` runs
+:meth:`~RLTrainerBase.begin_run`, rounds until ``max_steps`` with evaluations and checkpoints
+(:meth:`~RLTrainerBase.save_checkpoint`) in between, and the end of the run; a caller may drive the
+rounds itself (benchmarks, profilers) with ``begin_run`` and ``train_round``.
 
 The parts the trainer holds, each made with what it uses (:meth:`RLTrainerBase._build_parts`):
 
@@ -265,9 +268,12 @@ class RLTrainerBase(TrainerPublicAPI):
             return self.logprob_model(*inputs, temperature=self.args.temperature)[0]
 
     # ------------------------------------------------------------------------------ loop
-    def _train_round(self) -> None:
-        """One generation round and the optimizer steps it feeds (the algorithm's own)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement _train_round")
+    def train_round(self) -> None:
+        """One generation round and the optimizer steps it feeds (the algorithm's own), up to ``max_steps``.
+
+        ``train()`` calls it round after round; a caller driving the run itself opens it first with
+        :meth:`begin_run`. A subclass may wrap it (to time or profile a round)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement train_round")
 
     def _shuffled_rows(self, n: int, iteration: int) -> Tensor:
         """Row order for one pass over this round's ``n`` rows (seeded; see micro_batches.round_row_order)."""
@@ -300,7 +306,7 @@ class RLTrainerBase(TrainerPublicAPI):
 
     def _backward(self, loss: Tensor, model: nn.Module | None = None) -> None:
         """Backward of an already normalised micro-batch loss (see :meth:`_step_normaliser`) through
-        ``model``'s engine (the log-prob model by default); the step is :meth:`_clip_and_step`'s."""
+        ``model``'s engine (the log-prob model by default); the step is :meth:`clip_and_step`'s."""
         self.strategy.backward(self.logprob_model if model is None else model, loss)
 
     def _step_normaliser(self, step_mask: Tensor, generation_tokens_global: Tensor) -> LossNormaliser:
@@ -313,8 +319,12 @@ class RLTrainerBase(TrainerPublicAPI):
             step_tokens_global=self.ranks.reduce(step_mask.sum()),
         )
 
-    def _clip_and_step(self, params: list[nn.Parameter], loss_finite: Tensor) -> tuple[float, bool]:
-        """Clip, check for NaN/inf (all ranks agree), and step — or skip the step leaving the weights untouched."""
+    def clip_and_step(self, params: list[nn.Parameter], loss_finite: Tensor) -> tuple[float, bool]:
+        """Clip, check for NaN/inf (all ranks agree), and step — or skip the step leaving the weights untouched;
+        returns (the gradient norm before clipping, whether the step was taken).
+
+        The train loop calls it once per optimizer step with the step's gradients of ``params`` in place, so
+        a subclass (or a wrapper on an instance) may read them first."""
         grad_norm, stepped = self.strategy.clip_and_step(self.logprob_model, self.optimizer, params, loss_finite)
         if stepped:
             self.scheduler.step()
@@ -332,23 +342,24 @@ class RLTrainerBase(TrainerPublicAPI):
         :attr:`run_summary`.
         """
         run, evaluator = self.run, self.evaluator
-        self._begin(resume_from_checkpoint)
+        self.begin_run(resume_from_checkpoint)
         try:
             if evaluator.enabled and self.args.eval_on_start and run.step == 0:
                 self._evaluate_in_run()
             self.experience.source.start(run.step, self._trainer_state_for_rewards)
             while run.step < self.max_steps and not self.control.should_training_stop:
-                self._train_round()
+                self.train_round()
                 run.round_index += 1
                 if evaluator.due():
                     self._evaluate_in_run()
                 if self._should_save():
-                    self._save()
+                    self.save_checkpoint()
             if evaluator.enabled and run.last_eval_step != run.step:
                 self._evaluate_in_run()  # the last weights are evaluated (and can be the best)
             if run.last_saved_step != run.step:
-                self._save()
-            self._load_best_at_end()
+                self.save_checkpoint()
+            if self.args.load_best_model_at_end:
+                self.load_best_model()
         except BaseException:
             assert self.tracker is not None
             self.tracker.abort()
@@ -363,13 +374,15 @@ class RLTrainerBase(TrainerPublicAPI):
         self.experience.source.close()
         self.rollout.close()
 
-    def _begin(self, resume_from_checkpoint: str | bool | None) -> None:
-        """Resume if asked, prepare the output folder and the tracker."""
+    def begin_run(self, resume_from_checkpoint: str | bool | None = None) -> None:
+        """Open the run without training: resume from a checkpoint if asked (a path, 'latest' or True; None:
+        ``args.resume_from_checkpoint``), open its records (metrics.jsonl, the trackers), fire ``on_train_begin``.
+        ``train()`` starts with it; then :meth:`train_round` runs the rounds."""
         args = self.args
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         path = resolve_checkpoint(resume, args.output_dir) if resume not in (None, False) else None
         if path is not None:
-            self._load(path)
+            self.load_checkpoint(path)
             self.best.restore()
         self.recorder.begin()
         self.events.fire("on_train_begin")
@@ -383,15 +396,21 @@ class RLTrainerBase(TrainerPublicAPI):
         return self.step // every > max(self.run.last_saved_step, 0) // every
 
     # ------------------------------------------------------------------------------ checkpoints
-    def _save(self) -> None:
-        """A checkpoint of this step (every rank), pushed per ``hub_strategy``; fires ``on_save``."""
+    def save_checkpoint(self) -> Path:
+        """Save a checkpoint of this step into ``output_dir/checkpoint-<step>`` (every rank must call): the
+        trainable weights, optimizer, schedule, every rank's RNGs, the counters and the algorithm's own state;
+        pushed per ``hub_strategy``; fires ``on_save``. ``train()`` saves every ``save_steps`` and at the end.
+        Returns the checkpoint's folder."""
         path = self.checkpointer.save({**self._trainer_state(), **self._rollout_ledger()}, self._extra_state_tensors())
         self.publisher.push_checkpoint(path)
         self.events.fire("on_save")
+        return path
 
-    def _load(self, path: Path) -> None:
-        """Resume from the checkpoint at ``path``, the algorithm's own state included."""
-        resumed = self.checkpointer.load(path)
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore the trainer from the checkpoint at ``path`` (every rank must call): weights, optimizer, schedule,
+        RNGs, counters and the algorithm's own state, as a resume does (which also takes the run's best
+        checkpoint back from ``best.json``)."""
+        resumed = self.checkpointer.load(Path(path))
         ledgers = resumed.trainer_state.get("rollout_ledger")
         if ledgers is not None:
             self.experience.source.load_state_dict(ledgers[self.ranks.rank])
@@ -421,14 +440,16 @@ class RLTrainerBase(TrainerPublicAPI):
     def _restore_extra_state_tensors(self, extra: dict[str, Tensor]) -> None:
         """Subclass hook: take back what :meth:`_extra_state_tensors` saved."""
 
-    def _load_best_at_end(self) -> None:
-        """``load_best_model_at_end``: the best checkpoint's weights into the model (every rank)."""
+    def load_best_model(self) -> bool:
+        """The best checkpoint's weights (``metric_for_best_model``) into the model (every rank must call); False
+        when there is no best checkpoint yet. ``train()`` ends with it under ``load_best_model_at_end``."""
         path = self.best.path()
-        if not self.args.load_best_model_at_end or path is None:
-            return
+        if path is None:
+            return False
         self.checkpointer.load_weights(path)
         assert self.run.best is not None
         logger.info("loaded the best checkpoint %s (%s = %g)", path, self.run.best.metric, self.run.best.value)
+        return True
 
     # ------------------------------------------------------------------------------ logging
     def _end_step(self, step_metrics: dict[str, float], log: RoundLog, exp: Experience, started: float,

@@ -6,7 +6,7 @@ Use it like TRL's ``GRPOTrainer``::
                           train_dataset=dataset, peft_config=LoraConfig(...))
     trainer.train()
 
-One round is :meth:`GRPOTrainer._train_round`, top to bottom.
+One round is :meth:`GRPOTrainer.train_round`, top to bottom.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
         self._policy_params = [p for p in self.policy.parameters() if p.requires_grad]
         self._build_parts()
 
-    def _train_round(self) -> None:
+    def train_round(self) -> None:
         """Experience → group-relative advantages → μ passes of optimizer steps over micro-batches → log.
 
         A round is one generation batch unless steps straddle them (``BatchPlan.generations_per_round``):
@@ -218,7 +218,7 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
                 count += 1
                 inputs = MicroBatchInputs(segment.exp, micro, last and k == len(segments) - 1, sums, importance)
                 self.training_step(self.logprob_model, inputs, normaliser)
-        grad_norm, _ = self._clip_and_step(self._policy_params, torch.isfinite(sums["loss"]))
+        grad_norm, _ = self.clip_and_step(self._policy_params, torch.isfinite(sums["loss"]))
         totals = ranks.sum_scalars(sums)
         step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm, **policy_metrics(totals)}
         if bonus:

@@ -98,12 +98,12 @@ def pack_by_tokens(lengths: Sequence[int], groups: Sequence[int], budget: int, c
         raise ValueError(f"{len(lengths)} lengths but {len(groups)} group ids")
     rows_alone = [[p] for p in range(len(lengths))]
     if not cost.share_prompts:
-        return _next_fit(rows_alone, lengths, groups, budget, cost)
+        return next_fit(rows_alone, lengths, groups, budget, cost)
     members: dict[int, list[int]] = {}
     for position, group in enumerate(groups):  # by first appearance in the step
         members.setdefault(group, []).append(position)
-    candidates = [_next_fit(list(members.values()), lengths, groups, budget, cost),
-                  _next_fit(rows_alone, lengths, groups, budget, cost)]
+    candidates = [next_fit(list(members.values()), lengths, groups, budget, cost),
+                  next_fit(rows_alone, lengths, groups, budget, cost)]
 
     def total(parts: list[list[int]]) -> tuple[int, int]:
         return sum(cost(len(p), len({groups[i] for i in p}), max(lengths[i] for i in p)) for p in parts), len(parts)
@@ -120,10 +120,11 @@ def _groups_adjacent(part: list[int], groups: Sequence[int]) -> list[int]:
     return sorted(part, key=lambda position: first[groups[position]])
 
 
-def _next_fit(units: list[list[int]], lengths: Sequence[int], groups: Sequence[int], budget: int,
-              cost: TokenCost) -> list[list[int]]:
-    """``units`` (lists of row positions) longest first, rows longest first, filled in that order; a unit
-    that would not fit the open micro-batch but fits a fresh one starts a fresh one (it stays whole)."""
+def next_fit(units: list[list[int]], lengths: Sequence[int], groups: Sequence[int], budget: int,
+             cost: TokenCost) -> list[list[int]]:
+    """A packing of ``units`` (lists of row positions) into micro-batches of at most ``budget`` tokens, one of
+    the two :func:`pack_by_tokens` compares: units longest first, rows longest first, filled in that order; a
+    unit that would not fit the open micro-batch but fits a fresh one starts a fresh one (it stays whole)."""
     units = [sorted(rows, key=lambda p: (-lengths[p], p)) for rows in units]
     units.sort(key=lambda rows: (-lengths[rows[0]], rows[0]))
     parts: list[list[int]] = []

@@ -8,7 +8,7 @@ registry, checkpoints and metrics)::
     trainer.train()
 
 One rollout batch (``per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches``
-completions per device) is :meth:`PPOTrainer._train_round`:
+completions per device) is :meth:`PPOTrainer.train_round`:
 
 1. sample completions and score them (one score per completion), as GRPO does;
 2. log-probs under the sampling policy (the engine's, exact in fp32) and the reference (base with
@@ -100,7 +100,7 @@ class PPOTrainer(RLTrainerBase):
         return self._ckpt_module
 
     # ------------------------------------------------------------------------------ round
-    def _train_round(self) -> None:
+    def train_round(self) -> None:
         """Experience → values → KL-penalised token rewards and GAE → epochs of critic + policy steps → log."""
         args, ranks, critic = self.args, self.ranks, self.critic
         timer, started = PhaseTimer(self.device), time.perf_counter()
@@ -138,7 +138,7 @@ class PPOTrainer(RLTrainerBase):
                 accumulate(sums, {"policy_loss": pg_loss, "value_loss": v_loss,
                                         "value_clipped": v_stats["value_clipped"], **stats})
             total = sums["policy_loss"] + args.vf_coef * sums["value_loss"]
-            grad_norm, _ = self._clip_and_step(self._policy_params + critic.trainable, torch.isfinite(total))
+            grad_norm, _ = self.clip_and_step(self._policy_params + critic.trainable, torch.isfinite(total))
             totals = ranks.sum_scalars(sums)
             world, n_tok = ranks.world, max(totals.get("token_count", 0.0), 1.0)
             step_metrics = {

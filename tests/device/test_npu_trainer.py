@@ -16,7 +16,6 @@ from grpo_ascend import device as dev
 from grpo_ascend.data.synthetic import arithmetic_dataset
 from grpo_ascend.models.policy import default_lora_config, load_causal_lm, load_tokenizer
 from grpo_ascend.trainers import base as trainer_base
-from grpo_ascend.trainers.base import RLTrainerBase
 
 
 class _OptimizerBuilt(Exception):
@@ -53,11 +52,10 @@ def _trainer_until_optimizer(monkeypatch, tmp_path, model, tokenizer):
             requested = dev.resolve_device("npu")  # through the fake torch.npu: set_device, runtime defaults
         return _AcceleratorOnDevice(Accelerator(cpu=True), FakeDevice(str(requested))), "fp32"
 
-    build_training = RLTrainerBase._build_training
-
-    def record_trainer(self, *args, **kwargs):
-        built["trainer"] = self
-        return build_training(self, *args, **kwargs)
+    class Recorded(GRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            built["trainer"] = self
+            super().__init__(*args, **kwargs)
 
     real_to = torch.nn.Module.to
 
@@ -72,12 +70,11 @@ def _trainer_until_optimizer(monkeypatch, tmp_path, model, tokenizer):
         raise _OptimizerBuilt
 
     monkeypatch.setattr(trainer_base, "make_accelerator", make_accelerator)
-    monkeypatch.setattr(RLTrainerBase, "_build_training", record_trainer)
     monkeypatch.setattr(torch.nn.Module, "to", to)
     monkeypatch.setattr(torch.optim, "AdamW", optimizer)
     cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), "num_generations": 2})
     with pytest.raises(_OptimizerBuilt):
-        GRPOTrainer(model, first_digit_is_one, cfg, arithmetic_dataset(8), processing_class=tokenizer,
+        Recorded(model, first_digit_is_one, cfg, arithmetic_dataset(8), processing_class=tokenizer,
                     peft_config=default_lora_config(r=4))
     return built["trainer"], built["params"]
 

@@ -84,8 +84,12 @@ def test_units_stay_gathered_across_forwards_and_reshard_after(sharded_model):
     assert isinstance(inner.weight, DTensor)
 
 
-def test_a_changed_internal_is_named():
+def test_a_changed_internal_is_named(monkeypatch):
+    import accelerate.utils
+
     with pytest.raises(CompatError, match=r"FSDP2 internal FSDPParamGroup.post_forward_mesh_info"):
         compat_fsdp2.internal(object(), "FSDPParamGroup", "post_forward_mesh_info")
-    with pytest.raises(CompatError, match=r"accelerate .* changed FooPlugin.bar"):
-        compat_accelerate._has_attribute(type("FooPlugin", (), {}), "bar")
+    plugin = type("FullyShardedDataParallelPlugin", (), {})  # an accelerate whose plugin lost a method
+    monkeypatch.setattr(accelerate.utils, "FullyShardedDataParallelPlugin", plugin)
+    with pytest.raises(CompatError, match=r"accelerate .* changed FullyShardedDataParallelPlugin.set_mixed_precision"):
+        compat_accelerate.PINNED_INTERNALS["FullyShardedDataParallelPlugin.set_mixed_precision"]()

@@ -183,17 +183,23 @@ def test_num_processes_inside_a_launched_process_is_refused(monkeypatch):
 
 
 def test_launch_command_runs_accelerate_then_the_cli(monkeypatch):
-    from grpo_ascend.run import _split_num_processes, launch_command
+    import argparse
+
+    from grpo_ascend import run
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    cmd = launch_command("r.yaml", ["--max_steps", "3"], 8, log_level="warning")
+    cmd = run.launch_command("r.yaml", ["--max_steps", "3"], 8, log_level="warning")
     assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert cmd[cmd.index("--num_processes") + 1] == "8"
     tail = cmd[cmd.index("grpo_ascend.cli") - 1 :]
     assert tail == ["-m", "grpo_ascend.cli", "--log-level", "warning", "train", "r.yaml", "--max_steps", "3"]
-    assert _split_num_processes(["--max_steps", "3", "--num-processes=4", "--seed", "1"]) == (
-        4, ["--max_steps", "3", "--seed", "1"])
-    assert _split_num_processes(["--num_processes", "2"]) == (2, [])
+    # --num_processes among the overrides (either spelling) is taken out of them and starts the processes.
+    launched = []
+    monkeypatch.setattr(run.subprocess, "call", lambda command: launched.append(command) or 0)
+    for overrides, processes, rest in ((["--max_steps", "3", "--num-processes=4", "--seed", "1"], 4,
+                                        ["--max_steps", "3", "--seed", "1"]), (["--num_processes", "2"], 2, [])):
+        assert run.run_train(argparse.Namespace(config="r.yaml", overrides=overrides, num_processes=None)) == 0
+        assert launched.pop() == run.launch_command("r.yaml", rest, processes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def test_fsdp_only_rank_zero_writes_whole_weights(fsdp_run, tiny_model_dir, tmp_
     # A single process (no FSDP) resumes it: same weights, whole Adam state of the right shapes.
     cfg = dist_worker.grads_config(str(tmp_path / "one"), 1)
     single = dist_worker.make_trainer(str(tiny_model_dir), cfg, dataset_size=12)
-    single._load(final)
+    single.load_checkpoint(final)
     assert single.step == 4
     params = {k: v for k, v in single.policy.named_parameters() if v.requires_grad}
     assert params.keys() == trained.keys()

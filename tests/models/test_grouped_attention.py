@@ -70,7 +70,8 @@ def test_equals_sdpa_without_a_mask_causal_and_not_and_with_an_additive_mask():
 
 def test_large_blocks_dropout_and_half_precision_go_to_sdpa(monkeypatch):
     calls = []
-    monkeypatch.setattr(grouped_attention, "_attend", lambda *a: calls.append(a) or torch.zeros(()))
+    monkeypatch.setattr(grouped_attention, "grouped_softmax_attention",
+                        lambda *a: calls.append(a) or torch.zeros(()))
     query, key, value = _inputs()
     module = _Module(2)
     mask = _padding_mask(3, 5, 9, padding=[0, 0, 0])
@@ -109,8 +110,8 @@ def test_log_prob_forward_uses_it_and_equals_sdpa(chaotic, monkeypatch):
     model.requires_grad_(True)
     batch = _batch(model.config.vocab_size)
     calls = []
-    attend = grouped_attention._attend
-    monkeypatch.setattr(grouped_attention, "_attend", lambda *a: calls.append(1) or attend(*a))
+    attend = grouped_attention.grouped_softmax_attention
+    monkeypatch.setattr(grouped_attention, "grouped_softmax_attention", lambda *a: calls.append(1) or attend(*a))
     results = {}
     for name, budget in (("grouped", 8 << 20), ("sdpa", 0)):
         monkeypatch.setattr(dev, "grouped_attention_max_bytes", lambda device, budget=budget: budget)
@@ -132,7 +133,6 @@ def test_no_switch_under_activation_checkpointing_or_other_implementations(chaot
     with grouped_attention.grouped_attention(model) as switched:
         assert switched and model.config._attn_implementation == IMPLEMENTATION
     assert model.config._attn_implementation == "sdpa"
-    monkeypatch.setattr(grouped_attention, "_register", lambda: None)
     monkeypatch.setattr(grouped_attention, "activation_checkpointing_on", lambda m: True)
     with grouped_attention.grouped_attention(model) as switched:
         assert not switched and model.config._attn_implementation == "sdpa"

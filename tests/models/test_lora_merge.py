@@ -82,16 +82,17 @@ def test_decode_layout_is_measured_once_per_shape_and_thread_count(monkeypatch):
         return (1.0, 0.5) if n == 256 else (1.0, 1.2)
 
     monkeypatch.setattr(calibration, "measure_layouts", fake_measure)
-    monkeypatch.setattr(calibration, "_CHOICES", {})
-    assert dev.decode_weights_transposed("cpu", (256, 512), 32)  # [out, in]: 512 -> 256, plain faster
-    assert not dev.decode_weights_transposed("cpu", (1376, 512), 32)
-    assert dev.decode_weights_transposed("cpu", (256, 512), 32) and timed == [(32, 512, 256), (32, 512, 1376)]
+    calibration.forget_measurements()  # timed here whatever ran before; the fake's choices are forgotten after
     threads = torch.get_num_threads()
     try:
+        assert dev.decode_weights_transposed("cpu", (256, 512), 32)  # [out, in]: 512 -> 256, plain faster
+        assert not dev.decode_weights_transposed("cpu", (1376, 512), 32)
+        assert dev.decode_weights_transposed("cpu", (256, 512), 32) and timed == [(32, 512, 256), (32, 512, 1376)]
         torch.set_num_threads(threads + 1)
         dev.decode_weights_transposed("cpu", (256, 512), 32)
     finally:
         torch.set_num_threads(threads)
+        calibration.forget_measurements()
     assert len(timed) == 3  # another thread count is measured again
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grpo_ascend import device as dev
 from grpo_ascend.models.policy import CompletionLogprobs, apply_peft, default_lora_config, shared_prompt_rows
 
 
@@ -178,7 +179,8 @@ def test_critic_values_share_prompts_with_the_same_result(tiny_model):
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_completions_cut_after_the_longest_give_the_uncut_logprobs_and_gradients(tiny_model, with_entropy):
+def test_completions_cut_after_the_longest_give_the_uncut_logprobs_and_gradients(tiny_model, with_entropy,
+                                                                                   monkeypatch):
     """Columns that are padding in every row are dropped before the forward and come back as zeros."""
     from grpo_ascend.models.policy import used_completion_width
 
@@ -196,11 +198,15 @@ def test_completions_cut_after_the_longest_give_the_uncut_logprobs_and_gradients
     assert used_completion_width(mask) == longest < ids.shape[1]
     lp = CompletionLogprobs(policy, chunk_size=5)
     results = []
-    for forward in (lp, lp._logprobs):  # cut, and the uncut forward underneath
-        policy.zero_grad(set_to_none=True)
-        logps, ent = forward(*inputs, temperature=0.7, with_entropy=with_entropy)
-        loss = (logps * mask).sum() + (0 if ent is None else (ent * mask).sum() * 0.1)
-        loss.backward()
+    for cut in (True, False):
+        with monkeypatch.context() as scoped:
+            if not cut:  # a length bucket as wide as the completions: the same forward, nothing cut
+                scoped.setattr(dev, "default_length_bucket", lambda device: ids.shape[1])
+                assert used_completion_width(mask) == ids.shape[1]
+            policy.zero_grad(set_to_none=True)
+            logps, ent = lp(*inputs, temperature=0.7, with_entropy=with_entropy)
+            loss = (logps * mask).sum() + (0 if ent is None else (ent * mask).sum() * 0.1)
+            loss.backward()
         grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
         results.append((logps.detach(), None if ent is None else ent.detach(), grads))
     (cut_lp, cut_ent, cut_g), (full_lp, full_ent, full_g) = results

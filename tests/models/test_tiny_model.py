@@ -9,7 +9,7 @@ import torch
 
 from grpo_ascend.data.synthetic import arithmetic_dataset, arithmetic_problems
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models.tiny_model import build_model, resolve_builtin
+from grpo_ascend.models.tiny_model import build_model, build_tiny_model, resolve_builtin
 from grpo_ascend.models.tiny_tokenizer import COMPACT_TOOLS_CHAT_TEMPLATE, build_tokenizer
 
 
@@ -57,20 +57,41 @@ def test_synthetic_task_is_deterministic_and_correct():
         arithmetic_problems(3, ops="/")
 
 
-def test_a_second_builder_waits_for_the_first(tmp_path):
-    """The build lock is exclusive across processes: parallel test workers build a model once."""
+HOLDER = """import fcntl, shutil, sys
+lock, model, target = sys.argv[1:]
+with open(lock, "w") as handle:
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    print("locked", flush=True)
+    sys.stdin.readline()
+    shutil.copytree(model, target)  # a finished build, as another builder leaves it
+    open(target + "/built-by-the-other", "w").close()
+"""
+
+
+def test_a_second_builder_waits_for_the_first(tmp_path, tiny_model_dir):
+    """The build lock is exclusive across processes: a builder that finds another building the same model
+    waits for it and then takes its build (parallel test workers build a model once)."""
     import subprocess
     import sys
+    import threading
 
-    from grpo_ascend.models.tiny_model import _build_lock
-
+    pytest.importorskip("fcntl")
     target = tmp_path / "model"
-    probe = ("import fcntl, sys; f = open(sys.argv[1], 'w')\n"
-             "try:\n    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    sys.exit(3)")
-    lock_file = str(tmp_path / ".model.lock")
-    with _build_lock(target):
-        assert subprocess.run([sys.executable, "-c", probe, lock_file]).returncode == 3
-    assert subprocess.run([sys.executable, "-c", probe, lock_file]).returncode == 0
+    other = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / ".model.lock"), str(tiny_model_dir),
+                              str(target)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "locked"
+        built = []
+        builder = threading.Thread(target=lambda: built.append(build_tiny_model("tiny", out_dir=target)))
+        builder.start()
+        builder.join(1.0)
+        assert builder.is_alive() and not target.exists()  # waiting for the other builder
+        other.communicate("go\n", timeout=60)
+        builder.join(120)
+        assert built == [target] and (target / "built-by-the-other").exists()  # its build, not rebuilt
+    finally:
+        other.kill()
+        other.wait()
 
 
 # ---------------------------------------------------------------------------------------------

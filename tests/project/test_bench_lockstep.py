@@ -35,10 +35,10 @@ def _fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, total: int) -> None:
 
     def worker(impl, s, python, log_dir, index, mmap_threshold):  # type: ignore[no-untyped-def]
         out = log_dir / f"{impl}.json"
-        return bench_trainer._Worker(impl, [sys.executable, str(script), impl, str(out), str(total)], {},
-                                     out, log_dir / f"{impl}.log")
+        return bench_trainer.Worker(impl, [sys.executable, str(script), impl, str(out), str(total)], {},
+                                    out, log_dir / f"{impl}.log")
 
-    monkeypatch.setattr(bench_trainer, "_worker", worker)
+    monkeypatch.setattr(bench_trainer, "make_worker", worker)
 
 
 def test_steps_alternate_and_a_finished_worker_winds_down_alone(tmp_path, monkeypatch):

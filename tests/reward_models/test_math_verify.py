@@ -54,7 +54,7 @@ def test_plain_numbers_never_start_the_worker():
     scores = reward(completions=["#### 42", "<answer>3/4</answer>", "\\boxed{-7}", "#### 1,000.0"],
                     answer=["42", "0.75", "-7", "1000"])
     assert scores == [1.0, 1.0, 1.0, 1.0]
-    assert reward.checker._proc is None
+    assert reward.checker.worker_process is None
 
 
 def test_code_is_never_evaluated(accuracy, tmp_path):
@@ -75,7 +75,7 @@ def test_works_from_a_worker_thread(accuracy):
     assert out == [[1.0]]
 
 
-def test_timeout_kills_the_check_and_recovers(tmp_path, monkeypatch):
+def test_timeout_kills_the_check_and_recovers(tmp_path):
     slow = tmp_path / "slow_worker.py"
     slow.write_text(
         "import sys, time, json\nprint(json.dumps({'ready': True}), flush=True)\n"
@@ -84,16 +84,15 @@ def test_timeout_kills_the_check_and_recovers(tmp_path, monkeypatch):
         "    if req['predicted'] == 'slow':\n        time.sleep(60)\n"
         "    print(json.dumps({'equal': req['predicted'] == req['reference']}), flush=True)\n"
     )
-    monkeypatch.setattr(mvc, "_WORKER", slow)
-    checker = mvc.MathVerifyChecker(timeout=0.5)
+    checker = mvc.MathVerifyChecker(timeout=0.5, worker_script=slow)
     assert checker.equivalent("a", "a") is True
-    first = checker._proc
+    first = checker.worker_process
     assert checker.equivalent("slow", "x") is None
     assert checker.timeouts == 1 and first.poll() is not None  # killed
     assert checker.equivalent("b", "b") is True  # a fresh worker
     checker.close()
     # Through answers_match a timed-out check counts as "not equal" unless the texts are equal.
-    checker = mvc.MathVerifyChecker(timeout=0.5)
+    checker = mvc.MathVerifyChecker(timeout=0.5, worker_script=slow)
     assert answers_match("slow", "x^2", checker=checker) is False
     checker.close()
 

@@ -80,9 +80,9 @@ def test_inverse_cdf_never_draws_zero_weights_at_the_edges():
     real_rand = torch.rand
     try:
         torch.rand = lambda *a, **k: torch.full(a[0], 1.0, dtype=k["dtype"])  # the worst draw
-        tokens, total = sampling._inverse_cdf(weights, gen)
+        tokens, total = sampling.draw_by_inverse_cdf(weights, gen)
         torch.rand = lambda *a, **k: torch.zeros(a[0], dtype=k["dtype"])  # and the other end
-        low, _ = sampling._inverse_cdf(weights, gen)
+        low, _ = sampling.draw_by_inverse_cdf(weights, gen)
     finally:
         torch.rand = real_rand
     assert tokens.tolist() == [2, 0] and low.tolist() == [2, 0]

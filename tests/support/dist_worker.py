@@ -173,19 +173,19 @@ def checkpoint_round_trip(trainer: Any, tensors: dict[str, torch.Tensor]) -> dic
     trainer.scheduler.base_lrs = [1e-2] * len(trainer.scheduler.base_lrs)
     for group in trainer.optimizer.param_groups:
         group["lr"] = 1e-2
-    trainer._save()
+    trainer.save_checkpoint()
     saved_step = trainer.step
     saved = trainable_weights(trainer)
     first = step()
     after_first = trainable_weights(trainer)
-    trainer._load(Path(trainer.args.output_dir) / f"checkpoint-{saved_step}")
+    trainer.load_checkpoint(Path(trainer.args.output_dir) / f"checkpoint-{saved_step}")
     restored = trainable_weights(trainer)
     loaded_step = trainer.step
     second = step()
     after_second = trainable_weights(trainer)
     # load_best_model_at_end with the saved checkpoint as the best: its weights come back.
-    trainer.run.best, trainer.args.load_best_model_at_end = BestCheckpoint(saved_step, 0.0, "eval/reward"), True
-    trainer._load_best_at_end()
+    trainer.run.best = BestCheckpoint(saved_step, 0.0, "eval/reward")
+    assert trainer.load_best_model()
     best = trainable_weights(trainer)
     return {"restored_diff": _max_difference(saved, restored), "replayed_diff": _max_difference(after_first, after_second),
             "moved": _max_difference(saved, after_first), "first": first, "second": second,

@@ -121,41 +121,42 @@ def run_round(trainer, exp, values=None, advantages=None, returns=None, made=Non
     """Run one training round on the fixed experience ``exp`` and return its last step's metrics record.
 
     ``exp`` stands for the sampled, scored and annotated round; the algorithm completes it as in training
-    (GRPO: advantages from its rewards). PPO: ``values``/``advantages``/``returns`` replace the critic pass
-    and GAE. ``made``: a list that receives the completed experience the round trained on.
+    (GRPO: advantages from its rewards). PPO: ``values``/``advantages``/``returns`` stand for the critic pass
+    and GAE, which then do not run (the round's metrics are the experience's own). ``made``: a list that
+    receives the completed experience the round trained on. Opens the run (``begin_run``) if it is not open.
     """
     import dataclasses
 
-    def fixed_advantages(exp, _values):
-        return {"advantages": advantages, "extras": {**exp.extras, "values": values, "returns": returns}}, {}
+    from grpo_ascend.experience import experience_metrics
 
     def make(*args, complete=None, **kwargs):
-        own, metrics = complete(exp) if complete is not None else ({}, {})
+        if values is not None:
+            own = {"advantages": advantages, "extras": {**exp.extras, "values": values, "returns": returns}}
+            metrics = experience_metrics(exp, trainer.ranks)
+        else:
+            own, metrics = complete(exp) if complete is not None else ({}, {})
         completed = dataclasses.replace(exp, **own)
         if made is not None:
             made.append(completed)
         return completed, metrics
 
     trainer.experience.make = make
-    if values is not None:
-        trainer._forward_values = lambda exp: values
-        trainer._advantages = fixed_advantages
     if trainer.tracker is None:
-        trainer._begin(None)
-    trainer._train_round()
+        trainer.begin_run()
+    trainer.train_round()
     return trainer.run.last_record
 
 
 def intercept_optimizer_steps(trainer, step) -> None:
     """Make ``trainer`` call ``step(params, loss_finite) -> (grad_norm, stepped)`` in place of each optimizer step
-    (clipping, the NaN check, the step and the scheduler), the gradients of ``params`` in place, until
-    :func:`restore_optimizer_steps`. The one place the tests replace that private method of the trainers."""
-    trainer._clip_and_step = step
+    (its ``clip_and_step``: clipping, the NaN check, the step and the scheduler), the gradients of ``params`` in
+    place, until :func:`restore_optimizer_steps`."""
+    trainer.clip_and_step = step
 
 
 def restore_optimizer_steps(trainer) -> None:
     """Undo :func:`intercept_optimizer_steps`: the trainer's own optimizer steps again."""
-    vars(trainer).pop("_clip_and_step", None)
+    vars(trainer).pop("clip_and_step", None)
 
 
 def one_round_gradients(trainer, exp, **ppo_fixed):

@@ -6,16 +6,19 @@ a shared machine even where a mechanism does not hold."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
-from grpo_ascend.tools import SandboxLimits, run_python, sandbox_cgroup
+from grpo_ascend.tools import SandboxLimits, run_python
 from grpo_ascend.tools import sandbox as sandbox_module
 from grpo_ascend.tools.sandbox_cgroup import create_call_group
 
@@ -313,7 +316,14 @@ def test_without_a_private_tmpfs_the_sandbox_uid_files_are_swept(name):
     assert open(os.path.join(shared, "root.txt")).read() == "root's"
 
 
-def test_cgroups_of_trainers_that_died_mid_call_are_removed(monkeypatch):
+NEXT_TRAINER = """import json
+from grpo_ascend.tools.sandbox_cgroup import create_call_group
+group, why = create_call_group(16 << 20, 4)
+print(json.dumps(why if group is None else {"dirs": [str(d) for d in group.dirs], "removed": group.remove()}))
+"""
+
+
+def test_cgroups_of_trainers_that_died_mid_call_are_removed():
     """A trainer killed during a call cannot remove its call's (by then empty) cgroup: the next
     trainer process removes it when it makes its first group there."""
     group, why = create_call_group(16 << 20, 4)
@@ -324,8 +334,12 @@ def test_cgroups_of_trainers_that_died_mid_call_are_removed(monkeypatch):
     for path in stale:
         path.mkdir()
     assert group.remove()
-    monkeypatch.setattr(sandbox_cgroup, "_CLEANED", set())  # as in a fresh trainer process
-    fresh, _ = create_call_group(16 << 20, 4)
-    assert fresh is not None and fresh.remove()
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", NEXT_TRAINER], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fresh = json.loads(done.stdout.splitlines()[-1])
+    assert isinstance(fresh, dict) and fresh["removed"], fresh
     assert [p for p in stale if p.exists()] == []
-    assert [d for d in (*group.dirs, *fresh.dirs) if d.exists()] == []
+    assert [d for d in (*group.dirs, *map(Path, fresh["dirs"])) if d.exists()] == []

@@ -516,13 +516,13 @@ def test_check_tool_chat_template(tokenizer):
 def test_tool_tokens_extend_the_vocabulary_without_changing_the_rest(tokenizer):
     import torch
 
-    from grpo_ascend.models.tiny_model import _build_base_model, build_model
+    from grpo_ascend.models.tiny_model import build_base_model, build_model
     from grpo_ascend.models.tiny_tokenizer import TOOL_TOKENS
 
     base = tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False)
     assert tokenizer.convert_tokens_to_ids(TOOL_TOKENS) == list(range(base, base + len(TOOL_TOKENS)))
     assert len(tokenizer) == base + len(TOOL_TOKENS)
-    full, plain = build_model("tiny", tokenizer), _build_base_model("tiny", tokenizer)
+    full, plain = build_model("tiny", tokenizer), build_base_model("tiny", tokenizer)
     assert full.get_input_embeddings().weight.shape[0] == len(tokenizer)
     for (name, a), (_, b) in zip(full.state_dict().items(), plain.state_dict().items()):
         assert torch.equal(a[: b.shape[0]], b), name  # every weight of the BPE vocabulary unchanged

@@ -198,15 +198,15 @@ def test_evaluation_settings_are_checked(tmp_path, capsys):
 
 def test_recipe_eval_fraction_holds_out_prompts():
     from grpo_ascend.config.recipe import RecipeConfig
-    from grpo_ascend.run import _eval_dataset
+    from grpo_ascend.run import train_and_eval_prompts
 
     data = arithmetic_dataset(20, seed=0)
     recipe = RecipeConfig(eval_fraction=0.25)
-    train, held_out = _eval_dataset(recipe, data, seed=0)
+    train, held_out = train_and_eval_prompts(recipe, data, seed=0)
     assert len(train) == 15 and len(held_out) == 5
     assert not {json.dumps(p) for p in train["prompt"]} & {json.dumps(p) for p in held_out["prompt"]}
-    assert _eval_dataset(RecipeConfig(), data, seed=0) == (data, None)
-    _, split = _eval_dataset(RecipeConfig(eval_split="test", max_eval_samples=4), data, seed=0)
+    assert train_and_eval_prompts(RecipeConfig(), data, seed=0) == (data, None)
+    _, split = train_and_eval_prompts(RecipeConfig(eval_split="test", max_eval_samples=4), data, seed=0)
     assert len(split) == 4 and split["prompt"] != data["prompt"][:4]  # synthetic: a fresh draw
     with pytest.raises(ConfigError, match="eval_fraction"):
         RecipeConfig(eval_fraction=0.2, eval_split="test")

@@ -88,7 +88,7 @@ def test_tool_run_evaluates_through_its_environments_and_trains_as_without(tmp_p
         assert torch.equal(p, _trainable(evaluated)[n]), n
     assert _train_records(plain) == _train_records(evaluated) and len(_train_records(plain)) == 2
     # The training rollouts' environments were reset exactly as often; Python's RNG is where training left it.
-    streams = [[e.rng.getstate() for e in t.rollout.pool._pool[None]] for t in (plain, evaluated)]
+    streams = [[e.rng.getstate() for e in t.rollout.pool.instances()] for t in (plain, evaluated)]
     assert len(streams[0]) == 4 and streams[0] == streams[1]
     assert evaluated.evaluator.rollout.pool is not evaluated.rollout.pool
     assert python_rng["plain"] == python_rng["evaluated"]

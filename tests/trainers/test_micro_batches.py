@@ -18,7 +18,7 @@ from grpo_ascend.errors import ConfigError
 from grpo_ascend.models.policy import default_lora_config
 from grpo_ascend.trainers.micro_batches import (
     TokenCost,
-    _next_fit,
+    next_fit,
     pack_by_tokens,
     pack_in_lockstep,
     split_to,
@@ -73,7 +73,7 @@ def test_packing_keeps_every_row_once_within_budget_deterministically(share):
             for p in parts:
                 runs = [groups[i] for k, i in enumerate(p) if k == 0 or groups[p[k - 1]] != groups[i]]
                 assert len(runs) == len(set(runs)), (p, groups)
-            whole = _next_fit([[i for i, x in enumerate(groups) if x == g] for g in dict.fromkeys(groups)],
+            whole = next_fit([[i for i, x in enumerate(groups) if x == g] for g in dict.fromkeys(groups)],
                               lengths, groups, budget, cost)
             assert _total(parts, lengths, groups, cost) <= _total(whole, lengths, groups, cost)
         assert pack_by_tokens(list(lengths), list(groups), budget, cost) == parts

@@ -36,22 +36,32 @@ def test_steps_straddle_generation_batches_in_trls_order(tmp_path, tiny_model_di
     cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), "num_generations": 2,
                         "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
                         "steps_per_generation": 3, "max_steps": 3, "loss_type": "dapo"})
-    trainer = GRPOTrainer(str(tiny_model_dir), first_digit_is_one, cfg, arithmetic_dataset(12),
-                          peft_config=default_lora_config(r=4))
-    steps, made = [], []
-    make, optimizer_step = trainer.experience.make, trainer._optimizer_step
+    micro_batches, made = [], []  # (optimizer step, generation batch, rows) of each micro-batch, in order
+
+    class Recording(GRPOTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            micro_batches.append((self.step, id(inputs.experience), inputs.rows.tolist()))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    trainer = Recording(str(tiny_model_dir), first_digit_is_one, cfg, arithmetic_dataset(12),
+                        peft_config=default_lora_config(r=4))
+    make = trainer.experience.make
 
     def recording_make(*args, **kwargs):
         exp, metrics = make(*args, **kwargs)
         made.append((exp, kwargs["old_logps"]))
         return exp, metrics
 
-    def recording_step(segments):
-        steps.append([(id(s.exp), s.rows.tolist()) for s in segments])
-        optimizer_step(segments)
-
-    trainer.experience.make, trainer._optimizer_step = recording_make, recording_step
+    trainer.experience.make = recording_make
     trainer.train()
+    steps = []  # each optimizer step's segments: (generation batch, its rows in the step)
+    for step, exp_id, rows in micro_batches:
+        if len(steps) == step:
+            steps.append([])
+        if steps[step] and steps[step][-1][0] == exp_id:
+            steps[step][-1][1].extend(rows)
+        else:
+            steps[step].append((exp_id, list(rows)))
     assert [old for _, old in made] == [True, True]  # 2 % 3 != 0: TRL computes old log-probs
     assert all(exp.old_logps is not None for exp, _ in made)
     a, b = id(made[0][0]), id(made[1][0])

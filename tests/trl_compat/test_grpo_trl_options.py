@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.algorithms.reward_aggregation import GroupedRewards, aggregate_advantages
+from grpo_ascend.checkpoints.checkpoint import TRAINER_STATE_NAME
 from grpo_ascend.data.synthetic import arithmetic_dataset
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models.policy import cast_head_to_fp32, default_lora_config, mix_into_reference
@@ -93,8 +94,8 @@ def test_adaptive_entropy_follows_its_rule(tmp_path, tiny_model_dir):
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][-2:]
     assert [r["entropy_coef"] for r in records] == pytest.approx([0.12, 0.13])
     assert trainer.entropy_control.last_entropy == pytest.approx(records[-1]["entropy"], rel=1e-5)
-    state = trainer._trainer_state()["entropy_control"]
-    assert state == {"coef": pytest.approx(0.13), "last_entropy": trainer.entropy_control.last_entropy}
+    saved = json.loads((trainer.save_checkpoint() / TRAINER_STATE_NAME).read_text())["entropy_control"]
+    assert saved == {"coef": pytest.approx(0.13), "last_entropy": trainer.entropy_control.last_entropy}
     # Above the target the bonus is off and the coefficient falls towards entropy_coef_min.
     low = _trainer(tmp_path, str(tiny_model_dir), _config(tmp_path, **common, entropy_coef=0.1, use_adaptive_entropy=True,
                                                           entropy_target=0.0, entropy_coef_delta=0.03))
@@ -115,12 +116,13 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, tiny_model
         torch.testing.assert_close(p, 0.6 * policy[name].detach() + 0.4 * before[name], rtol=0, atol=1e-6)
         moved += int(not torch.equal(p, before[name]))
     assert moved > 0
-    saved = trainer._extra_state_tensors()
+    mixed = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    checkpoint = trainer.save_checkpoint()
     with torch.no_grad():
         for p in reference.parameters():
             p.zero_()
-    trainer._restore_extra_state_tensors(saved)
-    assert all(torch.equal(p, saved[f"reference/{n}"]) for n, p in reference.named_parameters())
+    trainer.load_checkpoint(checkpoint)  # the synced reference is checkpointed and comes back
+    assert all(torch.equal(p, mixed[n]) for n, p in reference.named_parameters())
 
 
 def test_mix_into_reference_formula():

@@ -12,9 +12,8 @@ from datasets import Dataset, IterableDataset
 from helpers import SMALL_RUN
 from transformers import TrainerCallback
 
-from grpo_ascend import GRPOConfig, GRPOTrainer
+from grpo_ascend import GRPOConfig, GRPOTrainer, PPOConfig
 from grpo_ascend.models.policy import default_lora_config
-from grpo_ascend.trainers.base import RLTrainerBase
 from grpo_ascend.trainers.ppo import PPOTrainer
 
 PROMPT = "Count: one two three"
@@ -167,7 +166,11 @@ def test_metric_for_best_model_eval_loss_keeps_the_lowest(tmp_path, tiny_model_d
     assert best["value"] == pytest.approx(value)
 
 
-def test_ppo_has_no_eval_loss_hook():
-    """PPO has no TRL counterpart of eval_loss: the base hook gives None, which PPO keeps."""
-    assert PPOTrainer._eval_loss is RLTrainerBase._eval_loss
-    assert RLTrainerBase._eval_loss(object.__new__(PPOTrainer)) is None
+def test_ppo_has_no_eval_loss(tmp_path, tiny_model_dir):
+    """PPO has no TRL counterpart of eval_loss: its evaluator computes none (GRPO's does)."""
+    data = Dataset.from_list([{"prompt": PROMPT}] * 2)
+    cfg = PPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "ppo"), "num_generations": 2})
+    ppo = PPOTrainer(str(tiny_model_dir), _length_reward, cfg, data, eval_dataset=data)
+    assert ppo.evaluator.eval_loss is None
+    grpo = GRPOTrainer(str(tiny_model_dir), _length_reward, _config(tmp_path), data, eval_dataset=data)
+    assert grpo.evaluator.eval_loss is not None

@@ -107,9 +107,10 @@ class VLLMServerRollout(VLLMBackend):
 
     # ------------------------------------------------------------------ HTTP
 
-    def _request(self, url: str, method: str, path: str, body: dict[str, Any] | None = None,
-                 timeout: float | None = None, retries: int | None = None) -> Any:
-        """One JSON request to the server at ``url`` (:func:`.server_http.request_json`)."""
+    def request(self, url: str, method: str, path: str, body: dict[str, Any] | None = None,
+                timeout: float | None = None, retries: int | None = None) -> Any:
+        """One JSON request to the server at ``url`` (:func:`.server_http.request_json`), with this client's
+        ``request_timeout`` and ``retries`` unless given; the client sends every request through it."""
         return request_json(url, method, path, body, timeout=timeout or self.request_timeout,
                             retries=self.retries if retries is None else retries)
 
@@ -121,7 +122,7 @@ class VLLMServerRollout(VLLMBackend):
         while waiting:
             for url in list(waiting):
                 try:
-                    self._request(url, "GET", "/health", timeout=5.0, retries=0)
+                    self.request(url, "GET", "/health", timeout=5.0, retries=0)
                     waiting.remove(url)
                 except (ServerGone, ServerError) as err:
                     errors[url] = err
@@ -140,11 +141,11 @@ class VLLMServerRollout(VLLMBackend):
             self.pool.drop(url, f"no answer within vllm_server_timeout={start_timeout:g} s at start")
         versions = []
         for url in self.pool.live:
-            served = [m.get("id") for m in (self._request(url, "GET", "/v1/models") or {}).get("data", [])]
+            served = [m.get("id") for m in (self.request(url, "GET", "/v1/models") or {}).get("data", [])]
             if self.model not in served:
                 raise ConfigError(f"the vLLM server at {url} serves {served}, not the policy's base model "
                                   f"{self.model!r}; start it with --model {self.model}")
-            versions.append(str((self._request(url, "GET", "/version") or {}).get("version", "unknown")))
+            versions.append(str((self.request(url, "GET", "/version") or {}).get("version", "unknown")))
         logger.info("vLLM servers %s: version %s, model %s", self.pool.live, versions[0], self.model)
         return versions[0]
 
@@ -159,7 +160,7 @@ class VLLMServerRollout(VLLMBackend):
         with self._leased(self.pinned_version) as loaded:
             name = self.model if loaded is None else loaded.name
             bodies = [self._completion_body(name, p, f) for p, f in zip(prompt_ids, fields)]
-            answers = self.pool.map(lambda url, b: self._request(url, "POST", "/v1/completions", b), bodies, keys)
+            answers = self.pool.map(lambda url, b: self.request(url, "POST", "/v1/completions", b), bodies, keys)
         self._local.used = None if loaded is None else loaded.version
         return [_completions(a, f["n"]) for a, f in zip(answers, fields)]
 
@@ -209,7 +210,7 @@ class VLLMServerRollout(VLLMBackend):
         name = f"policy-v{weights.version}"
         folder = write_adapter(weights.adapter_config(), weights.named_tensors(), self.adapter_dir / name)
         body = {"lora_name": name, "lora_path": str(folder.resolve()), "load_inplace": True}
-        self.pool.broadcast(lambda url: self._request(url, "POST", "/v1/load_lora_adapter", body,
+        self.pool.broadcast(lambda url: self.request(url, "POST", "/v1/load_lora_adapter", body,
                                                       timeout=self.sync_timeout))
         return Loaded(weights.version, name, folder)
 
@@ -218,7 +219,7 @@ class VLLMServerRollout(VLLMBackend):
         for old in versions:
             def unload(url: str, name: str = old.name) -> None:
                 try:
-                    self._request(url, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
+                    self.request(url, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
                 except ServerError as err:
                     logger.warning("could not unload the adapter %s from %s: %s", name, url, err)
 
@@ -234,7 +235,7 @@ class VLLMServerRollout(VLLMBackend):
 
         def reload(url: str) -> None:
             try:
-                self._request(url, "POST", "/collective_rpc", body, timeout=self.sync_timeout)
+                self.request(url, "POST", "/collective_rpc", body, timeout=self.sync_timeout)
             except ServerError as err:
                 if "404" in str(err):
                     raise ConfigError(
@@ -243,7 +244,7 @@ class VLLMServerRollout(VLLMBackend):
                         "(adapter-only sync)"
                     ) from None
                 raise
-            self._request(url, "POST", "/reset_prefix_cache")
+            self.request(url, "POST", "/reset_prefix_cache")
 
         self.pool.broadcast(reload)
         return Loaded(weights.version, self.model)

@@ -101,9 +101,9 @@ def test_two_urls_of_one_server_and_a_dead_one(server, tokenizer, untied_model_d
     assert pool.pool.live == urls[:2]
     assert [r.getMessage() for r in caplog.records if urls[2] in r.getMessage() and "dropped" in r.getMessage()]
     sent = []
-    request = pool._request
-    pool._request = lambda u, method, path, body=None, **kw: (sent.append((u, path)), request(u, method, path, body,
-                                                                                                **kw))[1]
+    request = pool.request
+    pool.request = lambda u, method, path, body=None, **kw: (sent.append((u, path)), request(u, method, path, body,
+                                                                                               **kw))[1]
     policy = lora_policy(untied_model_dir)
     pool.sync_weights(PolicyWeights(policy, 1))
     params = sampling(temperature=1.0)
@@ -127,7 +127,7 @@ def test_generate_while_sync_tags_versions_and_keeps_adapters_in_use(server, tok
     rollout = client(server, tokenizer, tmp_path)
     rollout.sync_weights(PolicyWeights(policy, 0))
     lock, running, violations = threading.Lock(), Counter(), []
-    request = rollout._request
+    request = rollout.request
 
     def spy(u, method, path, body=None, **kw):
         name = (body or {}).get("model") if path == "/v1/completions" else None
@@ -143,7 +143,7 @@ def test_generate_while_sync_tags_versions_and_keeps_adapters_in_use(server, tok
                 with lock:
                     running[name] -= 1
 
-    rollout._request = spy
+    rollout.request = spy
     batches, stop = [], threading.Event()
     params = sampling(temperature=1.0)
 
@@ -167,7 +167,7 @@ def test_generate_while_sync_tags_versions_and_keeps_adapters_in_use(server, tok
     assert all(len(t) == 1 for t in tags) and [t[0] for t in tags] == sorted(t[0] for t in tags)
     assert tags[-1] == [4] and not violations
     assert max_error(policy, batches[-1], params.temperature) <= PARITY  # the last batch: the newest weights
-    served = [m["id"] for m in rollout._request(rollout.base_url, "GET", "/v1/models")["data"]]
+    served = [m["id"] for m in rollout.request(rollout.base_url, "GET", "/v1/models")["data"]]
     assert "policy-v4" in served and not {f"policy-v{v}" for v in range(4)} & set(served)
     rollout.close()
 

@@ -29,7 +29,8 @@ contribute nothing and are not counted.
 
 Per-token objective (r the importance ratio, A the advantage, w the optional importance-sampling
 correction weight of the sampler/trainer mismatch, 1 when absent):
-``L = w·P(r, A) + β·KL(logp, ref)·[r if use_bias_correction_kl] − entropy_coef·H`` with the policy
+``L = w·P(r, A) + β·KL(logp, ref)·[r if use_bias_correction_kl] − entropy_coef·H`` (H the step's mean per-token
+entropy whatever the loss type, as TRL; the other terms aggregated per loss type) with the policy
 term P per loss type: ``−min(min(r, δ)·A, clip(r, 1−ε, 1+ε_high)·A)`` for grpo/bnpo/dr_grpo/dapo,
 ``−sg[min(r, ε_high)]·A·logp`` for cispo (aggregated like dapo), ``−σ(τ(r−1))·4/τ·A`` for sapo
 (aggregated like grpo; τ per advantage sign), ``−sg[φ(w_i)]·A·logp`` for vespo (aggregated like dapo; φ the
@@ -194,11 +195,8 @@ def per_token_policy_loss(
             per_token = per_token + settings.beta * kl
         kl_sum = (kl.detach() * m).sum().to(stat_dtype)
     entropy_sum = torch.zeros((), dtype=stat_dtype, device=logps.device)
-    if batch.entropies is not None:
-        ent = torch.where(valid, batch.entropies, zero)
-        if settings.entropy_coef != 0:
-            per_token = per_token - settings.entropy_coef * (ent if selection is None else ent * selection)
-        entropy_sum = ent.detach().sum().to(stat_dtype)
+    if batch.entropies is not None:  # the bonus itself is added by policy_loss (entropy_bonus)
+        entropy_sum = torch.where(valid, batch.entropies, zero).detach().sum().to(stat_dtype)
 
     per_token = torch.where(valid, per_token, zero)
     low, high = low & valid, high & valid
@@ -351,8 +349,25 @@ def policy_loss(
     settings: PolicyLossSettings,
     normaliser: LossNormaliser | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Loss registered as ``loss_type``; ``normaliser=None`` treats the micro-batch as the whole step."""
-    return POLICY_LOSSES.get(loss_type)(batch, settings, normaliser)
+    """Loss registered as ``loss_type``, minus the entropy bonus (:func:`entropy_bonus`); ``normaliser=None``
+    treats the micro-batch as the whole step."""
+    loss, stats = POLICY_LOSSES.get(loss_type)(batch, settings, normaliser)
+    if settings.entropy_coef != 0:
+        loss = loss - settings.entropy_coef * entropy_bonus(batch, _normaliser_or_local(batch, normaliser))
+    return loss, stats
+
+
+def entropy_bonus(batch: PolicyLossBatch, normaliser: LossNormaliser) -> Tensor:
+    """This micro-batch's share of the step's mean per-token entropy H (``L = L_policy − entropy_coef·H``, TRL's
+    objective): the same whatever ``loss_type`` normalises the policy term by. Tokens outside ``batch.selection``
+    (``top_entropy_quantile``) add nothing and still count in the mean's denominator."""
+    if batch.entropies is None:
+        raise DataError("an entropy bonus needs per-token entropies")
+    valid = batch.mask.bool()
+    ent = torch.where(valid, batch.entropies, torch.zeros((), dtype=batch.entropies.dtype, device=valid.device))
+    if batch.selection is not None:
+        ent = ent * batch.selection.detach().to(ent.dtype)
+    return ent.sum() / _at_least_one(normaliser.num_tokens)
 
 
 def ppo_policy_loss(

@@ -252,11 +252,11 @@ TRL_FIELDS: dict[str, TRLField] = {
     "top_entropy_quantile": same("the quantile is taken over each micro-batch's tokens (all ranks), as TRL; our "
                                  "micro-batches are packed per max_tokens_per_micro_batch when that is set",
                                  differs=True),
-    "entropy_coef": same("the bonus is aggregated like the policy term (per loss_type); TRL always takes each "
-                         "micro-batch's mean per-token entropy: equal for bnpo / dapo when micro-batches hold "
-                         "equal token counts, weighted differently for grpo / dr_grpo", differs=True),
+    "entropy_coef": same("the bonus is the step's mean per-token entropy whatever the loss_type, as TRL; TRL "
+                         "averages each micro-batch's mean, equal when micro-batches hold equal token counts",
+                         differs=True),
     "use_adaptive_entropy": same("the controller's entropy is the step's token mean over all ranks, as TRL; the "
-                                 "bonus is aggregated like entropy_coef's (above)", differs=True),
+                                 "bonus as entropy_coef's (above)", differs=True),
     "entropy_coef_min": same(),
     "entropy_coef_max": same(),
     "entropy_coef_delta": same(),

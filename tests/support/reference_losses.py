@@ -72,15 +72,16 @@ def reference_loss(loss_type: str, d: dict[str, torch.Tensor], logps: torch.Tens
             if beta:
                 k = kl_value(kl, logps[i, t], d["ref"][i, t])
                 term = term + beta * (k * r if bias else k)
-            if ent_coef:
-                term = term - ent_coef * ent[i, t]
             seq_total = seq_total + term
         seq_means.append(seq_total / len(valid))
         token_total = token_total + seq_total
+    # TRL's entropy bonus: the mean per-token entropy over the step's valid tokens, whatever the loss type
+    bonus = ent_coef * sum(ent[i, t] for i in range(batch) for t in range(length) if d["mask"][i, t] > 0) / max(
+        n_tokens, 1) if ent_coef else 0.0
     if loss_type in ("grpo", "sapo"):
-        return sum(seq_means) / batch
+        return sum(seq_means) / batch - bonus
     if loss_type in ("bnpo", "dapo", "cispo"):  # one step, one rank: all three are the token mean
-        return token_total / n_tokens
+        return token_total / n_tokens - bonus
     if loss_type == "dr_grpo":
-        return token_total / (batch * MAX_LEN)
+        return token_total / (batch * MAX_LEN) - bonus
     raise AssertionError(loss_type)

@@ -10,7 +10,7 @@ import functools
 import inspect
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -103,7 +103,7 @@ def default_lora_config(
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM")
 
 
-def apply_peft(model: nn.Module, peft_config: Any | None) -> nn.Module:
+def apply_peft(model: nn.Module, peft_config: Any | None, vision_parts: Sequence[str] = ()) -> nn.Module:
     """Wrap ``model`` with LoRA (``peft_config``); None keeps full fine-tuning.
 
     peft reads transformers' deprecated ``is_gradient_checkpointing`` while wrapping; that
@@ -115,7 +115,7 @@ def apply_peft(model: nn.Module, peft_config: Any | None) -> nn.Module:
 
     if is_vision_language(getattr(model, "config", None)) and peft_config.target_modules in ("all-linear", {"all-linear"}):
         peft_config = copy.copy(peft_config)
-        peft_config.target_modules = language_model_linear_targets(model)
+        peft_config.target_modules = language_model_linear_targets(model, vision_parts)
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)

@@ -11,6 +11,8 @@ vision tower is where a small batch does the most damage.
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,23 +60,50 @@ def load_processor(path: str | Path) -> Any:
     return processor
 
 
-def language_model_linear_targets(model: nn.Module) -> str:
-    """A PEFT ``target_modules`` regex: the linear layers inside the language model (not the vision tower,
-    projector or output head)."""
-    leaves = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                     if isinstance(module, nn.Linear) and ".language_model." in f".{name}."})
-    if not leaves:
+#: The parts of a vision-language model that ``train_vision_parts`` may name: module-name pieces of each
+#: (LLaVA's ``multi_modal_projector`` / ``vision_tower``, Qwen-VL's ``visual.merger`` / ``visual``).
+VISION_PARTS: dict[str, tuple[str, ...]] = {
+    "projector": (".multi_modal_projector.", ".visual.merger.", ".mm_projector."),
+    "vision_tower": (".vision_tower.", ".visual.", ".vision_model."),
+}
+
+
+def check_vision_parts(parts: Sequence[str]) -> tuple[str, ...]:
+    """``train_vision_parts`` checked against :data:`VISION_PARTS`."""
+    unknown = [p for p in parts if p not in VISION_PARTS]
+    if unknown:
+        raise ConfigError(f"train_vision_parts {unknown} unknown: choose from {sorted(VISION_PARTS)}")
+    return tuple(parts)
+
+
+def _in_parts(name: str, parts: Sequence[str]) -> bool:
+    dotted = f".{name}."
+    return any(piece in dotted for part in parts for piece in VISION_PARTS[part])
+
+
+def _trained(name: str, parts: Sequence[str]) -> bool:
+    """Whether a module or parameter named ``name`` trains: the language model, the head, or a chosen part
+    (the projector sits inside Qwen-VL's vision tower, so choosing only it leaves the rest frozen)."""
+    return ".language_model." in f".{name}." or "lm_head" in name or _in_parts(name, parts)
+
+
+def language_model_linear_targets(model: nn.Module, parts: Sequence[str] = ()) -> str:
+    """A PEFT ``target_modules`` regex: the linear layers inside the language model and the chosen
+    ``parts`` (never the output head)."""
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and "lm_head" not in name and _trained(name, parts)]
+    if not any(".language_model." in f".{n}." for n in names):
         raise ConfigError(f"{type(model).__name__} has no linear layers under a 'language_model' module; give "
                           "peft_config.target_modules explicitly")
-    return rf".*\.language_model\..*\.({'|'.join(leaves)})"
+    return "|".join(re.escape(n) for n in names)
 
 
-def freeze_vision(model: nn.Module) -> int:
-    """Freeze every parameter outside the language model and output head (vision tower, projector); returns
+def freeze_vision(model: nn.Module, parts: Sequence[str] = ()) -> int:
+    """Freeze every parameter outside the language model, the output head and the chosen ``parts``; returns
     how many tensors were frozen."""
     frozen = 0
     for name, param in model.named_parameters():
-        if ".language_model." not in f".{name}." and "lm_head" not in name and param.requires_grad:
+        if not _trained(name, parts) and param.requires_grad:
             param.requires_grad_(False)
             frozen += 1
     return frozen

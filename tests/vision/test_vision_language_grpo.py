@@ -147,3 +147,25 @@ def test_rollouts_ahead_of_training_carry_the_images(tmp_path):
     gaps = [r["sampling/sampling_logp_difference/mean"] for r in steps]
     assert [r["async/staleness_max"] for r in steps] == [0.0, 1.0, 1.0]
     assert gaps[0] < 1e-5 and min(gaps[1:]) > 100 * max(gaps[0], 1e-9)
+
+
+@pytest.mark.parametrize("peft", [True, False], ids=["lora", "full"])
+def test_train_vision_parts_chooses_what_trains_besides_the_language_model(tmp_path, peft):
+    """LoRA: adapters on the language model and the chosen parts' linear layers; full fine-tuning: those parts'
+    weights trainable, the rest of the vision tower frozen. An unknown part is refused naming the choices."""
+    def trainable(parts, family="llava"):
+        cfg = GRPOConfig(output_dir=str(tmp_path), report_to=[], train_vision_parts=parts)
+        trainer = GRPOTrainer(f"builtin:vlm-{family}", colour_code_reward, cfg, coloured_shapes_dataset(4),
+                              peft_config=default_lora_config(r=4) if peft else None)
+        return {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
+
+    def where(names):
+        return {("language" if ".language_model." in n or "lm_head" in n else
+                 "projector" if "projector" in n or ".merger." in n else "vision") for n in names}
+
+    assert where(trainable([])) == {"language"}
+    assert where(trainable(["projector"])) == {"language", "projector"}
+    assert where(trainable(["projector"], "qwen2_5_vl")) == {"language", "projector"}  # the merger inside .visual
+    assert where(trainable(["vision_tower", "projector"])) == {"language", "projector", "vision"}
+    with pytest.raises(ConfigError, match=r"train_vision_parts \['eyes'\] unknown: choose from \['projector'"):
+        trainable(["eyes"])

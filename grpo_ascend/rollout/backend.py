@@ -126,6 +126,8 @@ class SessionOutput:
     lengths: Tensor
     steps: int
     decode_batch_sizes: list[int] = field(default_factory=list)
+    #: [N, W] the policy version that sampled each token (an appended token takes its turn's), None: not tracked.
+    policy_versions: Tensor | None = None
 
 
 class RolloutSession(ABC):

@@ -158,7 +158,7 @@ class MultiTurnEngine:
             completion_texts=self.backend.prompts.decode_completions(out.completion_ids, lengths_host),
             num_generations=group, completion_lengths=lengths, decode_batch_sizes=out.decode_batch_sizes,
             tool_mask=out.generated.long(), messages=[r.messages for r in loop.rows],
-            num_turns=torch.tensor(turns, device=dev), tool_metrics=metrics,
+            num_turns=torch.tensor(turns, device=dev), tool_metrics=metrics, policy_versions=out.policy_versions,
         )
 
     def _turn_text(self, end: TurnEnd) -> str:

@@ -261,7 +261,9 @@ def test_an_open_session_keeps_its_weights_while_other_requests_load_newer_ones(
     server.generate(ids, params, None, None, None)  # an evaluation's request: loads version 1
     server.advance(1)
     reference = RolloutEngine(model, tok, params).generate_ids(ids, params)
-    assert server.output(1).completion_ids[0, :6].tolist() == reference.completion_ids[0].tolist()
+    out = server.output(1)
+    assert out.completion_ids[0, :6].tolist() == reference.completion_ids[0].tolist()
+    assert out.policy_versions.unique().tolist() == [0]  # every token tagged with the session's version
     server.start_session(2, ids, params, None, 0)
     ring.write(2, synced_tensors(newer), timeout=10)  # versions 2 and 1 in the ring: 0 is gone
     server.generate(ids, params, None, None, None)

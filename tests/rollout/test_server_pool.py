@@ -295,3 +295,22 @@ def test_pinned_version_and_a_sync_past_its_timeout(servers, tmp_path):
     with pytest.raises(RolloutError, match="weight_sync_timeout=0.5 s") as err:
         client.sync_weights(Adapter(6))
     assert "\n" not in str(err.value) and time.monotonic() - started < 1.5
+
+
+def test_a_multi_turn_session_tags_each_turn_with_the_version_that_sampled_it(servers, tmp_path):
+    """A tool loop's session on the servers: each turn's tokens carry the adapter version its request used, an
+    appended tool response its turn's, so a batch's staleness counts its oldest turn."""
+    _, urls = servers
+    params = SamplingParams(num_generations=2, max_completion_length=12, temperature=1.0)
+    client = VLLMServerRollout(urls, "base", Tok(), params, adapter_dir=tmp_path, start_timeout=2, retries=0)
+    client.sync_weights(Adapter(1))
+    with client.start_session([[5, 6]]) as session:
+        assert [e.row for e in session.advance()] == [0, 1]
+        session.append(0, [42])
+        client.sync_weights(Adapter(2))
+        assert [e.row for e in session.advance()] == [0]
+        out = session.output()
+    assert out.completion_ids[0, :7].tolist() == [101, 2, 1, 42, 102, 6, 1]  # [version + 100, context length, 1]
+    assert out.policy_versions[0, :7].tolist() == [1, 1, 1, 1, 2, 2, 2]
+    assert out.policy_versions[1, :3].tolist() == [1, 1, 1] and out.policy_versions.min() == 1
+    client.close()

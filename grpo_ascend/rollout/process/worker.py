@@ -160,7 +160,10 @@ class RolloutServer:
         self.sessions[sid].append(row, token_ids)
 
     def output(self, sid: int) -> SessionOutput:
-        return to_device(self.sessions[sid].output(), "cpu")
+        """The session's output, every token tagged with the version the session sampled with."""
+        out = to_device(self.sessions[sid].output(), "cpu")
+        out.policy_versions = torch.full_like(out.completion_ids, self.session_versions[sid])
+        return out
 
     def close_session(self, sid: int) -> None:
         session = self.sessions.pop(sid, None)

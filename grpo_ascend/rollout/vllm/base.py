@@ -107,6 +107,7 @@ class VLLMSession(RolloutSession):
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list[float]] = [[] for _ in range(n)]
         self.generated: list[list[bool]] = [[] for _ in range(n)]
+        self.versions: list[list[int]] = [[] for _ in range(n)]  # per token (versions tracked by the backend)
         self.running = set(range(n))
         self.paused: set[int] = set()
         self.rounds = 0
@@ -131,10 +132,12 @@ class VLLMSession(RolloutSession):
             G = self.params.num_generations
             outs = self.backend.complete([self.prompts[r] + self.tokens[r] for r in rows], fields,
                                          keys=[r // G for r in rows])
+            version = self.backend.sampled_version()
             for r, (c,) in zip(rows, outs):
                 self.tokens[r].extend(c.token_ids)
                 self.logprobs[r].extend(c.logprobs)
                 self.generated[r].extend([True] * len(c.token_ids))
+                self.versions[r].extend([-1 if version is None else version] * len(c.token_ids))
                 ends.append(TurnEnd(r, list(c.token_ids), c.stopped, len(self.tokens[r])))
         self.paused = {e.row for e in ends}
         return sorted(ends, key=lambda e: e.row)
@@ -150,6 +153,7 @@ class VLLMSession(RolloutSession):
         self.tokens[row].extend(ids)
         self.logprobs[row].extend([0.0] * len(ids))
         self.generated[row].extend([False] * len(ids))
+        self.versions[row].extend([self.versions[row][-1] if self.versions[row] else -1] * len(ids))
         self.running.add(row)
 
     def output(self) -> SessionOutput:
@@ -165,4 +169,13 @@ class VLLMSession(RolloutSession):
             generated=right_pad(self.generated, False, width, torch.bool).to(dev),
             lengths=torch.tensor(lengths, dtype=torch.long).to(dev),
             steps=self.rounds,
+            policy_versions=self._versions(width, dev),
         )
+
+    def _versions(self, width: int, device: torch.device) -> torch.Tensor | None:
+        """Each token's sampling version, padding taking the row's newest; None when the backend tracks none."""
+        if self.backend.sampled_version() is None:
+            return None
+        newest = max((x for v in self.versions for x in v), default=0)
+        rows = [v + [v[-1] if v else newest] * (width - len(v)) for v in self.versions]
+        return torch.tensor(rows, dtype=torch.long, device=device)

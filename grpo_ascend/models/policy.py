@@ -214,7 +214,8 @@ def completion_hidden_states(
         images = {}
         if vision is not None:
             images = vision.forward_kwargs(None, prompt_mask, completion_ids.shape[1])
-            completion_ids = completion_ids.masked_fill(image_placeholders(backbone.config, completion_ids), 0)
+            pad = getattr(backbone.config.get_text_config(decoder=True), "pad_token_id", None) or 0
+            completion_ids = completion_ids.masked_fill(image_placeholders(backbone.config, completion_ids), pad)
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
         hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
                           **images).last_hidden_state

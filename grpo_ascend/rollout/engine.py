@@ -254,12 +254,7 @@ class RolloutEngine(RolloutBackend):
         generator: torch.Generator | None = None, prompt_texts: Sequence[str] | None = None,
     ) -> RolloutBatch:
         """Sample ``params.num_generations`` completions for each prompt; see the module docstring."""
-        params = self.checked(params)
-        texts = (list(prompt_texts) if prompt_texts is not None
-                 else self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False))
-        generator = self.sampling_generator(params, generator)
-        with self.evaluating():
-            return self._rollout(prompt_ids, texts, params, generator)
+        return self._generate(prompt_ids, None, params, generator, prompt_texts)
 
     @torch.no_grad()
     def generate_with_images(
@@ -267,12 +262,17 @@ class RolloutEngine(RolloutBackend):
         generator: torch.Generator | None = None, prompt_texts: Sequence[str] | None = None,
     ) -> RolloutBatch:
         """As :meth:`generate_ids`, each prompt's images encoded once in its prefill (not once per completion)."""
+        return self._generate(prompt_ids, list(images), params, generator, prompt_texts)
+
+    def _generate(self, prompt_ids: Sequence[Sequence[int]], images: list[PromptImages] | None,
+                  params: SamplingParams | None, generator: torch.Generator | None,
+                  prompt_texts: Sequence[str] | None) -> RolloutBatch:
         params = self.checked(params)
         texts = (list(prompt_texts) if prompt_texts is not None
                  else self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False))
         generator = self.sampling_generator(params, generator)
         with self.evaluating():
-            return self._rollout(prompt_ids, texts, params, generator, list(images))
+            return self._rollout(prompt_ids, texts, params, generator, images)
 
     def start_session(
         self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,

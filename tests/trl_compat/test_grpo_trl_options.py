@@ -254,3 +254,17 @@ def test_trl_warnings_for_level_and_loss_type(tmp_path, tiny_model_dir, caplog, 
         assert not messages
     else:
         assert any(warned in m for m in messages), messages
+
+
+def test_an_adapter_on_the_lm_head_trains_also_with_use_liger_kernel(tmp_path, tiny_model_dir):
+    """TRL refuses PEFT on lm_head when Liger's fused loss is asked for; here use_liger_kernel is ignored (no
+    Liger path: our chunked log-probs read the head through its adapter) and the head's adapter trains."""
+    from helpers import index_in_group
+
+    cfg = _config(tmp_path, max_steps=1, use_liger_kernel=True)
+    trainer = GRPOTrainer(str(tiny_model_dir), index_in_group(cfg.num_generations), cfg, arithmetic_dataset(8),
+                          peft_config=default_lora_config(r=4, target_modules=["q_proj", "lm_head"]))
+    head = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if "lm_head" in n and "lora_B" in n}
+    trainer.train()
+    after = dict(trainer.policy.named_parameters())
+    assert head and all(not torch.equal(after[n], before) for n, before in head.items())

@@ -91,7 +91,13 @@ def test_a_grpo_step_with_images_trains_the_language_models_lora_only(tmp_path):
     cfg = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
                      learning_rate=1e-2, max_completion_length=4, max_prompt_length=128, save_steps=0,
                      logging_steps=1, disable_tqdm=True, log_completions_steps=0, report_to=[])
-    trainer = GRPOTrainer("builtin:vlm-qwen2_5_vl", colour_code_reward, cfg, coloured_shapes_dataset(16, seed=1),
+    seen = []
+
+    def reward(completions, image, colour, **kwargs):  # every column reaches the reward, the pictures included
+        seen.extend(image)
+        return colour_code_reward(completions, colour)
+
+    trainer = GRPOTrainer("builtin:vlm-qwen2_5_vl", reward, cfg, coloured_shapes_dataset(16, seed=1),
                           peft_config=default_lora_config(r=4))
     lora = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if "lora_B" in n}
     vision = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if ".visual." in n}
@@ -102,6 +108,7 @@ def test_a_grpo_step_with_images_trains_the_language_models_lora_only(tmp_path):
     assert any(not torch.equal(after[n], before) for n, before in lora.items())
     assert all(torch.equal(after[n], before) for n, before in vision.items())
     assert all("reward" in r for r in trainer.state.log_history if "loss" in r)
+    assert len(seen) == 2 * 8 and all(isinstance(i, Image.Image) and i.size == (28, 28) for i in seen)
 
 
 def test_images_for_a_text_only_model_are_refused_naming_the_column(tmp_path, tiny_model_dir):

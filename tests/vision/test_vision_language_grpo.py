@@ -176,3 +176,23 @@ def test_train_vision_parts_chooses_what_trains_besides_the_language_model(tmp_p
     assert where(trainable(["vision_tower", "projector"])) == {"language", "projector", "vision"}
     with pytest.raises(ConfigError, match=r"train_vision_parts \['eyes'\] unknown: choose from \['projector'"):
         trainable(["eyes"])
+
+
+def test_under_gradient_checkpointing_the_one_call_forward_agrees_with_the_sampler(vlm):
+    """Activation checkpointing drops the prompt cache, so prompt and completion run in one call: every row agrees
+    with the sampler except one whose completion sampled an image token (read there as the pad token)."""
+    model, processor = vlm
+    engine = RolloutEngine(model, load_tokenizer(model, processor), SamplingParams(num_generations=3,
+                                                                                 max_completion_length=6))
+    batch = PromptRollout(engine, processor=processor).generate_rows(_rows(), generator=torch.Generator().manual_seed(0))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    try:
+        logps, _ = CompletionLogprobs(model)(batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                             batch.completion_mask, batch.vision)
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+    clean = ~image_placeholders(model.config, batch.completion_ids).any(1)
+    mask = batch.completion_mask.bool() & clean.unsqueeze(1)
+    assert clean.sum() >= 12 and (logps.detach() - batch.sampling_logprobs)[mask].abs().max() < 1e-5

@@ -4,7 +4,7 @@ follow the picture: scored against swapped colours they fall far below their sco
 
 Measured (32 held-out pictures x 8 samples, 30 steps of 4 prompts x 8, full fine-tuning of the language model at
 learning rate 1e-3): reward 0.69 -> 0.89, swapped colours 0.25 -> 0.09. At learning rate 0 the two rewards are
-equal to the last digit and the rise assertion fails.
+equal to the last digit and both tests fail.
 """
 
 from __future__ import annotations

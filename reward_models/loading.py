@@ -13,6 +13,7 @@ import torch
 
 from grpo_ascend.errors import ConfigError, closest
 from grpo_ascend.user_code import load_object
+from grpo_ascend.vision.shapes_task import colour_code_reward
 from reward_models.math_answer import AccuracyReward
 from reward_models.reward_model import RewardModelScorer
 from reward_models.rules import FormatReward, LengthPenalty, OverlongPenalty
@@ -27,6 +28,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., RewardFunc]] = {
     "length_penalty": LengthPenalty,
     "overlong": OverlongPenalty,
     "reward_model": RewardModelScorer,
+    "colour_code": lambda: colour_code_reward,  # the coloured-shapes task (synthetic:coloured_shapes)
 }
 
 _SPEC_FORMS = (

@@ -35,7 +35,7 @@ def load_prompt_dataset(
     system_prompt: str | None = None,
     max_samples: int | None = None,
 ):
-    """Load a prompt dataset from ``synthetic:<task>`` (``arithmetic``, ``products``), a local file, or a hub id, then check it."""
+    """Load a prompt dataset from ``synthetic:<task>`` (``arithmetic``, ``products``, ``coloured_shapes``), a local file, or a hub id, then check it."""
     from datasets import load_dataset
 
     if spec.startswith("synthetic:"):

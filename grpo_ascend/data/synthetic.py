@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_ascend.vision.shapes_task import coloured_shapes_dataset
+
 SYSTEM_PROMPT = "Solve the problem. Put only the final number inside <answer></answer>."
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -98,4 +100,6 @@ def _dataset(problems: list[ArithmeticProblem], system_prompt: str | None) -> An
 
 
 #: ``synthetic:<name>`` datasets: name -> dataset builder (keyword arguments from ``dataset_kwargs``).
-SYNTHETIC_TASKS: dict[str, Callable[..., Any]] = {"arithmetic": arithmetic_dataset, "products": products_dataset}
+#: ``coloured_shapes`` is the vision-language task (:mod:`grpo_ascend.vision.shapes_task`: ``n``, ``seed``).
+SYNTHETIC_TASKS: dict[str, Callable[..., Any]] = {"arithmetic": arithmetic_dataset, "products": products_dataset,
+                                                  "coloured_shapes": coloured_shapes_dataset}

@@ -6,6 +6,8 @@ its processor around the tiny BPE tokenizer (:mod:`grpo_ascend.models.tiny_vlm_p
 with ``save_pretrained``; the folder loads with ``AutoModelForImageTextToText`` and ``AutoProcessor`` (or
 :func:`~grpo_ascend.models.tiny_vlm_processors.load_vlm_processor` where torchvision is missing). Builds are
 cached per family, seed and version. Images are small (28 to 56 pixels a side): a picture is 4 to 16 tokens.
+``builtin:vlm-<family>-warm`` adds a short supervised warm start on the coloured-shapes task
+(:mod:`grpo_ascend.models.tiny_vlm_warm`), so GRPO on that task has signal.
 """
 
 from __future__ import annotations
@@ -28,11 +30,16 @@ from grpo_ascend.models.tiny_vlm_processors import (
     image_only_qwen2_5_vl_processor,
     vlm_tokenizer,
 )
+from grpo_ascend.models.tiny_vlm_warm import vlm_warm_start
 
 logger = logging.getLogger(__name__)
 
 #: Bumped whenever a build's files change; part of the cache folder's name.
 VLM_BUILD_VERSION = 1
+#: The ``-warm`` builds' own version (their cache folder is ``vlm-<family>-warm-s<seed>-v1.<this>``).
+VLM_WARM_VERSION = 1
+#: Built-in flavours: ``builtin:vlm-<family>`` (random weights) and ``builtin:vlm-<family>-warm``.
+VLM_FLAVOURS = ("", "warm")
 #: The text decoder of every family: 2 layers, hidden 64, 4 query heads over 2 key/value heads (head dim 16).
 TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 2048}
@@ -133,13 +140,16 @@ def _family(family: str) -> VLMFamily:
     return FAMILIES[family]
 
 
-def vlm_build_name(family: str, seed: int = 0) -> str:
+def vlm_build_name(family: str, seed: int = 0, warm: bool = False) -> str:
     """The cache folder name of a built-in vision-language model."""
+    if warm:
+        return f"vlm-{family}-warm-s{seed}-v{VLM_BUILD_VERSION}.{VLM_WARM_VERSION}"
     return f"vlm-{family}-s{seed}-v{VLM_BUILD_VERSION}"
 
 
-def build_vlm_parts(family: str, seed: int = 0):
-    """(model, processor) of ``family`` in memory, in eval mode: what :func:`build_tiny_vlm` saves."""
+def build_vlm_parts(family: str, seed: int = 0, warm: bool = False):
+    """(model, processor) of ``family`` in memory, in eval mode: what :func:`build_tiny_vlm` saves; ``warm``
+    adds the coloured-shapes warm start."""
     import torch
 
     spec = _family(family)
@@ -148,18 +158,24 @@ def build_vlm_parts(family: str, seed: int = 0):
     special = _special_ids(tokenizer)
     for key, value in special.items():
         setattr(model.generation_config, key, value)
-    return model, spec.build_processor(tokenizer)
+    processor = spec.build_processor(tokenizer)
+    if warm:
+        logger.info("building %s: supervised warm start on coloured shapes (seconds of CPU)",
+                    vlm_build_name(family, seed, warm))
+        vlm_warm_start(model, processor, seed=seed)
+    return model.eval(), processor
 
 
 def build_tiny_vlm(family: str, seed: int = 0, out_dir: str | os.PathLike | None = None,
-                   force: bool = False) -> Path:
+                   force: bool = False, warm: bool = False) -> Path:
     """Build (or reuse from the cache) a built-in vision-language model + processor and return its folder.
 
-    ``family`` is a key of :data:`FAMILIES`; the same ``seed`` gives the same weights and files. The folder
-    loads with ``AutoModelForImageTextToText.from_pretrained`` and ``AutoProcessor.from_pretrained``.
+    ``family`` is a key of :data:`FAMILIES`; the same ``seed`` gives the same weights and files (``warm``: on the
+    same machine). The folder loads with ``AutoModelForImageTextToText.from_pretrained`` and
+    ``AutoProcessor.from_pretrained``.
     """
     _family(family)
-    target = Path(out_dir) if out_dir is not None else cache_dir() / vlm_build_name(family, seed)
+    target = Path(out_dir) if out_dir is not None else cache_dir() / vlm_build_name(family, seed, warm)
     if not force and _is_built(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -168,7 +184,7 @@ def build_tiny_vlm(family: str, seed: int = 0, out_dir: str | os.PathLike | None
             return target  # another process built it while this one waited
 
         def write(tmp: Path) -> None:
-            model, processor = build_vlm_parts(family, seed)
+            model, processor = build_vlm_parts(family, seed, warm)
             model.save_pretrained(tmp)
             processor.save_pretrained(tmp)
 
@@ -180,12 +196,13 @@ def _is_built(target: Path) -> bool:
     return all((target / name).exists() for name in ("config.json", "model.safetensors", "processor_config.json"))
 
 
-def resolve_builtin_vlm(flavour: str) -> Path:
-    """``builtin:vlm-<family>`` (the part after ``vlm-``) to its built folder."""
-    if flavour not in FAMILIES:
-        raise ConfigError(f"unknown built-in model 'builtin:vlm-{flavour}': expected builtin:vlm-<family>, family "
-                          f"in {sorted(FAMILIES)}{closest(flavour, FAMILIES)}")
-    return build_tiny_vlm(flavour)
+def resolve_builtin_vlm(name: str) -> Path:
+    """``builtin:vlm-<family>[-warm]`` (the part after ``vlm-``) to its built folder."""
+    family, _, flavour = name.partition("-")
+    if family not in FAMILIES or flavour not in VLM_FLAVOURS:
+        raise ConfigError(f"unknown built-in model 'builtin:vlm-{name}': expected builtin:vlm-<family>[-warm], family "
+                          f"in {sorted(FAMILIES)}{closest(family, FAMILIES)}")
+    return build_tiny_vlm(family, warm=flavour == "warm")
 
 
 def add_build_arguments(parser) -> None:
@@ -194,11 +211,12 @@ def add_build_arguments(parser) -> None:
                         help="architecture family (default qwen2_5_vl)")
     parser.add_argument("--out", default=None, help="folder to write (default: the cache, reused if present)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the folder exists")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the tokenizer and weights")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tokenizer, weights and warm start")
+    parser.add_argument("--warm", action="store_true", help="add the supervised warm start on the coloured-shapes task")
 
 
 def run_build(ns) -> int:
     """``grpo-ascend build-tiny-vlm``: build (or find) a built-in vision-language model and print its folder."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(build_tiny_vlm(ns.family, seed=ns.seed, out_dir=ns.out, force=ns.force))
+    print(build_tiny_vlm(ns.family, seed=ns.seed, out_dir=ns.out, force=ns.force, warm=ns.warm))
     return 0

@@ -1,4 +1,4 @@
-"""One supervised optimizer step of a built-in model's warm start (the plain and the calculator warm starts)."""
+"""One supervised optimizer step of a built-in model's warm start (the plain, calculator and vision-language warm starts)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ from typing import Any
 
 
 def supervised_step(model: Any, optimizer: Any, scheduler: Any, ids: Any, attention_mask: Any, labels: Any,
-                    losses: list[float] | None = None) -> float:
+                    losses: list[float] | None = None, **inputs: Any) -> float:
     """Loss on ``labels``, backward, gradient norm clipped to 1, optimizer and schedule stepped; returns the loss
-    (also appended to ``losses`` when given)."""
+    (also appended to ``losses`` when given). ``inputs`` go to the model too (a vision-language model's images)."""
     import torch
 
-    out = model(input_ids=ids, attention_mask=attention_mask, labels=labels)
+    out = model(input_ids=ids, attention_mask=attention_mask, labels=labels, **inputs)
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()

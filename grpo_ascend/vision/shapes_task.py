@@ -32,17 +32,30 @@ def shape_image(colour: str, rng: random.Random) -> Any:
     return image
 
 
+def shape_rows(n: int, seed: int = 0) -> list[tuple[str, Any]]:
+    """``n`` (colour, picture) pairs, reproducible by ``seed``: the rows of :func:`coloured_shapes_dataset`."""
+    rng = random.Random(seed)
+    colours = [rng.choice(sorted(COLOURS)) for _ in range(n)]
+    return [(c, shape_image(c, rng)) for c in colours]
+
+
 def coloured_shapes_dataset(n: int, seed: int = 0) -> Any:
     """``n`` rows of ``prompt`` (a chat turn), ``image`` and ``colour`` (the answer), reproducible by ``seed``."""
     from datasets import Dataset, Features, Image, Value
 
-    rng = random.Random(seed)
-    colours = [rng.choice(sorted(COLOURS)) for _ in range(n)]
-    rows = {"prompt": [[{"role": "user", "content": QUESTION}] for _ in colours],
-            "image": [shape_image(c, rng) for c in colours], "colour": colours}
+    pairs = shape_rows(n, seed)
+    rows = {"prompt": [[{"role": "user", "content": QUESTION}] for _ in pairs],
+            "image": [image for _, image in pairs], "colour": [colour for colour, _ in pairs]}
     features = Features({"prompt": [{"role": Value("string"), "content": Value("string")}], "image": Image(),
                          "colour": Value("string")})
     return Dataset.from_dict(rows, features=features)
+
+
+def swapped_colours(dataset: Any) -> Any:
+    """``dataset`` with every ``colour`` answer swapped (red <-> blue): a policy that reads the picture scores low
+    on it, one that ignores the picture scores as on the true answers."""
+    other = {"red": "blue", "blue": "red"}
+    return dataset.map(lambda row: {"colour": other[row["colour"]]})
 
 
 def colour_code_reward(completions: list[Any], colour: list[str], **kwargs: Any) -> list[float]:

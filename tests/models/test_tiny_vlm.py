@@ -154,10 +154,13 @@ def test_auto_processor_loads_the_folder_where_torchvision_works(built):
 
 
 def test_builtin_names_resolve_through_the_family_registry(monkeypatch, tmp_path):
-    monkeypatch.setattr(tiny_vlm, "build_tiny_vlm", lambda family: tmp_path / family)
+    monkeypatch.setattr(tiny_vlm, "build_tiny_vlm", lambda family, warm: tmp_path / f"{family}{'-warm' * warm}")
     assert resolve_builtin("builtin:vlm-llava") == tmp_path / "llava"
+    assert resolve_builtin("builtin:vlm-qwen2_5_vl-warm") == tmp_path / "qwen2_5_vl-warm"
     with pytest.raises(ConfigError, match=r"builtin:vlm-lava.*'llava', 'qwen2_5_vl'.*did you mean 'llava'"):
         resolve_builtin("builtin:vlm-lava")
+    with pytest.raises(ConfigError, match=r"builtin:vlm-llava-hot.*builtin:vlm-<family>\[-warm\]"):
+        resolve_builtin("builtin:vlm-llava-hot")
     with pytest.raises(ConfigError, match="cannot be planned"):
         builtin_architecture("builtin:vlm-llava")
 
@@ -173,8 +176,10 @@ def test_cli_builds_the_family_asked_for(monkeypatch, tmp_path, capsys):
     calls = []
     monkeypatch.setattr(tiny_vlm, "build_tiny_vlm", lambda family, **kw: calls.append((family, kw)) or tmp_path)
     assert cli.main(["build-tiny-vlm", "--family", "llava", "--seed", "3"]) == 0
-    assert calls == [("llava", {"seed": 3, "out_dir": None, "force": False})]
-    assert capsys.readouterr().out.strip() == str(tmp_path)
+    assert cli.main(["build-tiny-vlm", "--warm"]) == 0
+    assert calls == [("llava", {"seed": 3, "out_dir": None, "force": False, "warm": False}),
+                     ("qwen2_5_vl", {"seed": 0, "out_dir": None, "force": False, "warm": True})]
+    assert capsys.readouterr().out.split() == [str(tmp_path)] * 2
 
 
 def test_image_only_fallback_reads_older_saves(built, tmp_path, monkeypatch):

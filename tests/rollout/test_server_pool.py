@@ -130,7 +130,7 @@ class FakeServer:
     violations: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self):
+    def start(self, port: int = 0):
         state = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -175,7 +175,7 @@ class FakeServer:
                     return self._answer({"choices": [dict(choice, index=i) for i in range(body["n"])]})
                 self._answer({})
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -313,4 +313,24 @@ def test_a_multi_turn_session_tags_each_turn_with_the_version_that_sampled_it(se
     assert out.completion_ids[0, :7].tolist() == [101, 2, 1, 42, 102, 6, 1]  # [version + 100, context length, 1]
     assert out.policy_versions[0, :7].tolist() == [1, 1, 1, 1, 2, 2, 2]
     assert out.policy_versions[1, :3].tolist() == [1, 1, 1] and out.policy_versions.min() == 1
+    client.close()
+
+
+def test_a_restarted_server_is_taken_back_at_the_next_sync_with_the_versions_in_use(servers, tmp_path):
+    """A server that died is dropped; restarted (nothing loaded), it is taken back at the next weight sync, after
+    the adapter version requests may still name is loaded on it, and requests reach it again."""
+    fakes, urls = servers
+    client = make_client(urls, tmp_path, keep_versions=1)
+    client.sync_weights(Adapter(1))
+    ids = [[5] * (i + 2) for i in range(4)]
+    fakes[1].stop()
+    client.generate_ids(ids)
+    assert client.pool.live == urls[:1] and client.pool.dropped == urls[1:]
+    port = int(urls[1].rsplit(":", 1)[1])
+    fakes[1] = FakeServer()
+    fakes[1].start(port)  # restarted: empty
+    client.sync_weights(Adapter(2))
+    assert client.pool.live == urls and fakes[1].loaded == {"policy-v2"}  # v1 loaded first, then retired
+    client.generate_ids(ids)
+    assert fakes[1].served["policy-v2"] == 2 and not fakes[1].violations
     client.close()

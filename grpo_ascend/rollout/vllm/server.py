@@ -19,7 +19,9 @@ full fine-tuning ``VLLM_SERVER_DEV_MODE=1`` (docs/vllm.md).
   its own cache namespace.
 * **Several servers** (``base_url`` a list): each call's prompts are spread over the live servers,
   a group on one server, answers in prompt order; a server that stops answering is dropped with one
-  warning and its prompts go to the others (:mod:`.server_pool`). Weight syncs go to every live server.
+  warning and its prompts go to the others (:mod:`.server_pool`). Weight syncs go to every live server;
+  before each, a dropped server that answers again (restarted) gets the adapter versions still in use and
+  is taken back.
 * **Threads**: a producer thread may sample while the trainer thread syncs. Each request leases the
   version it samples with (:mod:`.server_versions`): an adapter version is unloaded only when it is
   past the ``keep_versions`` newest and no request uses it; :meth:`pinned` samples an older one
@@ -203,8 +205,27 @@ class VLLMServerRollout(VLLMBackend):
             self._version = weights.version
 
     def _sync(self, weights: PolicyWeights) -> None:
+        self._readmit()
         loaded = self._load_adapter(weights) if weights.adapter_only else self._reload_full(weights)
         self._unload(self.ledger.add(loaded))
+
+    def _readmit(self) -> None:
+        """Take back, before a sync, each dropped server that answers again and serves the policy's model: the
+        adapter versions requests may still name are loaded on it first, and the sync brings the new one (full
+        weights: the sync reloads them everywhere)."""
+        for url in self.pool.dropped:
+            try:
+                self.request(url, "GET", "/health", timeout=5.0, retries=0)
+                served = [m.get("id") for m in (self.request(url, "GET", "/v1/models", retries=0) or {}).get("data", [])]
+                if self.model not in served:
+                    continue
+                for held in self.ledger.held:
+                    if held.adapter:
+                        body = {"lora_name": held.name, "lora_path": str(held.folder.resolve()), "load_inplace": True}
+                        self.request(url, "POST", "/v1/load_lora_adapter", body, timeout=self.sync_timeout, retries=0)
+            except (ServerGone, ServerError):
+                continue
+            self.pool.readmit(url)
 
     def _load_adapter(self, weights: PolicyWeights) -> Loaded:
         name = f"policy-v{weights.version}"

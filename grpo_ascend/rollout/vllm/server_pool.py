@@ -1,4 +1,5 @@
-"""Requests spread over several vLLM servers, answers reassembled in order, dead servers dropped.
+"""Requests spread over several vLLM servers, answers reassembled in order, dead servers dropped (and taken
+back by the client once they answer again: :meth:`ServerPool.readmit`).
 
 :meth:`ServerPool.map` sends jobs (one prompt's group each) to the live servers by an affinity key
 (``key % live servers``: a group stays on one server, and a multi-turn row goes back to the server
@@ -61,6 +62,21 @@ class ServerPool(Generic[J, R]):
         if not live:
             raise ServerGone(self._gone_message())
         return live
+
+    @property
+    def dropped(self) -> list[str]:
+        """The servers dropped so far, in their configured order."""
+        with self._lock:
+            return [u for u in self.urls if u not in self._live]
+
+    def readmit(self, url: str) -> None:
+        """Use ``url`` again (a dropped server that answers again, brought up to date by the caller)."""
+        with self._lock:
+            if url in self._live:
+                return
+            self._live = [u for u in self.urls if u in self._live or u == url]
+            live = len(self._live)
+        logger.warning("vLLM server %s is back; %d of %d servers in use", url, live, len(self.urls))
 
     def drop(self, url: str, why: str) -> None:
         """Stop using ``url`` (one warning line, the first time)."""

@@ -56,6 +56,8 @@ class RunSettings:
     rollout_process: str | None = None
     #: The weight ring (two versions in host shared memory) counts on this device: a CPU run.
     ring_in_device_memory: bool = False
+    #: Images in each prompt of a vision-language run (its image tokens are part of ``prompt_length``).
+    images_per_prompt: int = 0
 
 
 @dataclass(frozen=True)
@@ -275,6 +277,10 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
         terms.extend(dataclasses.replace(t, phases=("values",)) for t in
                      _forward_terms(m, s, min(s.micro_batch_rows, B), False, "values") if t.name != "log-prob chunk")
     terms.extend(_forward_terms(m, s, rows, True, "training"))
+    if m.vision is not None:
+        from grpo_ascend.planning.vision_terms import vision_terms
+
+        terms.extend(vision_terms(m.vision, s, layout, rows))
     return MemoryPlan(terms=[t for t in terms if t.nbytes > 0], settings=s, layout=layout, shape=m,
                       device_memory=device_memory)
 

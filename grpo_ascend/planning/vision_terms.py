@@ -12,7 +12,7 @@ terms.
 from __future__ import annotations
 
 from grpo_ascend.distributed.memory_layout import MemoryLayout
-from grpo_ascend.planning.terms import RunSettings, Term
+from grpo_ascend.planning.settings import RunSettings, Term
 from grpo_ascend.planning.vision_shape import VisionShape
 
 #: Bytes per pixel element: processors return float32.

@@ -125,9 +125,16 @@ def load_model_shape(model: str, model_config: str | Path | None = None,
         config = json.loads(path.read_text())
     except ValueError as exc:
         raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
-    if "vision_config" not in config:
-        return ModelShape.from_config(config, str(path))
-    return vision_language_shape(config, str(path), path.parent, image_size)
+    return shape_of_config(config, str(path), path.parent, image_size)
+
+
+def shape_of_config(config: Mapping[str, Any], source: str = "config", folder: Path | None = None,
+                    image_size: tuple[int, int] | None = None) -> ModelShape:
+    """A ``config.json`` mapping (or a loaded model's ``config.to_dict()``) as a shape: a text model's, or a
+    vision-language model's with its vision part (``folder``: where its processor's settings are)."""
+    if config.get("vision_config") is None:
+        return ModelShape.from_config(config, source)
+    return vision_language_shape(config, source, folder, image_size)
 
 
 def vision_language_shape(raw: Mapping[str, Any], source: str, folder: Path | None = None,
@@ -142,8 +149,10 @@ def lora_targets(target_modules: Any) -> tuple[str, ...] | None:
     """A LoRA config's target modules as the plan's targets: None when every decoder linear is adapted."""
     if target_modules is None or target_modules == "all-linear":
         return None
-    names = {target_modules} if isinstance(target_modules, str) else set(target_modules)
-    chosen = tuple(name for name in LINEARS if name in names)
+    if isinstance(target_modules, str):  # one name, or a regex such as a vision-language model's LoRA targets
+        chosen = tuple(name for name in LINEARS if name in target_modules)
+    else:
+        chosen = tuple(name for name in LINEARS if name in set(target_modules))
     return None if len(chosen) == len(LINEARS) else chosen
 
 

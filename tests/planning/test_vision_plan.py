@@ -127,3 +127,31 @@ def test_plan_command_on_a_built_vlm_folder(capsys):
     assert "vision: qwen2_5_vl tower 0.0M + projector 0.0M parameters (frozen); 2 image(s) per prompt, 4 tokens" in out
     assert "prompt: 20 text tokens (--prompt-length) + 8 image tokens" in out
     assert "prompt 28 + completion" in out and "vision tower + projector" in out and "pixel tensors" in out
+
+
+def test_trainer_auto_budget_plans_a_vision_language_model(monkeypatch):
+    """max_tokens_per_micro_batch: auto with builtin:vlm-llava: the trainer plans its loaded config with the
+    vision part and one image per prompt (the LoRA regex on the language model counts as every linear)."""
+    from grpo_ascend import device as dev
+    from grpo_ascend.config.configs import GRPOConfig
+    from grpo_ascend.models.policy import default_lora_config
+    from grpo_ascend.planning.memory_plan import AUTO_FRACTION, auto_token_budget, lora_targets, run_settings
+    from grpo_ascend.trainers.grpo import GRPOTrainer
+    from grpo_ascend.vision.shapes_task import colour_code_reward, coloured_shapes_dataset
+
+    shape = load_model_shape("builtin:vlm-llava")
+    args = GRPOConfig(max_tokens_per_micro_batch="auto", num_generations=4, per_device_train_batch_size=4,
+                      gradient_accumulation_steps=4, max_completion_length=64, max_prompt_length=96,
+                      rollout_merge_lora=False, report_to=[], disable_tqdm=True, max_steps=1)
+    settings = run_settings(args, "cpu", 1, algorithm="grpo", use_peft=True, lora_r=8, lora_targets=None,
+                            weight_bytes=4, precision="fp32")
+    settings = RunSettings(**{**settings.__dict__, "images_per_prompt": 1})
+    assert lora_targets(r".*\.language_model\..*\.(down_proj|gate_proj|k_proj|o_proj|q_proj|up_proj|v_proj)") is None
+    three, four = (plan_memory(shape, settings, plain_layout(1), rows=r).peak_bytes for r in (3, 4))
+    free = int((three + four) / 2 / AUTO_FRACTION)
+    monkeypatch.setattr(dev, "free_memory", lambda device: (free, free))
+    monkeypatch.setattr(dev, "memory_stats", lambda device: {"allocated": 0, "reserved": 0, "peak": 0})
+    trainer = GRPOTrainer("builtin:vlm-llava", colour_code_reward, args, coloured_shapes_dataset(8),
+                          peft_config=default_lora_config(8, 16))
+    assert trainer.token_budget == auto_token_budget(shape, settings, plain_layout(1), int(free * AUTO_FRACTION))
+    assert trainer.token_budget == 3 * 64 + 1 * 96

@@ -3,8 +3,8 @@
 ``tiny-llava`` / ``tiny-qwen2_5_vl`` are the built-in ``builtin:vlm-*`` models (hidden 64, 2 layers, a
 ~560-token vocabulary, 16 or 4-16 image tokens). The ``random-*`` models are built the way an outside user
 would: a plain ``LlavaConfig`` / ``Qwen2_5_VLConfig`` with transformers' defaults for everything but the sizes
-in :data:`RANDOM_VLMS` (text: hidden 512, 8 layers, 8 query / 4 key-value heads, intermediate 1,376, a
-32,000-entry vocabulary; vision: hidden 256, 4 layers, patch 14), random weights from seed 0, with the
+in :data:`RANDOM_VLMS` (text: hidden 512, 8 layers, 8 query / 4 key-value heads (Qwen: 4 / 2, head dim 128),
+intermediate 1,376, a 32,000-entry vocabulary; vision: hidden 256, 4 layers, patch 14), random weights from seed 0, with the
 built-in family's tokenizer and chat template and an image processor at the tower's patch size. Sampled ids
 above the tokenizer's ~560 entries decode to nothing, which the throughput benchmarks do not read.
 """
@@ -55,8 +55,9 @@ def _random_qwen2_5_vl(tokenizer: Any) -> tuple[Any, Any]:
     from grpo_ascend.models.tiny_vlm_processors import image_only_qwen2_5_vl_processor
 
     ids = tokenizer.convert_tokens_to_ids
-    text = {**RANDOM_TEXT, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-            "bos_token_id": None}
+    # 4 query / 2 key-value heads: head dim 128, as Qwen2.5-VL's, which its default mrope sections (16, 24, 24) need
+    text = {**RANDOM_TEXT, "num_attention_heads": 4, "num_key_value_heads": 2, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None}
     vision = {**RANDOM_VISION, "depth": 4, "num_heads": 4, "out_hidden_size": RANDOM_TEXT["hidden_size"]}
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
                               video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),

@@ -98,7 +98,7 @@ def vision_images(shape: ModelShape, per_prompt: int | None, max_prompt_length: 
         return PlannedImages()
     count = 1 if per_prompt is None else per_prompt
     tokens = count * v.image.tokens
-    lines = [f"vision: {v.family} tower {v.tower_params / 1e6:.1f}M + projector {v.projector_params / 1e6:.1f}M "
+    lines = [f"vision: {v.family} tower {v.tower_params:,} + projector {v.projector_params:,} "
              f"parameters (frozen); {count} image(s) per prompt, {v.image.tokens} tokens, {v.image.patches} patches "
              f"each ({v.image.size_note})"]
     if text_length is not None:

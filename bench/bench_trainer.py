@@ -472,7 +472,7 @@ def spawn(impl: str, s: Settings, python: str, log_dir: Path, index: int, mmap_t
 def spawn_lockstep(s: Settings, python: str, log_dir: Path, index: int,
                    mmap_threshold: int = 0, script: Path | None = None) -> dict[str, dict[str, Any]]:
     """Run ours and TRL's workers together, one optimizer step at a time in turn (see StepClock)."""
-    workers = [make_worker(impl, s, python, log_dir, index, mmap_threshold, script) for impl in IMPLS]
+    workers = [make_worker(impl, s, python, log_dir, index, mmap_threshold, script=script) for impl in IMPLS]
     procs, pipes, handles = {}, {}, []
     try:
         for w in workers:

@@ -443,15 +443,18 @@ class Worker:
         return SystemExit(f"{self.impl} worker failed (exit {code}); log {self.log}:\n{tail}")
 
 
-def make_worker(impl: str, s: Settings, python: str, log_dir: Path, index: int, mmap_threshold: int) -> Worker:
-    """A worker in a fresh process with the thread count (and malloc setting) fixed in its environment."""
+def make_worker(impl: str, s: Settings, python: str, log_dir: Path, index: int, mmap_threshold: int,
+                script: Path | None = None) -> Worker:
+    """A worker in a fresh process with the thread count (and malloc setting) fixed in its environment;
+    ``script``: the benchmark whose ``--worker`` it runs (default this one; ``s`` is any dataclass with
+    ``threads``, ``isa``, ``warmup_steps`` and ``steps``)."""
     out = log_dir / f"{impl}-{index}.json"
     from machine import isa_environment
 
     env = dict(os.environ, OMP_NUM_THREADS=str(s.threads), MKL_NUM_THREADS=str(s.threads), **isa_environment(s.isa))
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
-    cmd = [python, str(Path(__file__).resolve()), "--worker", impl, "--settings", json.dumps(asdict(s)),
+    cmd = [python, str(script or Path(__file__).resolve()), "--worker", impl, "--settings", json.dumps(asdict(s)),
            "--result", str(out)]
     return Worker(impl, cmd, env, out, log_dir / f"{impl}-{index}.log")
 
@@ -467,9 +470,9 @@ def spawn(impl: str, s: Settings, python: str, log_dir: Path, index: int, mmap_t
 
 
 def spawn_lockstep(s: Settings, python: str, log_dir: Path, index: int,
-                   mmap_threshold: int = 0) -> dict[str, dict[str, Any]]:
+                   mmap_threshold: int = 0, script: Path | None = None) -> dict[str, dict[str, Any]]:
     """Run ours and TRL's workers together, one optimizer step at a time in turn (see StepClock)."""
-    workers = [make_worker(impl, s, python, log_dir, index, mmap_threshold) for impl in IMPLS]
+    workers = [make_worker(impl, s, python, log_dir, index, mmap_threshold, script=script) for impl in IMPLS]
     procs, pipes, handles = {}, {}, []
     try:
         for w in workers:

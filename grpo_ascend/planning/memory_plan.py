@@ -26,6 +26,7 @@ from grpo_ascend.planning.shape import (
     dtype_bytes,
     load_model_shape,
     lora_targets,
+    shape_of_config,
 )
 from grpo_ascend.planning.terms import (
     PHASES,
@@ -43,7 +44,7 @@ __all__ = [
     "AUTO_FRACTION", "LINEARS", "MODEL_CONFIGS", "PHASES", "GiB", "MemoryPlan", "ModelShape", "RunSettings", "Term",
     "auto_token_budget", "dtype_bytes", "largest_fitting_rows", "load_model_shape", "lora_targets",
     "micro_batch_shape", "parse_memory", "plan_memory", "rows_under_budget", "run_settings", "settings_from_config",
-    "suggest", "tokens_of",
+    "shape_of_config", "suggest", "tokens_of",
 ]
 
 #: Share of the device's memory ``max_tokens_per_micro_batch: auto`` plans into (the rest: what the plan

@@ -2,11 +2,14 @@
 
 :class:`ModelShape` counts parameters, LoRA elements and KV-cache bytes per token;
 :func:`load_model_shape` finds the config of a local folder, a ``builtin:*`` model or a hub id whose
-published shape ships in recipes/model_configs (Qwen2.5 0.5B-72B).
+published shape ships in recipes/model_configs (Qwen2.5 0.5B-72B). A vision-language config (one with a
+``vision_config``) gives its text decoder's shape with the vision part in ``ModelShape.vision``
+(:mod:`grpo_ascend.planning.vision_shape`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models.tiny_model import builtin_architecture
+from grpo_ascend.models.tiny_model import OTHER_BUILTINS, builtin_architecture, resolve_builtin
+from grpo_ascend.planning.vision_shape import VisionShape, full_config, text_config, vision_shape
 
 #: config.json files of published models (Qwen2.5 0.5B-72B), used for their hub ids without a download.
 MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "model_configs"
@@ -37,6 +41,8 @@ class ModelShape:
     tie_word_embeddings: bool
     attention_bias: bool = False
     dtype: str = "float32"
+    #: A vision-language model's vision tower and projector (None: a text model).
+    vision: VisionShape | None = None
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], source: str = "config") -> ModelShape:
@@ -95,13 +101,18 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * activation_bytes
 
 
-def load_model_shape(model: str, model_config: str | Path | None = None) -> ModelShape:
+def load_model_shape(model: str, model_config: str | Path | None = None,
+                     image_size: tuple[int, int] | None = None) -> ModelShape:
     """The shape of ``model`` without loading weights: ``model_config`` (a config.json or its folder) if
     given, else ``builtin:*`` sizes, else ``model``'s own config.json when it is a local folder, else the
-    config shipped in recipes/model_configs for a known hub id (``Qwen/Qwen2.5-7B-Instruct``)."""
-    if model_config is None and model.startswith("builtin:"):
+    config shipped in recipes/model_configs for a known hub id (``Qwen/Qwen2.5-7B-Instruct``).
+
+    ``builtin:vlm-*`` is built (a few seconds, cached) for its config and processor. ``image_size`` (width,
+    height): the images a vision-language model's plan counts (default: its processor's largest)."""
+    builtin = model_config is None and model.startswith("builtin:")
+    if builtin and model.removeprefix("builtin:").partition("-")[0] not in OTHER_BUILTINS:
         return ModelShape.from_config(builtin_architecture(model), model)
-    path = Path(model_config if model_config is not None else model)
+    path = Path(resolve_builtin(model) if builtin else model_config if model_config is not None else model)  # type: ignore[arg-type]
     known = MODEL_CONFIGS / f"{model.rpartition('/')[2].lower().removesuffix('-instruct')}.json"
     if model_config is None and not path.exists() and known.is_file():
         path = known  # a hub id whose shape ships with grpo-ascend
@@ -111,17 +122,37 @@ def load_model_shape(model: str, model_config: str | Path | None = None) -> Mode
         raise ConfigError(f"no config.json for model {model!r} at {str(path)!r}: pass --model-config PATH "
                           "(a config.json, e.g. recipes/model_configs/qwen2.5-7b.json) or a local model folder")
     try:
-        return ModelShape.from_config(json.loads(path.read_text()), str(path))
+        config = json.loads(path.read_text())
     except ValueError as exc:
         raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
+    return shape_of_config(config, str(path), path.parent, image_size)
+
+
+def shape_of_config(config: Mapping[str, Any], source: str = "config", folder: Path | None = None,
+                    image_size: tuple[int, int] | None = None) -> ModelShape:
+    """A ``config.json`` mapping (or a loaded model's ``config.to_dict()``) as a shape: a text model's, or a
+    vision-language model's with its vision part (``folder``: where its processor's settings are)."""
+    if config.get("vision_config") is None:
+        return ModelShape.from_config(config, source)
+    return vision_language_shape(config, source, folder, image_size)
+
+
+def vision_language_shape(raw: Mapping[str, Any], source: str, folder: Path | None = None,
+                          image_size: tuple[int, int] | None = None) -> ModelShape:
+    """A vision-language config's text decoder shape with its vision part (``folder``: the processor's settings)."""
+    config = full_config(raw, source)
+    shape = ModelShape.from_config(text_config(config), source)
+    return dataclasses.replace(shape, vision=vision_shape(config, folder, image_size))
 
 
 def lora_targets(target_modules: Any) -> tuple[str, ...] | None:
     """A LoRA config's target modules as the plan's targets: None when every decoder linear is adapted."""
     if target_modules is None or target_modules == "all-linear":
         return None
-    names = {target_modules} if isinstance(target_modules, str) else set(target_modules)
-    chosen = tuple(name for name in LINEARS if name in names)
+    if isinstance(target_modules, str):  # one name, or a regex such as a vision-language model's LoRA targets
+        chosen = tuple(name for name in LINEARS if name in target_modules)
+    else:
+        chosen = tuple(name for name in LINEARS if name in set(target_modules))
     return None if len(chosen) == len(LINEARS) else chosen
 
 

@@ -14,58 +14,14 @@ from dataclasses import dataclass, field
 
 from grpo_ascend.distributed.memory_layout import MemoryLayout
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.planning.settings import RunSettings, Term
 from grpo_ascend.planning.shape import ModelShape
+from grpo_ascend.planning.vision_terms import vision_terms
 
 GiB = 2**30
 #: Phases in the order a round runs them; "rollout device" is a rollout process's own device (asynchronous
 #: rollouts with ``rollout_device`` another device), its memory beside the trainer's phases.
 PHASES = ("generation", "old_logprobs", "reference", "values", "training", "rollout device")
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """What of a run's configuration the plan reads (:func:`grpo_ascend.planning.memory_plan.settings_from_config` builds it)."""
-
-    algorithm: str = "grpo"
-    use_peft: bool = True
-    lora_r: int = 16
-    lora_targets: tuple[str, ...] | None = None
-    weight_bytes: int = 4
-    activation_bytes: int = 4
-    reference: bool = False
-    prompts_per_rank: int = 1
-    num_generations: int = 8
-    prompt_length: int = 64
-    completion_length: int = 256
-    micro_batch_rows: int = 8
-    rows_per_step: int = 8
-    token_budget: int | None = None
-    logprob_chunk: int = 128
-    gradient_checkpointing: bool = False
-    share_prompt_prefill: bool = True
-    shared_prefix_decode: bool = False
-    #: rollout_merge_lora: None = merged when the copy fits a quarter of what the device has left (as at run time).
-    merge_lora: bool | None = None
-    filtered_sampling: bool = False
-    old_logprobs: bool = False
-    entropy_grad: bool = False
-    grouped_attention_bytes: int = 0
-    critic_shares_base: bool = True
-    #: Asynchronous rollouts on the built-in engine: None (the trainer samples), "same" (a rollout process on the
-    #: trainer's device, all the time beside every phase) or "own" (on a device of its own).
-    rollout_process: str | None = None
-    #: The weight ring (two versions in host shared memory) counts on this device: a CPU run.
-    ring_in_device_memory: bool = False
-
-
-@dataclass(frozen=True)
-class Term:
-    """One named amount of memory per device and the phases it is held in."""
-
-    name: str
-    nbytes: int
-    phases: tuple[str, ...]
-    note: str = ""
 
 
 @dataclass
@@ -275,6 +231,8 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
         terms.extend(dataclasses.replace(t, phases=("values",)) for t in
                      _forward_terms(m, s, min(s.micro_batch_rows, B), False, "values") if t.name != "log-prob chunk")
     terms.extend(_forward_terms(m, s, rows, True, "training"))
+    if m.vision is not None:
+        terms.extend(vision_terms(m.vision, s, layout, rows))
     return MemoryPlan(terms=[t for t in terms if t.nbytes > 0], settings=s, layout=layout, shape=m,
                       device_memory=device_memory)
 

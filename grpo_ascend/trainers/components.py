@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,10 +43,10 @@ from grpo_ascend.models.vision_language import (
 )
 from grpo_ascend.planning.memory_plan import (
     AUTO_FRACTION,
-    ModelShape,
     auto_token_budget,
     lora_targets,
     run_settings,
+    shape_of_config,
 )
 from grpo_ascend.rollout.backend import build_backend
 from grpo_ascend.rollout.sampling import SamplingParams
@@ -250,8 +251,11 @@ def plan_token_budget(policy: nn.Module, args: BaseRLConfig, algorithm: str, str
     settings = dataclasses.replace(settings, merge_lora=merge_lora)
     free, _ = dev.free_memory(device)
     capacity = int((free + dev.memory_stats(device)["allocated"]) * AUTO_FRACTION)
-    budget = auto_token_budget(ModelShape.from_config(model.config.to_dict()), settings,
-                               strategy.memory_layout(), capacity)
+    folder = Path(model.config.name_or_path)  # a local model's processor settings size its images
+    shape = shape_of_config(model.config.to_dict(), type(model).__name__, folder if folder.is_dir() else None)
+    if shape.vision is not None:  # one image per prompt; its tokens are within max_prompt_length
+        settings = dataclasses.replace(settings, images_per_prompt=1)
+    budget = auto_token_budget(shape, settings, strategy.memory_layout(), capacity)
     budget = int(-ranks.reduce(torch.tensor([-float(budget)], device=device), "max")[0])
     logger.info("max_tokens_per_micro_batch: auto -> %d tokens (memory plan within %.1f GiB)", budget, capacity / 2**30)
     return budget

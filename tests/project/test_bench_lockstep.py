@@ -30,12 +30,12 @@ json.dump({{"starts": clock.starts, "ends": clock.ends, "done": time.perf_counte
 
 
 def _fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, total: int) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(FAKE_WORKER)
+    fake_script = tmp_path / "worker.py"
+    fake_script.write_text(FAKE_WORKER)
 
-    def worker(impl, s, python, log_dir, index, mmap_threshold):  # type: ignore[no-untyped-def]
+    def worker(impl, s, python, log_dir, index, mmap_threshold, script=None):  # type: ignore[no-untyped-def]
         out = log_dir / f"{impl}.json"
-        return bench_trainer.Worker(impl, [sys.executable, str(script), impl, str(out), str(total)], {},
+        return bench_trainer.Worker(impl, [sys.executable, str(fake_script), impl, str(out), str(total)], {},
                                     out, log_dir / f"{impl}.log")
 
     monkeypatch.setattr(bench_trainer, "make_worker", worker)

@@ -39,6 +39,12 @@ from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.vision.inputs import PromptImages, RowVision
 
 
+def images_refused(backend: RolloutBackend) -> str:
+    """The line a backend that takes no images answers prompts with images with."""
+    return (f"the {type(backend).__name__} rollout backend does not take prompts with images yet; sample them with "
+            "the built-in engine (use_vllm: false)")
+
+
 @dataclass
 class RolloutBatch:
     """Sampled completions for a batch of prompts, every tensor on the trainer's device.
@@ -217,6 +223,8 @@ class RolloutBackend(ABC):
     #: the trainer's speed-ups of that module apply (LoRA folded into the weights while generating); a
     #: backend holding its own copy of the weights takes them through :meth:`sync_weights` instead.
     samples_policy_module: ClassVar[bool] = False
+    #: True when :meth:`generate_with_images` feeds prompts' images to the model.
+    takes_images: ClassVar[bool] = False
 
     @property
     def backend(self) -> RolloutBackend:
@@ -263,8 +271,7 @@ class RolloutBackend(ABC):
     ) -> RolloutBatch:
         """Completions for prompts with images: token ids with each image's tokens expanded, and each prompt's
         image inputs (rollout/image_prompts.py). Only backends that feed images to the model implement it."""
-        raise ConfigError(f"the {type(self).__name__} rollout backend does not take prompts with images yet; sample "
-                          "them with the built-in engine (rollout_backend: builtin, rollout_mode: sync)")
+        raise ConfigError(images_refused(self))
 
     @abstractmethod
     def generate_ids(

@@ -72,6 +72,7 @@ class RolloutEngine(RolloutBackend):
     """
 
     samples_policy_module = True
+    takes_images = True
 
     def __init__(
         self,

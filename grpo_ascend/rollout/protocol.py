@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from grpo_ascend.rollout.backend import RolloutBackend, RolloutBatch
+from grpo_ascend.errors import ConfigError
+from grpo_ascend.rollout.backend import RolloutBackend, RolloutBatch, images_refused
 from grpo_ascend.rollout.image_prompts import VisionPromptEncoder
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.vision.images import row_images
@@ -65,6 +66,8 @@ class PromptRollout(Rollout):
     images (a vision-language model's ``processor`` given) through :meth:`RolloutBackend.generate_with_images`."""
 
     def __init__(self, backend: RolloutBackend, processor: Any = None) -> None:
+        if processor is not None and not backend.takes_images:
+            raise ConfigError(images_refused(backend))
         self._backend = backend
         self._images = VisionPromptEncoder(processor) if processor is not None else None
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from grpo_ascend.errors import ConfigError, RolloutError
+from grpo_ascend.rollout.protocol import PromptRollout
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm.server import VLLMServerRollout
 from grpo_ascend.rollout.vllm.server_http import ServerGone
@@ -333,4 +334,12 @@ def test_a_restarted_server_is_taken_back_at_the_next_sync_with_the_versions_in_
     assert client.pool.live == urls and fakes[1].loaded == {"policy-v2"}  # v1 loaded first, then retired
     client.generate_ids(ids)
     assert fakes[1].served["policy-v2"] == 2 and not fakes[1].violations
+    client.close()
+
+
+def test_a_server_backend_refuses_a_vision_language_run_when_it_is_made(servers, tmp_path):
+    """Prompts with images need a backend that feeds them to the model: the server client says so at once."""
+    client = make_client(servers[1], tmp_path)
+    with pytest.raises(ConfigError, match="VLLMServerRollout rollout backend does not take prompts with images yet"):
+        PromptRollout(client, processor=object())
     client.close()

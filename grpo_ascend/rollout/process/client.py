@@ -68,6 +68,8 @@ class ProcessBackend(RolloutBackend):
     newest pushed; a request pinned to one samples all its tokens with it); :attr:`last_version` is the version the calling thread's last request sampled with.
     """
 
+    takes_images = True
+
     def __init__(self, policy: nn.Module, tokenizer: Any, params: SamplingParams, settings: ProcessSettings,
                  device: torch.device, version: int) -> None:
         self.tokenizer = tokenizer

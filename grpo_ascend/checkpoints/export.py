@@ -33,8 +33,9 @@ from grpo_ascend.checkpoints.adapters import (
 )
 from grpo_ascend.checkpoints.best import best_checkpoint, resolve_best_path
 from grpo_ascend.errors import CheckpointError, ConfigError, closest
-from grpo_ascend.models.policy import apply_peft
+from grpo_ascend.models.policy import apply_peft, load_causal_lm
 from grpo_ascend.models.tiny_model import resolve_builtin
+from grpo_ascend.models.vision_language import PROCESSOR_FILES, load_processor
 from grpo_ascend.models.wrappers import is_peft, unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ def _check_out_dir(out: Path, sources: list[Path]) -> None:
 
 
 def _save_tokenizer(out: Path, tokenizer: Any, sources: list[str | Path | None]) -> None:
-    """Save ``tokenizer``, else the first tokenizer found among ``sources`` (checkpoint, base model)."""
+    """Save ``tokenizer`` (or a vision-language model's processor), else the first found among ``sources``
+    (checkpoint, base model): a folder with a processor gives its processor, else its tokenizer."""
     if tokenizer is None:
         from transformers import AutoTokenizer
 
@@ -117,7 +119,8 @@ def _save_tokenizer(out: Path, tokenizer: Any, sources: list[str | Path | None])
             if isinstance(source, Path) and not (source / "tokenizer_config.json").is_file():
                 continue
             try:
-                tokenizer = AutoTokenizer.from_pretrained(str(source))
+                has_processor = any((Path(source) / name).is_file() for name in PROCESSOR_FILES)
+                tokenizer = load_processor(source) if has_processor else AutoTokenizer.from_pretrained(str(source))
                 break
             except Exception as exc:  # a missing or unreadable tokenizer only means "look elsewhere"
                 logger.debug("no tokenizer at %s: %s", source, exc)
@@ -154,12 +157,11 @@ def _live_adapter(model: torch.nn.Module) -> tuple[dict[str, Any], dict[str, tor
 
 
 def _load_base(base: str) -> torch.nn.Module:
-    """The base model in fp32 on the CPU (merging in fp32 keeps the folded weights exact)."""
-    from transformers import AutoModelForCausalLM
-
+    """The base model in fp32 on the CPU (merging in fp32 keeps the folded weights exact); a vision-language
+    model with its vision tower."""
     try:
-        return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    except (OSError, ValueError) as exc:
+        return load_causal_lm(base, dtype="float32")
+    except (OSError, ValueError, ConfigError) as exc:
         raise CheckpointError(
             f"could not load the base model {base!r} to merge into ({str(exc).splitlines()[0]}); pass the "
             f"base model's path with --base-model (base_model=...)"

@@ -47,6 +47,10 @@ def takes_processor_images(processing_class: Any) -> bool:
     return getattr(processing_class, "image_processor", None) is not None and hasattr(processing_class, "tokenizer")
 
 
+#: Files a saved multimodal processor leaves in its folder (one of them).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
 def load_processor(path: str | Path) -> Any:
     """The processor saved with a vision-language model (image-only where torchvision is missing)."""
     try:

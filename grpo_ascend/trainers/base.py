@@ -184,18 +184,18 @@ class RLTrainerBase(TrainerPublicAPI):
         self.checkpointer = Checkpointer(
             args=args, accelerator=self.accelerator, strategy=self.strategy, run=run, module=self._trainable_module(),
             optimizer=self.optimizer, scheduler=self.scheduler, sampler=self.sampler, generator=self.generator,
-            tokenizer=self.tokenizer, model_name=self.model_name, best=self.best)
+            tokenizer=self.processing_class, model_name=self.model_name, best=self.best)
         self.evaluator = Evaluator(
             args=args, sets=self.eval_sets, run=run, rollout=self.rollout, rewards=self.rewards, ranks=self.ranks,
             device=self.device, policy=self.policy, rollout_context=self._rollout_context,
             reward_state=self._trainer_state_for_rewards, eval_loss=self._eval_loss())
         self.events = EventHub(
             args=args, accelerator=self.accelerator, callbacks=self._callbacks, run=run, sampler=self.sampler,
-            objects={"model": self.policy, "processing_class": self.tokenizer, "optimizer": self.optimizer,
+            objects={"model": self.policy, "processing_class": self.processing_class, "optimizer": self.optimizer,
                      "lr_scheduler": self.scheduler})
         self.publisher = ModelPublisher(
             args=args, accelerator=self.accelerator, strategy=self.strategy, run=run, policy=self.policy,
-            tokenizer=self.tokenizer, model_name=self.model_name, is_peft=self.is_peft,
+            tokenizer=self.processing_class, model_name=self.model_name, is_peft=self.is_peft,
             gathered=self.checkpointer.gathered)
         self.recorder = RunRecorder(
             args=args, plan=self.plan, run=run, events=self.events, ranks=self.ranks, device=self.device,

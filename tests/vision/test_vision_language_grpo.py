@@ -12,6 +12,7 @@ from datasets import Dataset
 from PIL import Image
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
+from grpo_ascend.checkpoints.export import export_checkpoint
 from grpo_ascend.errors import ConfigError, DataError
 from grpo_ascend.models.policy import CompletionLogprobs, default_lora_config, load_causal_lm, load_tokenizer
 from grpo_ascend.models.tiny_vlm import build_tiny_vlm
@@ -109,6 +110,25 @@ def test_a_grpo_step_with_images_trains_the_language_models_lora_only(tmp_path):
     assert all(torch.equal(after[n], before) for n, before in vision.items())
     assert all("reward" in r for r in trainer.state.log_history if "loss" in r)
     assert len(seen) == 2 * 8 and all(isinstance(i, Image.Image) and i.size == (28, 28) for i in seen)
+    # exported: the adapter with the processor, and a merged model, load in plain transformers / PEFT
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    trainer.save_model(tmp_path / "adapter")
+    merged_dir = export_checkpoint(tmp_path, tmp_path / "merged", merge=True)  # the run's last checkpoint
+    processor = load_processor(tmp_path / "adapter")
+    assert type(load_processor(merged_dir)) is type(processor)  # the merged model's folder has it too
+    encoded = processor(text=[processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}],
+                                                            add_generation_prompt=True, tokenize=False)],
+                        images=[seen[0]], return_tensors="pt")
+    trainer.policy.eval()
+    with torch.no_grad():
+        expected = trainer.policy(**encoded).logits
+        base = AutoModelForImageTextToText.from_pretrained(build_tiny_vlm("qwen2_5_vl"))
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(**encoded).logits
+        merged = AutoModelForImageTextToText.from_pretrained(merged_dir).eval()(**encoded).logits
+    torch.testing.assert_close(adapted, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(merged, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_images_for_a_text_only_model_are_refused_naming_the_column(tmp_path, tiny_model_dir):

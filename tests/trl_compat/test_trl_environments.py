@@ -9,6 +9,7 @@ import math
 import pytest
 from datasets import Dataset
 from helpers import SMALL_RUN, capture_scored
+from multiturn_scripts import AddEnv
 from transformers import AutoTokenizer
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
@@ -20,7 +21,7 @@ from grpo_ascend.tools.environment_data import MAX_STEPS_NEEDED, SEVERAL_ENVIRON
 QUESTION = " What is two plus three?"
 
 
-class Adder:
+class Adder(AddEnv):
     """Owns its data: reset() returns the question; get_reward() reads the rollout's state."""
 
     resets: list[dict] = []
@@ -29,16 +30,6 @@ class Adder:
         Adder.resets.append(row)
         self.sums = []
         return QUESTION
-
-    def add(self, a: int, b: int) -> int:
-        """Add two integers.
-
-        Args:
-            a: The first term.
-            b: The second term.
-        """
-        self.sums.append(a + b)
-        return a + b
 
     def get_reward(self) -> float:
         return 0.25

@@ -52,6 +52,7 @@ from grpo_ascend.producers.lockstep import SourceParts
 from grpo_ascend.rollout.backend import PolicyWeights, serving
 from grpo_ascend.rollout.protocol import PromptRollout, Rollout
 from grpo_ascend.trainers.best_tracking import BestCheckpointTracker
+from grpo_ascend.trainers.checkpoint_api import TrainerCheckpoints
 from grpo_ascend.trainers.checkpointing import Checkpointer
 from grpo_ascend.trainers.components import (
     build_micro_batcher,
@@ -78,7 +79,7 @@ from grpo_ascend.vision.images import check_images_usable
 logger = logging.getLogger(__name__)
 
 
-class RLTrainerBase(TrainerPublicAPI):
+class RLTrainerBase(TrainerCheckpoints, TrainerPublicAPI):
     """Shared machinery; see the module docstring."""
 
     config_class: type[BaseRLConfig] = BaseRLConfig
@@ -394,62 +395,6 @@ class RLTrainerBase(TrainerPublicAPI):
         # Saves happen at round boundaries (no half-used generation batch to persist); a save that
         # falls inside a round is taken at its end.
         return self.step // every > max(self.run.last_saved_step, 0) // every
-
-    # ------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> Path:
-        """Save a checkpoint of this step into ``output_dir/checkpoint-<step>`` (every rank must call): the
-        trainable weights, optimizer, schedule, every rank's RNGs, the counters and the algorithm's own state;
-        pushed per ``hub_strategy``; fires ``on_save``. ``train()`` saves every ``save_steps`` and at the end.
-        Returns the checkpoint's folder."""
-        path = self.checkpointer.save({**self._trainer_state(), **self._rollout_ledger()}, self._extra_state_tensors())
-        self.publisher.push_checkpoint(path)
-        self.events.fire("on_save")
-        return path
-
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Restore the trainer from the checkpoint at ``path`` (every rank must call): weights, optimizer, schedule,
-        RNGs, counters and the algorithm's own state, as a resume does (which also takes the run's best
-        checkpoint back from ``best.json``)."""
-        resumed = self.checkpointer.load(Path(path))
-        ledgers = resumed.trainer_state.get("rollout_ledger")
-        if ledgers is not None:
-            self.experience.source.load_state_dict(ledgers[self.ranks.rank])
-        self._restore_trainer_state(resumed.trainer_state)
-        self._restore_extra_state_tensors(resumed.extra_tensors)
-
-    def _rollout_ledger(self) -> dict[str, Any]:
-        """Every rank's experience-source state (prompts in flight ahead of training), when its source has one."""
-        state = self.experience.source.state_dict()
-        if state is None:
-            return {}
-        from accelerate.utils import gather_object
-
-        return {"rollout_ledger": [state] if self.ranks.world == 1 else gather_object([state])}
-
-    def _trainer_state(self) -> dict[str, Any]:
-        """Subclass hook: the algorithm's own state a checkpoint's trainer_state.json adds (JSON)."""
-        return {}
-
-    def _restore_trainer_state(self, state: dict[str, Any]) -> None:
-        """Subclass hook: restore what the subclass added to :meth:`_trainer_state`."""
-
-    def _extra_state_tensors(self) -> dict[str, Tensor]:
-        """Subclass hook: tensors a resumed run needs besides the weights."""
-        return {}
-
-    def _restore_extra_state_tensors(self, extra: dict[str, Tensor]) -> None:
-        """Subclass hook: take back what :meth:`_extra_state_tensors` saved."""
-
-    def load_best_model(self) -> bool:
-        """The best checkpoint's weights (``metric_for_best_model``) into the model (every rank must call); False
-        when there is no best checkpoint yet. ``train()`` ends with it under ``load_best_model_at_end``."""
-        path = self.best.path()
-        if path is None:
-            return False
-        self.checkpointer.load_weights(path)
-        assert self.run.best is not None
-        logger.info("loaded the best checkpoint %s (%s = %g)", path, self.run.best.metric, self.run.best.value)
-        return True
 
     # ------------------------------------------------------------------------------ logging
     def _end_step(self, step_metrics: dict[str, float], log: RoundLog, exp: Experience, started: float,

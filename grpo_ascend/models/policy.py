@@ -201,7 +201,8 @@ def completion_hidden_states(
     if vision is None:
         positions = position_ids_from_mask(mask)
     else:
-        prompt_pos, next_pos = prompt_positions(backbone, prompt_ids, prompt_mask, vision.forward_kwargs(None, prompt_mask))
+        grids = vision.forward_kwargs(None, prompt_mask, pixels=False)  # every row's: no copy of G rows' pixels
+        prompt_pos, next_pos = prompt_positions(backbone, prompt_ids, prompt_mask, grids)
         positions = joined(prompt_pos, completion_positions(next_pos, completion_mask))
     runs = None
     if (share_prompts or vision is not None) and completion_ids.shape[1] > 0 and not activation_checkpointing_on(backbone):

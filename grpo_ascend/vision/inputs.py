@@ -75,14 +75,15 @@ class RowVision:
         return any(r is not None and r.num_images > 0 for r in self.rows)
 
     def forward_kwargs(self, rows: Sequence[int] | Tensor | None, prompt_mask: Tensor,
-                       completion_width: int = 0) -> dict[str, Tensor]:
+                       completion_width: int = 0, pixels: bool = True) -> dict[str, Tensor]:
         """The model's image keyword arguments for ``rows`` (None: all) whose prompts are left-padded as
-        ``prompt_mask`` [R, Lp] is; per-token tensors get ``completion_width`` zero columns after the prompt."""
+        ``prompt_mask`` [R, Lp] is; per-token tensors get ``completion_width`` zero columns after the prompt.
+        ``pixels=False`` leaves out the pixel tensors (what position ids need: grids and token types)."""
         index = range(len(self.rows)) if rows is None else [int(i) for i in rows]
         chosen = [self.rows[i] for i in index]
         device = prompt_mask.device
         out: dict[str, Tensor] = {}
-        keys = {k for r in chosen if r is not None for k in r.per_image}
+        keys = {k for r in chosen if r is not None for k in r.per_image if pixels or not k.startswith("pixel_values")}
         for key in sorted(keys):
             pieces = [r.per_image[key] for r in chosen if r is not None and key in r.per_image]
             out[key] = torch.cat(pieces).to(device)

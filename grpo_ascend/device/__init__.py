@@ -52,7 +52,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "effective_exec_timeout", "soc_name",
     ),
     "npu_patches": ("apply_npu_patches",),
-    "placement": ("RolloutPlacement", "rollout_placement"),
+    "placement": ("RolloutPlacement", "host_threads", "rollout_placement", "use_trainer_threads"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -18,12 +18,32 @@ class RolloutPlacement:
     trainer_threads: int | None
 
 
+_host_threads: list[int] = []  # the process's thread count before the first split (its only writer: this module)
+
+
+def host_threads() -> int:
+    """The CPU threads this process had before any rollout split took part of them."""
+    return _host_threads[0] if _host_threads else torch.get_num_threads()
+
+
 def rollout_placement(trainer_device: torch.device, device: str | None, threads: int | None) -> RolloutPlacement:
-    """Sensible defaults, each overridable: on the CPU, the trainer's threads split in two halves (the
-    sampler gets ``threads`` when given, the trainer the rest, at least one each); on an accelerator,
-    the requested device (``npu:1``, ...) or else the trainer's own, with the CPU threads left alone."""
+    """Sensible defaults, each overridable: on the CPU, the process's threads (:func:`host_threads`, so a
+    second run in one process splits the same number) in two halves (the sampler gets ``threads`` when
+    given, the trainer the rest, at least one each); on an accelerator, the requested device (``npu:1``,
+    ...) or else the trainer's own, with the CPU threads left alone."""
     if not is_accelerator(trainer_device) and (device is None or not is_accelerator(device)):
-        total = torch.get_num_threads()
+        total = host_threads()
         mine = threads if threads is not None else max(1, total // 2)
         return RolloutPlacement("cpu", mine, max(1, total - mine))
     return RolloutPlacement(device if device is not None else str(trainer_device), threads, None)
+
+
+def use_trainer_threads(place: RolloutPlacement | None) -> None:
+    """Give the trainer the threads ``place`` leaves it, or (``None``: no rollout process) all of
+    :func:`host_threads` back."""
+    if place is not None and place.trainer_threads is not None:
+        if not _host_threads:
+            _host_threads.append(torch.get_num_threads())
+        torch.set_num_threads(place.trainer_threads)
+    elif _host_threads:
+        torch.set_num_threads(_host_threads.pop())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from grpo_ascend import device as dev
@@ -18,11 +17,11 @@ from grpo_ascend.rollout.sampling import SamplingParams
 def build_builtin_backend(policy: nn.Module, tokenizer: Any, params: SamplingParams, args: Any) -> RolloutBackend:
     """The engine over ``policy`` in this process, or a rollout process placed by the device layer."""
     if getattr(args, "rollout_mode", "sync") == "sync":
+        dev.use_trainer_threads(None)
         return RolloutEngine(policy, tokenizer, params)
     trainer_device = next(policy.parameters()).device
     place = dev.rollout_placement(trainer_device, args.rollout_device, args.rollout_threads)
-    if place.trainer_threads is not None:
-        torch.set_num_threads(place.trainer_threads)
+    dev.use_trainer_threads(place)
     settings = ProcessSettings(
         device=place.device, threads=place.threads, precision=dev.run_precision(place.device, args.bf16, args.fp16),
         max_restarts=args.max_rollout_restarts,

@@ -1,6 +1,7 @@
 """The rollout engine on hybrid decoders (Qwen3-Next, Qwen3.5 dense / MoE, NemotronH): greedy parity with
 ``generate`` on a left-padded batch of groups and with each prompt run alone, sampler log-probs equal to the
-trainer's, compaction keeping each row's recurrent state, multi-turn feeds, and the cache's row operations.
+trainer's, compaction keeping each row's recurrent state, multi-turn feeds, the cache's row operations, and the
+rollout process (asynchronous rollouts) sampling as the engine does.
 
 Greedy comparisons stop before the first step where the reference's two best logits are closer than
 ``MARGIN``: float rounding differs between CPUs (and between the scan's chunked and step-by-step forms), so
@@ -16,8 +17,10 @@ from transformers import AutoTokenizer
 
 from grpo_ascend.models.policy import CompletionLogprobs
 from grpo_ascend.models.recurrent_state import RecurrentStateLayer
+from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.engine import RolloutEngine
 from grpo_ascend.rollout.kv_cache import BucketedKVCache
+from grpo_ascend.rollout.process.client import ProcessBackend, ProcessSettings
 from grpo_ascend.rollout.sampling import SamplingParams
 
 PROMPTS = [
@@ -159,3 +162,28 @@ def test_cache_row_operations_follow_recurrent_states():
     with wide.holding_rows(torch.tensor([True, False])):
         wide.layers[0].update_recurrent_state(torch.tensor([[9.0], [9.0]]))
     assert torch.equal(wide.layers[0].recurrent_states[0].view(-1), torch.tensor([2.0, 9.0]))
+
+
+def test_rollout_process_samples_a_hybrid_as_the_engine_does(tok):
+    """The rollout process of ``rollout_mode: one_step_off / async`` runs the same engine on its own copy of the
+    model: the same seed gives the same tokens and log-probs, and a pushed version is sampled from."""
+    model = hybrid_model("qwen3_next", tok)
+    params = SamplingParams(num_generations=3, max_completion_length=12, temperature=1.0)
+    ids = [tok("hello there").input_ids, tok("The cat sat on a long road").input_ids]
+    seed = int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(3)).item())  # what the process gets
+    remote = ProcessBackend(model, tok, params, ProcessSettings(threads=1), torch.device("cpu"), 0)
+    try:
+        local = RolloutEngine(model, tok, params).generate_ids(ids, params, torch.Generator().manual_seed(seed))
+        sampled = remote.generate_ids(ids, params, torch.Generator().manual_seed(3))
+        assert torch.equal(local.completion_ids, sampled.completion_ids)
+        torch.testing.assert_close(local.sampling_logprobs, sampled.sampling_logprobs, rtol=0, atol=1e-5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02)
+        remote.sync_weights(PolicyWeights(model, 2))
+        moved = RolloutEngine(model, tok, params).generate_ids(ids, params, torch.Generator().manual_seed(seed))
+        newest = remote.generate_ids(ids, params, torch.Generator().manual_seed(3))
+        assert torch.equal(newest.completion_ids, moved.completion_ids)
+        assert newest.policy_versions.unique().tolist() == [2]
+    finally:
+        remote.close()

@@ -105,6 +105,7 @@ LONGEST_FILES = (
     "test_distributed.py",  # 35, two processes
     "test_two_node.py",  # 40 (one run of it on a busy 2-core machine), two machine ranks then two processes
     "test_grpo_trainer.py",  # 21
+    "test_hybrid_rollout.py",  # 22 (one run of it): 14 of them the rollout process's start
     "test_fsdp.py",  # 26, two processes
     "test_compiled_decode.py",  # 18
     "test_multiturn_trainer.py",  # 18

@@ -1,6 +1,7 @@
 """A decoder-only transformer's sizes for the memory plan, from a ``config.json`` or a built-in model (no weights).
 
-:class:`ModelShape` counts parameters, LoRA elements and KV-cache bytes per token;
+:class:`ModelShape` counts parameters, LoRA elements, KV-cache bytes per token and a hybrid decoder's
+recurrent state per row (:mod:`grpo_ascend.planning.recurrent_shape`);
 :func:`load_model_shape` finds the config of a local folder, a ``builtin:*`` model or a hub id whose
 published shape ships in recipes/model_configs (Qwen2.5 0.5B-72B). A vision-language config (one with a
 ``vision_config``) gives its text decoder's shape with the vision part in ``ModelShape.vision``
@@ -18,6 +19,7 @@ from typing import Any
 
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models.tiny_model import OTHER_BUILTINS, builtin_architecture, resolve_builtin
+from grpo_ascend.planning.recurrent_shape import RecurrentShape, recurrent_shape
 from grpo_ascend.planning.vision_shape import VisionShape, full_config, text_config, vision_shape
 
 #: config.json files of published models (Qwen2.5 0.5B-72B), used for their hub ids without a download.
@@ -43,6 +45,8 @@ class ModelShape:
     dtype: str = "float32"
     #: A vision-language model's vision tower and projector (None: a text model).
     vision: VisionShape | None = None
+    #: A hybrid decoder's recurrent layers (linear attention, Mamba2) and their per-row state (None: attention only).
+    recurrent: RecurrentShape | None = None
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], source: str = "config") -> ModelShape:
@@ -50,7 +54,7 @@ class ModelShape:
         try:
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
             return cls(
-                vocab_size=int(config["vocab_size"]), hidden_size=hidden, num_layers=int(config["num_hidden_layers"]),
+                vocab_size=int(config["vocab_size"]), hidden_size=hidden, num_layers=_num_layers(config),
                 num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 intermediate_size=int(config["intermediate_size"]),
@@ -96,9 +100,24 @@ class ModelShape:
         chosen = LINEARS if targets is None else targets
         return self.num_layers * sum(a * b for name, (a, b) in self.linear_shapes().items() if name in chosen)
 
+    @property
+    def attention_layers(self) -> int:
+        """Layers that keep keys and values (every layer but a hybrid decoder's recurrent and MLP-only ones)."""
+        return self.num_layers if self.recurrent is None else self.recurrent.attention_layers
+
     def kv_bytes_per_token(self, activation_bytes: int) -> int:
-        """Keys + values of one token over every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * activation_bytes
+        """Keys + values of one token over every attention layer."""
+        return 2 * self.attention_layers * self.num_kv_heads * self.head_dim * activation_bytes
+
+    def state_bytes_per_row(self, activation_bytes: int) -> int:
+        """A hybrid decoder's recurrent state of one row (convolution windows and recurrent states); 0 otherwise."""
+        return 0 if self.recurrent is None else self.recurrent.bytes_per_row(activation_bytes)
+
+
+def _num_layers(config: Mapping[str, Any]) -> int:
+    """``num_hidden_layers``, else the length of the layer list a hybrid config names (NemotronH's ``layers_block_type``)."""
+    named = config.get("layer_types") or config.get("layers_block_type")
+    return int(config["num_hidden_layers"]) if "num_hidden_layers" in config or not named else len(named)
 
 
 def load_model_shape(model: str, model_config: str | Path | None = None,
@@ -133,7 +152,7 @@ def shape_of_config(config: Mapping[str, Any], source: str = "config", folder: P
     """A ``config.json`` mapping (or a loaded model's ``config.to_dict()``) as a shape: a text model's, or a
     vision-language model's with its vision part (``folder``: where its processor's settings are)."""
     if config.get("vision_config") is None:
-        return ModelShape.from_config(config, source)
+        return dataclasses.replace(ModelShape.from_config(config, source), recurrent=recurrent_shape(config, source))
     return vision_language_shape(config, source, folder, image_size)
 
 

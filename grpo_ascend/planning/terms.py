@@ -123,12 +123,13 @@ def _forward_terms(m: ModelShape, s: RunSettings, rows: int, grad: bool, phase: 
     r, prompts = micro_batch_shape(s, rows)
     tokens = r * c + prompts * s.prompt_length
     shared = prompts < r or (s.share_prompt_prefill and not s.gradient_checkpointing)
-    prompt_kv = m.kv_bytes_per_token(a) * r * s.prompt_length if shared else 0  # the prompt's keys gathered per row
+    # the prompt's keys (a hybrid's recurrent states) gathered per row
+    prompt_kv = (m.kv_bytes_per_token(a) * s.prompt_length + m.state_bytes_per_row(a)) * r if shared else 0
     v = m.vocab_size
     chunk = min(s.logprob_chunk, r * c)
     terms: list[Term] = []
     if not grad:
-        cache = m.kv_bytes_per_token(a) * r * (s.prompt_length + c) if shared else 0  # every layer's keys, per row
+        cache = (m.kv_bytes_per_token(a) * (s.prompt_length + c) + m.state_bytes_per_row(a)) * r if shared else 0
         terms.append(Term("activations (no grad)", tokens * _layer_transient_elements(m) * a + cache, (phase,),
                           f"{r} rows, {tokens} tokens, one layer at a time" + (" + every layer's KV" if shared else "")))
         terms.append(Term("log-prob chunk", chunk * v * (a + _upcast(a) + 4) + r * c * m.hidden_size * a, (phase,),
@@ -246,13 +247,17 @@ def _rollout_terms(m: ModelShape, s: RunSettings, layout: MemoryLayout, terms: l
     out: list[Term] = []
     kv_token = m.kv_bytes_per_token(a)
     lp, lc = s.prompt_length, s.completion_length
-    if s.shared_prefix_decode and G > 1:
+    if s.shared_prefix_decode and G > 1 and m.recurrent is None:  # a hybrid decoder's rows never share a prefix
         kv = kv_token * (P * lp + B * lc)
         kv_note = "prompt once per group + completions per row"
     else:
         kv = kv_token * (B * (lp + lc) + P * lp)
         kv_note = "prompt copied per row (+ prefill cache)"
     out.append(Term("rollout KV cache", kv, ("generation",), f"{B} rows x ({lp} + {lc}) tokens; {kv_note}"))
+    if m.recurrent is not None:
+        out.append(Term("rollout recurrent state", m.state_bytes_per_row(a) * (B + P), ("generation",),
+                        f"{B} rows (+ {P} prefilled) x {m.recurrent.recurrent_layers} recurrent layers: "
+                        "convolution window + float32 state"))
     sampling_units = 6 if s.filtered_sampling else 3
     out.append(Term("sampling buffers", B * m.vocab_size * (a + sampling_units * 4), ("generation",),
                       f"logits + {sampling_units} float32 [rows, vocabulary]"))

@@ -142,7 +142,7 @@ class DecodeBatch:
     def step(self) -> None:
         """Feed every row its sampled token; the next logits."""
         self.attn[:, self.col] = True
-        view = self.cache.layers[0].view_length(self.col + 1)
+        view = self.cache.view_length(self.col + 1)
         self.logits = self.forward(
             self.tokens.unsqueeze(1), self.attn[:, :view], self.positions.unsqueeze(1), self.cache, self.decode_model
         )
@@ -161,12 +161,27 @@ class DecodeBatch:
         n_fed = torch.tensor([len(f) for f in feeds], device=dev)
         step_ids = torch.tensor([[self.pad] * (width - len(f)) + list(f) for f in feeds], device=dev)
         offsets = torch.arange(width, device=dev).unsqueeze(0) - (width - n_fed).unsqueeze(1)
-        self.attn[:, self.col : self.col + width] = offsets >= 0
+        real = offsets >= 0
+        self.attn[:, self.col : self.col + width] = real
         step_pos = self.positions.unsqueeze(1) + offsets.clamp_min(0)
         self.positions = self.positions + n_fed
-        view = self.cache.layers[0].view_length(self.col + width)
+        if self.cache.recurrent_layers:
+            self._feed_by_column(step_ids, real, step_pos)
+            return
+        view = self.cache.view_length(self.col + width)
         self.logits = self.forward(step_ids, self.attn[:, :view], step_pos, self.cache)
         self.col += width
+
+    def _feed_by_column(self, step_ids: Tensor, real: Tensor, step_pos: Tensor) -> None:
+        """A hybrid decoder's feed, one column per forward: a padding column would advance a row's recurrent state
+        (attention masks it out, a scan does not), so the rows it pads keep their state across that forward."""
+        for j in range(step_ids.shape[1]):
+            padded = ~real[:, j]
+            view = self.cache.view_length(self.col + 1)
+            with self.cache.holding_rows(padded):
+                self.logits = self.forward(step_ids[:, j : j + 1], self.attn[:, :view], step_pos[:, j : j + 1],
+                                           self.cache)
+            self.col += 1
 
     def _grow(self, capacity: int) -> None:
         self.cache.grow(capacity)

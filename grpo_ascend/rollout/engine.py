@@ -27,6 +27,11 @@ Multi-turn rollouts run on the same prefill and decode state through :meth:`Roll
 Position ids come from the cumulative prompt mask (as ``generate`` does), so left padding does
 not shift positions; greedy decoding matches ``model.generate`` token for token.
 
+Hybrid decoders (Qwen3-Next, Qwen3.5, NemotronH: linear-attention or Mamba2 layers beside attention
+layers, :mod:`grpo_ascend.models.layer_kinds`) keep each row's convolution window and recurrent state
+in the same cache: computed once in the prompt's prefill, copied to its G rows, compacted with them
+(:mod:`grpo_ascend.models.recurrent_state`). Their decode never shares a prefix (the state is per row).
+
 The engine runs the model in eval mode (restoring the previous mode afterwards), works under
 ``torch.no_grad``/``torch.inference_mode``, under a caller's autocast context and with
 PEFT-wrapped policies, and never names a device type: everything stays on the model's device.
@@ -47,6 +52,8 @@ from torch import Tensor, nn
 from grpo_ascend import device as device_layer
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.length_buckets import round_up
+from grpo_ascend.models.layer_kinds import layer_kinds, text_decoder_config
+from grpo_ascend.models.recurrent_state import states_per_layer
 from grpo_ascend.rollout.backend import PolicyWeights, RolloutBackend, RolloutBatch
 from grpo_ascend.rollout.decoding import Completions, DecodeBatch, PromptBatch, stop_token_list
 from grpo_ascend.rollout.kv_cache import BucketedKVCache
@@ -102,17 +109,10 @@ class RolloutEngine(RolloutBackend):
             raise ConfigError(
                 f"the rollout engine needs a transformers causal LM with a .config, got {type(model).__name__}"
             )
-        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        layer_types = (
-            getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
-        )
-        unsupported = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-        if unsupported:
-            raise ConfigError(
-                f"the rollout engine supports attention-only decoders; this model has layer types {unsupported}. "
-                "Use model.generate for it."
-            )
-        self.num_layers = len(layer_types)
+        text_config = text_decoder_config(config)
+        self.layer_kinds = layer_kinds(config)  # attention, recurrent (linear attention, Mamba2) or stateless layers
+        self.num_layers = len(self.layer_kinds)
+        self._recurrent_states = states_per_layer(config)
         self.vocab_size = int(text_config.vocab_size)
         self._sync_interval = sync_interval
         self._pad = self._resolve_pad()
@@ -311,7 +311,7 @@ class RolloutEngine(RolloutBackend):
         lp = ids.shape[1]
         image_inputs = RowVision(images).forward_kwargs(None, mask) if images is not None else {}
         position_ids, next_positions = prompt_positions(self._base, ids, mask, image_inputs)
-        prefill_cache = BucketedKVCache(self.num_layers, lp, bucket)
+        prefill_cache = BucketedKVCache(self.num_layers, lp, bucket, self.layer_kinds, self._recurrent_states)
         logits = self.forward(ids, mask, position_ids, prefill_cache, images=image_inputs)
         lc = round_up(params.max_completion_length, bucket)
         decode_model = self.decode_model(params)

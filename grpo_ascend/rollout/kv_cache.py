@@ -10,7 +10,9 @@ are excluded by the attention mask the engine passes, so their contents never ma
 
 Two batch operations serve grouped sampling: :meth:`BucketedKVCache.expand_into` copies a
 prefilled cache of P prompts into a new cache of P·G rows (row ``i*G + g`` holds prompt ``i``),
-and :meth:`BucketedKVCache.select_rows` keeps a subset of rows (compaction of finished rows).
+and :meth:`BucketedKVCache.select_rows` keeps a subset of rows (compaction of finished rows). A hybrid
+decoder's recurrent layers (linear attention, Mamba2) keep each row's state in the same cache and follow
+the same operations (:mod:`grpo_ascend.models.recurrent_state`).
 
 The class plugs into transformers' ``Cache`` protocol (``update``, ``get_seq_length``,
 ``get_mask_sizes``), so any decoder that accepts a ``Cache`` (including PEFT-wrapped ones) uses it
@@ -21,12 +23,13 @@ decode time (the view may contain unwritten columns).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
 try:
-    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 except ImportError as exc:  # transformers < 5: no per-layer cache API
     raise ImportError(
         "grpo_ascend's rollout engine needs transformers >= 5 (the per-layer Cache API); "
@@ -35,6 +38,8 @@ except ImportError as exc:  # transformers < 5: no per-layer cache API
 
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.length_buckets import round_up
+from grpo_ascend.models.layer_kinds import ATTENTION, RECURRENT
+from grpo_ascend.models.recurrent_state import RecurrentStateLayer
 
 
 class BucketedLayer(CacheLayerMixin):
@@ -120,33 +125,68 @@ class BucketedLayer(CacheLayerMixin):
 
 
 class BucketedKVCache(Cache):
-    """A ``Cache`` of :class:`BucketedLayer` s, one per decoder layer, with shared capacity and bucket."""
+    """A ``Cache`` of :class:`BucketedLayer` s, one per attention layer, with shared capacity and bucket.
 
-    def __init__(self, num_layers: int, capacity: int, bucket: int = 64) -> None:
+    A hybrid decoder's recurrent layers (``layer_kinds``, from :func:`grpo_ascend.models.layer_kinds.layer_kinds`)
+    hold a :class:`~grpo_ascend.models.recurrent_state.RecurrentStateLayer` each (a row's convolution window and
+    recurrent state), which follows the rows through :meth:`expand_into` and :meth:`select_rows` like the keys
+    and values; layers that keep nothing (MoE / MLP blocks) hold transformers' ``DummyLayer``.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, bucket: int = 64, layer_kinds: Sequence[str] | None = None,
+                 recurrent_states: int = 1) -> None:
         if num_layers < 1:
             raise ConfigError(f"a KV cache needs at least one layer, got num_layers={num_layers}")
         if capacity < 1:
             raise ConfigError(f"KV cache capacity must be >= 1, got {capacity}")
-        super().__init__(layers=[BucketedLayer(capacity, bucket) for _ in range(num_layers)])
+        kinds = list(layer_kinds) if layer_kinds is not None else [ATTENTION] * num_layers
+        if len(kinds) != num_layers or ATTENTION not in kinds:
+            raise ConfigError(f"layer_kinds {kinds} must name {num_layers} layers, at least one of them {ATTENTION!r}")
+        super().__init__(layers=[BucketedLayer(capacity, bucket) if kind == ATTENTION
+                                 else RecurrentStateLayer(recurrent_states) if kind == RECURRENT else DummyLayer()
+                                 for kind in kinds])
         self.capacity = capacity
         self.bucket = bucket
+        self.layer_kinds = kinds
+        self.recurrent_states = recurrent_states
+        self._first_attention = kinds.index(ATTENTION)
+
+    @property
+    def attention_layers(self) -> list[BucketedLayer]:
+        """The layers holding keys and values."""
+        return [layer for layer in self.layers if isinstance(layer, BucketedLayer)]
+
+    @property
+    def recurrent_layers(self) -> list[RecurrentStateLayer]:
+        """The layers holding a recurrent state per row (none in an attention-only decoder)."""
+        return [layer for layer in self.layers if isinstance(layer, RecurrentStateLayer)]
 
     @property
     def length(self) -> int:
         """Filled columns (identical across layers after a complete forward)."""
-        return self.layers[0].length
+        return self.layers[self._first_attention].length
+
+    def view_length(self, length: int) -> int:
+        """Columns of the attention mask a forward reads when ``length`` columns are filled."""
+        return self.layers[self._first_attention].view_length(length)
 
     def expand_into(self, repeats: int, capacity: int) -> BucketedKVCache:
         """A new cache of ``rows * repeats`` rows and ``capacity`` columns holding this cache's contents.
 
         Row ``i * repeats + g`` is a copy of row ``i``: the prompt is prefilled once and shared by
-        its ``repeats`` completions. The copy broadcasts straight into the new buffer (no
-        intermediate repeated tensor).
+        its ``repeats`` completions (its recurrent states too). The copy broadcasts straight into the
+        new buffer (no intermediate repeated tensor).
         """
         if capacity < self.length:
             raise ConfigError(f"expanded capacity {capacity} is smaller than the filled length {self.length}")
-        out = BucketedKVCache(len(self.layers), capacity, self.bucket)
-        for src, dst in zip(self.layers, out.layers):
+        out = BucketedKVCache(len(self.layers), capacity, self.bucket, self.layer_kinds, self.recurrent_states)
+        for i, src in enumerate(self.layers):
+            if isinstance(src, RecurrentStateLayer):
+                out.layers[i] = src.repeated(repeats)
+                continue
+            if not isinstance(src, BucketedLayer):
+                continue
+            dst = out.layers[i]
             if not src.is_initialized:
                 raise RuntimeError("expand_into needs a prefilled cache (run a forward pass first)")
             rows, length = src.keys.shape[0], src.length
@@ -167,8 +207,8 @@ class BucketedKVCache(Cache):
         self.batch_select_indices(indices)
 
     def grow(self, capacity: int) -> None:
-        """Reallocate every layer to ``capacity`` columns, keeping the filled ones (a copy)."""
-        for layer in self.layers:
+        """Reallocate every attention layer to ``capacity`` columns, keeping the filled ones (a copy)."""
+        for layer in self.attention_layers:
             for name in ("keys", "values"):
                 old = getattr(layer, name)
                 new = old.new_zeros((old.shape[0], old.shape[1], capacity, old.shape[-1]))
@@ -177,15 +217,25 @@ class BucketedKVCache(Cache):
             layer.capacity = capacity
         self.capacity = capacity
 
+    @contextlib.contextmanager
+    def holding_rows(self, rows: Tensor) -> Iterator[None]:
+        """Inside the block forwards leave the recurrent states of ``rows`` ([batch] bool) as they were at its start
+        (their keys/values are written but masked out by the caller); nothing to do without recurrent layers."""
+        layers = self.recurrent_layers
+        snapshots = [layer.snapshot() for layer in layers]
+        yield
+        for layer, snapshot in zip(layers, snapshots):
+            layer.restore_rows(rows, snapshot)
+
     def decoding(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Around the decode steps: nothing to switch (the model's own attention reads this cache)."""
         return contextlib.nullcontext()
 
     def nbytes(self) -> int:
-        """Bytes held by the key/value buffers."""
+        """Bytes held by the key/value buffers and the recurrent states."""
         return sum(
             layer.keys.numel() * layer.keys.element_size()
             + layer.values.numel() * layer.values.element_size()
-            for layer in self.layers
+            for layer in self.attention_layers
             if layer.is_initialized
-        )
+        ) + sum(layer.nbytes() for layer in self.recurrent_layers)

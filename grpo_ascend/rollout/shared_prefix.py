@@ -177,6 +177,15 @@ class SharedPrefixKVCache(Cache):
         """Completion columns filled (identical across layers after a complete forward)."""
         return self.layers[0].length
 
+    def view_length(self, length: int) -> int:
+        """Columns of the engine's attention mask for ``length`` positions (the mask is not read)."""
+        return length
+
+    @property
+    def recurrent_layers(self) -> list:
+        """None: only attention-only decoders share a prefix (:func:`supports_shared_prefix`)."""
+        return []
+
     def select_rows(self, indices: Tensor) -> None:
         """Keep only the decode rows ``indices`` (compaction); prompts left without rows are dropped."""
         row_prompt = self.layout.row_prompt.index_select(0, indices.to(self.layout.row_prompt.device)).tolist()

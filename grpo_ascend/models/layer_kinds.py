@@ -49,11 +49,25 @@ def layer_kinds(config: Any) -> list[str]:
             "engine samples attention, linear-attention and Mamba2 layers. Sample this model with vLLM "
             "(use_vllm: true) or add its layer type to grpo_ascend/models/layer_kinds.py with a cache layer for it.")
     kinds = [LAYER_KINDS[t] for t in types]
+    if any(kind != ATTENTION for kind in kinds) and not hybrid_caches_available():
+        import transformers
+
+        raise ConfigError(
+            f"this decoder has {sorted(set(types) - {'full_attention', 'sliding_attention'})} layers, whose caches need "
+            f"transformers >= 5.25 (installed: {transformers.__version__}); upgrade with "
+            "`pip install -U 'transformers>=5.25'`, or sample it with vLLM (use_vllm: true)")
     if RECURRENT in kinds and ATTENTION not in kinds:
         raise ConfigError(
             "a decoder without any attention layer (only recurrent layers) is not supported: its model class reads "
             "no attention cache; sample it with vLLM (use_vllm: true)")
     return kinds
+
+
+def hybrid_caches_available() -> bool:
+    """Whether the installed transformers has the cache layers of hybrid decoders (linear-attention state, no state)."""
+    from transformers import cache_utils
+
+    return hasattr(cache_utils, "DummyLayer") and hasattr(cache_utils, "LinearAttentionCacheLayerMixin")
 
 
 def has_recurrent_layers(config: Any) -> bool:

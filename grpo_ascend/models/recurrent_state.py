@@ -24,15 +24,15 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import (
-    Cache,
-    DummyLayer,
-    DynamicCache,
-    DynamicLayer,
-    LinearAttentionCacheLayerMixin,
-)
+from transformers import cache_utils
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from grpo_ascend.models.layer_kinds import ATTENTION, RECURRENT, layer_kinds, text_decoder_config
+
+#: transformers' cache layers of hybrid decoders (5.25 tested; older 5.x lack one or both, and
+#: :func:`~grpo_ascend.models.layer_kinds.layer_kinds` then refuses hybrids with the version to install).
+DummyLayer: Any = getattr(cache_utils, "DummyLayer", None)
+LinearAttentionCacheLayerMixin: Any = getattr(cache_utils, "LinearAttentionCacheLayerMixin", object)
 
 #: A snapshot of one layer's states: (conv states, recurrent states), each by state index.
 Snapshot = tuple[dict[int, Tensor | None], dict[int, Tensor | None]]

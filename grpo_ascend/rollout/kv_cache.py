@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 try:
-    from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
+    from transformers.cache_utils import Cache, CacheLayerMixin
 except ImportError as exc:  # transformers < 5: no per-layer cache API
     raise ImportError(
         "grpo_ascend's rollout engine needs transformers >= 5 (the per-layer Cache API); "
@@ -39,7 +39,7 @@ except ImportError as exc:  # transformers < 5: no per-layer cache API
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.length_buckets import round_up
 from grpo_ascend.models.layer_kinds import ATTENTION, RECURRENT
-from grpo_ascend.models.recurrent_state import RecurrentStateLayer
+from grpo_ascend.models.recurrent_state import DummyLayer, RecurrentStateLayer
 
 
 class BucketedLayer(CacheLayerMixin):

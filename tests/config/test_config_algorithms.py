@@ -18,6 +18,19 @@ def test_defaults_keep_todays_loss_and_follow_trl():
         "sequence_mask", 3.0, None)
 
 
+def test_rollouts_ahead_correct_per_token_by_default_and_a_setting_wins():
+    """Staleness: token_mask (measured in docs/async.md); a sync sampler keeps TRL's sequence_mask."""
+    for mode in ("one_step_off", "async"):
+        cfg = GRPOConfig(rollout_mode=mode)
+        assert (cfg.importance_sampling_correction, cfg.importance_sampling_mode) == (True, "token_mask")
+        assert GRPOConfig(**cfg.to_dict()).importance_sampling_mode == "token_mask"
+    assert GRPOConfig(rollout_mode="async", importance_sampling_mode="sequence_mask").importance_sampling_mode == (
+        "sequence_mask")
+    assert GRPOConfig(rollout_mode="async", vllm_importance_sampling_mode="sequence_truncate").importance_sampling_mode \
+        == "sequence_truncate"
+    assert GRPOConfig(use_vllm=True).importance_sampling_mode == "sequence_mask"
+
+
 def test_trl_names_are_aliases(tmp_path):
     cfg = GRPOConfig(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
                      vllm_importance_sampling_cap=2.0, vllm_importance_sampling_clip_min=0.5)

@@ -113,8 +113,9 @@ class GRPOConfig(BaseRLConfig):
     entropy_target: float = _f(0.2, "use_adaptive_entropy: target mean per-token entropy (nats).")
     router_aux_loss_coef: float | None = _f(
         None, "TRL's weight of a Mixture-of-Experts model's load-balancing loss; null = the model config's. "
-        "grpo-ascend does not add that loss: an MoE model whose coefficient is not 0 is refused, and 0.0 trains "
-        "without it (TRL's way to turn it off); a non-MoE model needs null or 0."
+        "As TRL, the model's own loss is added (coef · loss / gradient_accumulation_steps per micro-batch, logged "
+        "as aux_loss) when the model config declares output_router_logits and the weight is not 0; 0.0 trains "
+        "without it; a non-MoE model needs null or 0."
     )
     cast_lm_head_to_fp32: bool = _f(
         False, "Compute the output head (logits) in float32 in training, the reference and the rollout, whatever the "

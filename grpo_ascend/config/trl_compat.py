@@ -137,8 +137,8 @@ TRAINER_SURFACE: list[tuple[str, str, str]] = [
     ("reward_processing_classes", "supported", "one entry per reward function: a reward model's tokenizer (given, "
      "else its own), None for other functions"),
     ("entropy_coef", "supported", "the entropy-bonus coefficient, moved by use_adaptive_entropy; settable"),
-    ("aux_loss_enabled", "differs", "always False: the MoE load-balancing loss is not added, and a model where TRL "
-     "would add it is refused (router_aux_loss_coef=0.0 trains without it)"),
+    ("aux_loss_enabled", "supported", "TRL's rule: the model config declares output_router_logits and the coefficient "
+     "(router_aux_loss_coef, else the config's) is not 0; the loss is then added and logged as aux_loss"),
     ("get_high_entropy_mask(entropies, mask, threshold)", "supported", "TRL's signature: the tokens at or above "
      "the threshold quantile of every rank's valid entropies; training calls it (with 1 - top_entropy_quantile), "
      "so an override selects the trained tokens"),

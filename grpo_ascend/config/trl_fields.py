@@ -184,8 +184,9 @@ TRL_FIELDS: dict[str, TRLField] = {
     # --- TRL GRPOConfig ---
     "model_init_kwargs": to("model_init_kwargs", "dtype defaults to float32, as TRL", _model_init_kwargs),
     "trust_remote_code": to("model_init_kwargs", "becomes model_init_kwargs['trust_remote_code']", _trust_remote_code),
-    "router_aux_loss_coef": same("the MoE load-balancing loss is not added: 0.0 trains without it, an MoE model "
-                                 "with another coefficient (its config's when unset) is refused", differs=True),
+    "router_aux_loss_coef": same("an MoE model's load-balancing loss (the model's own) is added as TRL: coef · loss / "
+                                 "gradient_accumulation_steps per micro-batch, logged as aux_loss; not in eval_loss, "
+                                 "not with image prompts", differs=True),
     "disable_dropout": same("every nn.Dropout (LoRA's included) gets p=0, as TRL"),
     "cast_lm_head_to_fp32": same("the head's matmul runs in float32 in training, reference and rollout (a tied "
                                  "head's embeddings still output the model's dtype, as TRL)"),

@@ -23,6 +23,7 @@ from grpo_ascend.models.attention_switch import activation_checkpointing_on
 from grpo_ascend.models.grouped_attention import grouped_attention
 from grpo_ascend.models.logprobs import token_logprobs_from_hidden
 from grpo_ascend.models.recurrent_state import RecurrentStateLayer, prompt_cache
+from grpo_ascend.models.router_aux import RouterAux
 from grpo_ascend.models.tiny_model import resolve_builtin
 from grpo_ascend.models.vision_language import (
     config_of,
@@ -255,6 +256,21 @@ def _select_cache_rows(cache: Any, rows: Tensor) -> None:
             layer.values = layer.values.index_select(0, rows)
 
 
+def hidden_states_and_router_loss(
+    backbone: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
+    router_aux: RouterAux,
+) -> tuple[Tensor, Tensor]:
+    """(completion hidden states as :func:`completion_hidden_states`, the MoE load-balancing loss): one decoder
+    call per row over prompt and completion, as the model's own forward, so the loss weighs every row's prompt
+    tokens like TRL's (a shared prompt prefill would count a group's prompt once)."""
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    out = backbone(input_ids=torch.cat([prompt_ids, completion_ids], dim=1), attention_mask=mask,
+                   position_ids=position_ids_from_mask(mask), use_cache=False, output_router_logits=True)
+    width = prompt_ids.shape[1]
+    hidden = out.last_hidden_state[:, width - 1 : width - 1 + completion_ids.shape[1]]
+    return hidden, router_aux.loss(out.router_logits, mask)
+
+
 def _fit_width(x: Tensor, width: int) -> Tensor:
     """``x`` [B, W, ...] cut or right-padded with zeros to ``width`` columns."""
     have = x.shape[1]
@@ -289,6 +305,9 @@ class CompletionLogprobs(nn.Module):
     and the outputs padded back with zeros to the input width: a micro-batch of short answers does
     not pay for the round's longest. Positions whose mask is 0 in every row hence read 0.
 
+    ``router_aux``: a Mixture-of-Experts model's load-balancing loss (models/router_aux.py); a forward with
+    ``aux_loss=True`` returns it third, from one decoder call per row (no shared prompt prefill).
+
     ``fixed_calls`` (set by the parameter-sharding strategies, where each module call gathers its
     weights collectively, so every rank must call the same modules in the same order):
     every rank makes the same calls whatever its batch holds -- the decoder takes the two-call
@@ -297,12 +316,14 @@ class CompletionLogprobs(nn.Module):
     all-reduce).
     """
 
-    def __init__(self, model: nn.Module, chunk_size: int = 128, share_prompts: bool = True):
+    def __init__(self, model: nn.Module, chunk_size: int = 128, share_prompts: bool = True,
+                 router_aux: RouterAux | None = None):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.share_prompts = share_prompts
         self.fixed_calls = False
+        self.router_aux = router_aux
 
     def forward(
         self,
@@ -314,10 +335,15 @@ class CompletionLogprobs(nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = False,
         entropy_grad: bool = True,
-    ) -> tuple[Tensor, Tensor | None]:
+        aux_loss: bool = False,
+    ) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
         """Log-probs [B, W] and entropies (or None) of the completions; ``entropy_grad=False`` when no
         loss term differentiates the entropies (saves the backward a full-vocabulary tensor per chunk);
-        ``vision``: the rows' image inputs (prompts with images)."""
+        ``vision``: the rows' image inputs (prompts with images); ``aux_loss``: also return the
+        ``router_aux`` load-balancing loss (a scalar) third."""
+        if aux_loss:
+            return self._with_router_loss(prompt_ids, prompt_mask, completion_ids, completion_mask, vision,
+                                          temperature, with_entropy, entropy_grad)
         width = completion_ids.shape[1]
         target = used_completion_width(completion_mask)
         if self.fixed_calls and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -332,6 +358,25 @@ class CompletionLogprobs(nn.Module):
             temperature, with_entropy, entropy_grad, vision,
         )
         return _fit_width(logps, width), None if entropies is None else _fit_width(entropies, width)
+
+    def _with_router_loss(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
+        vision: RowVision | None, temperature: float, with_entropy: bool, entropy_grad: bool,
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        if self.router_aux is None:
+            raise ConfigError("aux_loss=True needs a Mixture-of-Experts model's router_aux (models/router_aux.py); "
+                              "this log-prob model has none")
+        if vision is not None and vision.any_images:
+            raise ConfigError("the MoE load-balancing loss with image prompts is not supported; set "
+                              "router_aux_loss_coef=0.0 to train this vision-language model without it")
+        backbone, head = backbone_and_head(self.model)
+        with grouped_attention(backbone):
+            hidden, aux = hidden_states_and_router_loss(backbone, prompt_ids, prompt_mask, completion_ids,
+                                                        completion_mask, self.router_aux)
+        logps, entropies = token_logprobs_from_hidden(
+            hidden, head, completion_ids, temperature=temperature or 1.0, chunk_size=self.chunk_size,
+            with_entropy=with_entropy, entropy_grad=entropy_grad)
+        return logps, entropies, aux
 
     def _logprobs(
         self, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,

@@ -47,6 +47,7 @@ from grpo_ascend.models.policy import (
     is_peft,
     trainable_parameters,
 )
+from grpo_ascend.models.router_aux import RouterAux
 from grpo_ascend.producers.factory import build_source
 from grpo_ascend.producers.lockstep import SourceParts
 from grpo_ascend.rollout.backend import PolicyWeights, serving
@@ -139,6 +140,8 @@ class RLTrainerBase(TrainerCheckpoints, TrainerPublicAPI):
         self.run = RunState()
         #: What summary.json holds after ``train()`` (steps, first/last reward, peak memory, ...); None before.
         self.run_summary: dict[str, Any] | None = None
+        #: A Mixture-of-Experts policy's load-balancing loss added to the loss (set by GRPO, as TRL); None: none.
+        self.router_aux: RouterAux | None = None
 
     def _build_training(self, reward_funcs: Any, extra_parameters: Sequence[nn.Parameter] = (),
                         reward_processing_classes: Any = None) -> None:
@@ -151,7 +154,8 @@ class RLTrainerBase(TrainerCheckpoints, TrainerPublicAPI):
                                            require_prompt=self.require_prompt)
         self.run.max_steps = total_steps(args, None if is_stream(self.train_dataset) else len(self.train_dataset), plan)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(args, self.max_steps))
-        self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill)
+        self.logprob_model = CompletionLogprobs(self.policy, args.logprob_chunk_size, args.share_prompt_prefill,
+                                                self.router_aux)
         self.strategy.configure(self.policy, plan)
         if args.fused_lora and self.is_peft and self.strategy.may_fuse_lora():
             # Imported here: the kernel subclasses peft's LoRA layer when imported (peft loads only when used).

@@ -47,6 +47,7 @@ from grpo_ascend.config.trl_compat import (
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, experience_metrics
 from grpo_ascend.models.policy import CompletionLogprobs, adapters_disabled, mix_into_reference
+from grpo_ascend.models.router_aux import router_aux_for
 from grpo_ascend.rollout.row_rollouts import RolloutFuncRollout, build_tool_rollout, prepare_tools
 from grpo_ascend.tools.environment_data import environment_train_dataset
 from grpo_ascend.tracking.phases import PhaseTimer
@@ -54,7 +55,7 @@ from grpo_ascend.trainers.base import RLTrainerBase, RoundLog
 from grpo_ascend.trainers.eval_loss import GRPOEvalLoss
 from grpo_ascend.trainers.step_metrics import accumulate, policy_metrics
 from grpo_ascend.trainers.step_segments import Segment, step_log, step_parts, straddling_normalisers
-from grpo_ascend.trainers.trl_api import MicroBatchInputs, TRLTrainerAPI, check_router_aux_loss
+from grpo_ascend.trainers.trl_api import MicroBatchInputs, TRLTrainerAPI
 from reward_models import processing_classes_per_function
 
 logger = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
         train_dataset = environment_train_dataset(train_dataset, environment_factory, cfg)  # environments' own data
         super().__init__(model, cfg, train_dataset, processing_class, peft_config, callbacks, eval_dataset,
                          require_prompt=environment_factory is None)
-        check_router_aux_loss(self.policy, cfg.router_aux_loss_coef)
+        self.router_aux = router_aux_for(self.policy, cfg.router_aux_loss_coef)
         if cfg.sync_ref_model and self.is_peft:
             raise ConfigError(
                 "sync_ref_model=True with a LoRA (PEFT) policy: the reference is the base model with the adapters "
@@ -223,6 +224,8 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
         step_metrics = {"loss": totals["loss"] / ranks.world, "grad_norm": grad_norm, **policy_metrics(totals)}
         if bonus:
             step_metrics["policy_loss"] = totals["policy_loss"] / ranks.world
+        if self.router_aux is not None:  # TRL's aux_loss: the mean over micro-batches and ranks
+            step_metrics["aux_loss"] = totals["aux_loss"] / (count * ranks.world)
         if importance:
             step_metrics.update(importance_sampling_metrics(reduce_stats(importance, ranks.sum_scalars)))
         if args.needs_reference_model:
@@ -248,9 +251,10 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
             exp.loss_mask[micro], self.ranks.reduce(exp.loss_mask[micro].sum()))
         settings = dataclasses.replace(self.loss_settings, entropy_coef=self.entropy_control.applied())
         bonus = self.entropy_control.enabled
+        aux = self.router_aux is not None and forward is self.logprob_model
         with self._no_sync(self.logprob_model, inputs.sync_gradients):
-            logps, entropies = forward(*exp.model_inputs(micro), temperature=args.temperature, with_entropy=True,
-                                       entropy_grad=bonus)
+            logps, entropies, *aux_loss = forward(*exp.model_inputs(micro), temperature=args.temperature,
+                                                  with_entropy=True, entropy_grad=bonus, **({"aux_loss": True} if aux else {}))
             weights = None if exp.token_weights is None else exp.token_weights[micro]
             if self.experience.importance_weights_deferred(exp):  # the step's old policy is this forward's
                 computed = importance_sampling_weights(exp.sampling_logps[micro], logps.detach(), exp.loss_mask[micro],
@@ -269,6 +273,9 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
             loss, stats = policy_loss(args.loss_type, batch, settings, normaliser)
             if bonus:  # TRL's policy_loss: the loss without the entropy bonus
                 stats["policy_loss"] = self._loss_without_entropy(batch, settings, normaliser)
+            if aux_loss:  # TRL: coef · aux / gradient_accumulation_steps per micro-batch, added after policy_loss
+                loss = loss + self.router_aux.coef * aux_loss[0] / self.plan.grad_accum
+                stats["aux_loss"] = aux_loss[0].detach().float()
             self._backward(loss)
         accumulate(inputs.stats, {"loss": loss, **stats, **self._trained_entropy(batch)})
         return loss.detach()

@@ -42,26 +42,6 @@ class MicroBatchInputs:
         return [self.experience.prompts[i] for i in self.rows.tolist()]
 
 
-def check_router_aux_loss(model: nn.Module, coef: float | None) -> None:
-    """Refuse a run where TRL 1.16 would add the MoE load-balancing loss (``aux_loss_enabled``), which we do not.
-
-    TRL enables it when the model's (text) config declares ``output_router_logits`` and the coefficient
-    (``router_aux_loss_coef``, else the config's own) is not 0.
-    """
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    is_moe = hasattr(text_config, "output_router_logits")
-    if coef and not is_moe:
-        raise ConfigError(f"router_aux_loss_coef={coef} but {type(model).__name__} is not a Mixture-of-Experts model "
-                          "that returns router logits, so there is no auxiliary loss to weight; leave it unset")
-    effective = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
-    if is_moe and effective:
-        raise ConfigError(
-            f"{type(model).__name__} is a Mixture-of-Experts model whose load-balancing loss TRL adds to the GRPO loss "
-            f"(router_aux_loss_coef={effective}{'' if coef is not None else ', from the model config'}); grpo-ascend "
-            "does not add it. Set router_aux_loss_coef=0.0 to train without it (TRL's way to turn it off)")
-
-
 class TRLTrainerAPI:
     """TRL's trainer methods and attributes, mixed into :class:`~grpo_ascend.trainers.grpo.GRPOTrainer`."""
 
@@ -89,9 +69,9 @@ class TRLTrainerAPI:
 
     @property
     def aux_loss_enabled(self) -> bool:
-        """Whether the MoE load-balancing loss is added: never here; where TRL would add it the trainer refuses
-        to start (:func:`check_router_aux_loss`), so a run that exists has the same loss as TRL's."""
-        return False
+        """Whether a Mixture-of-Experts policy's load-balancing loss is added to the loss (TRL's rule,
+        models/router_aux.py)."""
+        return self.router_aux is not None  # type: ignore[attr-defined]
 
     @property
     def reward_processing_classes(self) -> list[Any]:

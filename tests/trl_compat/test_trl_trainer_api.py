@@ -1,5 +1,5 @@
 """TRL 1.16 GRPOTrainer's API on ours (issue 37, group 1): get_high_entropy_mask / get_off_policy_mask with TRL's
-signatures, aux_loss_enabled (MoE refusal), reward_processing_classes, ref_model, entropy_coef, a settable
+signatures, reward_processing_classes, ref_model, entropy_coef, a settable
 model and training_step once per micro-batch."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.data.synthetic import arithmetic_dataset
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models.policy import default_lora_config
-from grpo_ascend.trainers.trl_api import MicroBatchInputs, check_router_aux_loss
+from grpo_ascend.trainers.trl_api import MicroBatchInputs
 
 ENTROPIES = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.7, 0.8, 0.9, 1.0, 1.1, 1.2]])
 MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
@@ -82,30 +82,6 @@ def test_get_off_policy_mask_is_trls_static_method():
     assert GRPOTrainer.get_off_policy_mask(torch.tensor([[-1.0]]), logps, torch.zeros(1, 4), padded, 1.0).item() == 0.0
     logps[0, :2] = -0.5
     assert GRPOTrainer.get_off_policy_mask(torch.tensor([[-1.0]]), logps, torch.zeros(1, 4), padded, 1.0).item() == 1.0
-
-
-def _tiny_moe():
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    config = Qwen2MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=16, moe_intermediate_size=8,
-                            shared_expert_intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-                            num_key_value_heads=1, num_experts=2, num_experts_per_tok=1)
-    return Qwen2MoeForCausalLM(config)
-
-
-def test_moe_load_balancing_loss_is_refused_where_trl_adds_it(tmp_path, tiny_model_dir):
-    moe = _tiny_moe()
-    assert moe.config.router_aux_loss_coef > 0  # TRL 1.16 would add the loss (aux_loss_enabled True)
-    with pytest.raises(ConfigError, match=r"Mixture-of-Experts model whose load-balancing loss TRL adds.*"
-                                          r"router_aux_loss_coef=0\.001, from the model config.*router_aux_loss_coef=0\.0"):
-        check_router_aux_loss(moe, None)
-    with pytest.raises(ConfigError, match=r"router_aux_loss_coef=0\.5\)"):
-        check_router_aux_loss(moe, 0.5)
-    check_router_aux_loss(moe, 0.0)  # TRL's way to turn it off: the same loss as TRL's
-    with pytest.raises(ConfigError, match="is not a Mixture-of-Experts model"):
-        _trainer(tmp_path, tiny_model_dir, router_aux_loss_coef=0.5)
-    trainer = _trainer(tmp_path, tiny_model_dir, router_aux_loss_coef=0.0)
-    assert trainer.aux_loss_enabled is False
 
 
 @pytest.fixture(scope="module")

@@ -119,6 +119,15 @@ class EnvironmentPool:
             )
         return instance
 
+    def offered_tools(self) -> list[Callable[..., Any]]:
+        """Every function a rollout may be offered as a tool: the standalone tools, then the methods of each
+        environment's first instance not offered yet (TRL's ``trainer.tools``; ``reset`` / ``get_reward`` are
+        never tools)."""
+        out = [tool.function for tool in self.tools]
+        for pool in self._pool.values():
+            out += [t.function for t in environment_toolset(pool[0], self.tools) if t.function not in out]
+        return out
+
     def instances(self, name: str | None = None) -> list[Any]:
         """The instances made so far of environment ``name`` (None: the single factory), in the order they are
         handed out each round (one per rollout; reused from round to round)."""

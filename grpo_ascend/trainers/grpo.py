@@ -123,6 +123,7 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
                               "runs its own generation (return env_mask to keep tool tokens out of the loss)")
         reward_tokenizers = processing_classes_per_function(reward_processing_classes, len(_as_list(reward_funcs)))
         toolset, pool = prepare_tools(tools, environment_factory)
+        self._offered_tools = pool.offered_tools() if pool is not None else [t.function for t in toolset or ()]
         if pool is not None:  # environments' get_reward: extra reward sources with weight 1 (as TRL)
             env_rewards = pool.reward_functions()
             reward_funcs = _as_list(reward_funcs) + env_rewards
@@ -293,7 +294,7 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
                 return forward(*inputs, temperature=self.args.temperature)[0]
 
         return GRPOEvalLoss(
-            args=self.args, reward_weights=torch.tensor(self.rewards.weights, dtype=torch.float32), forward=forward,
+            args=self.args, reward_weights=self.reward_weights, forward=forward,
             reference=reference, importance_sampling=self.experience.importance_sampling, scope=self._eval_loss_scope,
             settings=lambda: dataclasses.replace(self.loss_settings, entropy_coef=self.entropy_control.applied()))
 

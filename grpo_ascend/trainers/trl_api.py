@@ -1,6 +1,6 @@
 """TRL 1.16 ``GRPOTrainer``'s methods and attributes that users' subclasses, callbacks and tests call, on our
 GRPO trainer: ``get_high_entropy_mask``, ``get_off_policy_mask``, ``aux_loss_enabled``,
-``reward_processing_classes``, ``ref_model``, ``entropy_coef`` and a settable ``model``; ``training_step``'s
+``reward_processing_classes``, ``reward_funcs`` / ``reward_func_names`` / ``reward_weights``, ``tools``, ``ref_model``, ``entropy_coef`` and a settable ``model``; ``training_step``'s
 inputs (:class:`MicroBatchInputs`). The maths is grpo_ascend/algorithms/token_selection.py's.
 """
 
@@ -79,6 +79,29 @@ class TRLTrainerAPI:
         None for other functions (environments' rewards included)."""
         return [f.tokenizer if isinstance(f, RewardModelScorer) else None
                 for f in self.rewards.funcs]  # type: ignore[attr-defined]
+
+    @property
+    def reward_funcs(self) -> list[Any]:
+        """The reward functions in scoring order (a reward model given by name: its loaded scorer), environments'
+        ``get_reward`` sources last, as TRL appends them."""
+        return list(self.rewards.funcs)  # type: ignore[attr-defined]
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        """The reward functions' names, as their metrics name them (an environment's reward: its class name)."""
+        return list(self.rewards.names)  # type: ignore[attr-defined]
+
+    @property
+    def reward_weights(self) -> Tensor:
+        """float32 [number of reward functions]: ``args.reward_weights`` (1 each when unset), 1 for each
+        environment's reward."""
+        return torch.tensor(self.rewards.weights, dtype=torch.float32)  # type: ignore[attr-defined]
+
+    @property
+    def tools(self) -> list[Any]:
+        """The functions offered as tools: the ``tools`` given, then every environment's methods (empty without
+        tools)."""
+        return list(self._offered_tools)  # type: ignore[attr-defined]
 
     @property
     def ref_model(self) -> nn.Module | None:

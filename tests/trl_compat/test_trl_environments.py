@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from datasets import Dataset
 from helpers import SMALL_RUN, capture_scored
 from multiturn_scripts import AddEnv
@@ -147,3 +148,27 @@ def test_eval_tool_metrics_carry_trls_call_frequency():
     metrics = finish_eval_metrics(sums, [], 4)
     assert metrics["tools/call_frequency"] == 0.75 and metrics["tools/calls_per_completion"] == 0.75
     assert metrics["tools/failure_frequency"] == 0.5
+
+
+def test_trainer_names_its_reward_sources_weights_and_tools_as_trl(tmp_path, tiny_model_dir):
+    """An environment's get_reward comes after the reward functions, named after its class with weight 1; the
+    tools are the standalone ones, then every environment's methods (never reset / get_reward)."""
+
+    def format_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    def shout(text: str) -> str:
+        """Shout a text.
+
+        Args:
+            text: The text to shout.
+        """
+        return text.upper()
+
+    trainer = GRPOTrainer(str(tiny_model_dir), [format_reward], _config(tmp_path, reward_weights=[0.5]),
+                          Dataset.from_list([{"environment": "adder"}, {"environment": "speller"}]), tools=[shout],
+                          environment_factory={"adder": Adder, "speller": Speller})
+    assert trainer.reward_func_names == ["format_reward", "Adder", "Speller"]
+    assert trainer.reward_weights.dtype == torch.float32 and trainer.reward_weights.tolist() == [0.5, 1.0, 1.0]
+    assert [getattr(f, "__name__", None) for f in trainer.reward_funcs] == ["format_reward", "Adder", "Speller"]
+    assert [t.__name__ for t in trainer.tools] == ["shout", "add", "spell"]

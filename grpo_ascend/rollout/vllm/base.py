@@ -42,9 +42,13 @@ class VLLMBackend(RolloutBackend):
     ``image_token`` (its image token id, vision.py) so that :meth:`generate_with_images` works.
     """
 
-    takes_images = True
     #: The served model's image token id; None: a text-only model (prompts with images are refused).
     image_token: int | None = None
+
+    @property  # type: ignore[override]
+    def takes_images(self) -> bool:  # type: ignore[override]
+        """Whether the served model is a vision-language model vLLM serves with images here (vision.py)."""
+        return self.image_token is not None
 
     def __init__(self, tokenizer: Any, params: SamplingParams, *, device: torch.device | str,
                  eos_token_ids: Sequence[int], length_bucket: int = 1) -> None:

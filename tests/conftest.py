@@ -66,6 +66,14 @@ def tiny_tool_model_dir():
     return build_tiny_model("tiny", warm=True, tools=True, seed=int(os.environ.get("GRPO_ASCEND_WARM_SEED", "0")))
 
 
+@pytest.fixture(scope="session")
+def tiny_vllm_llava_dir():
+    """Directory of the tiny LLaVA with a head dimension of 32, the smallest vLLM's CPU attention runs."""
+    from grpo_ascend.models.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm("llava", head_dim=32)
+
+
 @pytest.fixture()
 def tiny_model(tiny_model_dir):
     """A fresh fp32 ``tiny`` model (eval mode) and its tokenizer."""

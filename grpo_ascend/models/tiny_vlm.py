@@ -43,6 +43,9 @@ VLM_FLAVOURS = ("", "warm")
 #: The text decoder of every family: 2 layers, hidden 64, 4 query heads over 2 key/value heads (head dim 16).
 TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 2048}
+#: The text decoder's head dimensions a build may choose: 16 (the default), or 32 (2 query heads over 1 key/value
+#: head), the smallest vLLM's CPU attention runs (docs/vlm.md#vllm).
+HEAD_DIMS = (16, 32)
 #: Vision patch side in pixels; Qwen2.5-VL merges 2x2 patches into one token.
 PATCH = 7
 #: LLaVA's square input side (its CLIP tower's image_size): (28 / 7)^2 = 16 image tokens.
@@ -57,7 +60,7 @@ class VLMFamily:
 
     image_tokens: list[str]
     chat_template: str
-    build_model: Callable  # (tokenizer, seed) -> a PreTrainedModel
+    build_model: Callable  # (tokenizer, seed, text) -> a PreTrainedModel
     build_processor: Callable  # (tokenizer) -> a ProcessorMixin
 
 
@@ -67,17 +70,26 @@ def _special_ids(tokenizer) -> dict:
             "pad_token_id": tokenizer.convert_tokens_to_ids(PAD_TOKEN)}
 
 
-def _qwen2_5_vl_model(tokenizer, seed: int):
+def _text_config(head_dim: int) -> dict:
+    """:data:`TEXT` with ``head_dim`` per attention head (the hidden size stays 64)."""
+    if head_dim not in HEAD_DIMS:
+        raise ConfigError(f"head_dim={head_dim} is not a tiny vision-language build's; choose one of {HEAD_DIMS}")
+    heads = TEXT["hidden_size"] // head_dim
+    return {**TEXT, "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2)}
+
+
+def _qwen2_5_vl_model(tokenizer, seed: int, text: dict):
     """Qwen2.5-VL: a 2-block vision tower with window attention in block 0 (a 56x56 image is 2x2 windows of
     2x2 merged patches) and full attention in block 1, then the 2-layer text decoder with 3D (mrope) positions."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     ids = tokenizer.convert_tokens_to_ids
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
     config = Qwen2_5_VLConfig(
-        text_config={**TEXT, "vocab_size": len(tokenizer), **_special_ids(tokenizer),
+        text_config={**text, "vocab_size": len(tokenizer), **_special_ids(tokenizer),
                      # temporal, height, width sections of the rotary half-dimension: head dim 16 / 2 = 2 + 3 + 3
                      "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0,
-                                         "mrope_section": [2, 3, 3]}},
+                                         "mrope_section": [s * head_dim // 16 for s in (2, 3, 3)]}},
         vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                        "patch_size": PATCH, "spatial_merge_size": 2, "temporal_patch_size": 2,
                        "window_size": 4 * PATCH, "fullatt_block_indexes": [1],
@@ -100,15 +112,16 @@ def _qwen2_5_vl_processor(tokenizer):
                                              chat_template=tokenizer.chat_template)
 
 
-def _llava_model(tokenizer, seed: int):
+def _llava_model(tokenizer, seed: int, text: dict):
     """LLaVA-1.5: a 2-layer CLIP vision tower (features of its second-to-last layer, CLS dropped), a 2-layer
     GELU projector, and a 2-layer Llama text decoder."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               image_size=LLAVA_IMAGE, patch_size=PATCH, projection_dim=32)
-    text = LlamaConfig(**TEXT, vocab_size=len(tokenizer), **_special_ids(tokenizer), tie_word_embeddings=True)
-    config = LlavaConfig(vision_config=vision, text_config=text,
+    config = LlavaConfig(vision_config=vision,
+                         text_config=LlamaConfig(**text, vocab_size=len(tokenizer), **_special_ids(tokenizer),
+                                                 tie_word_embeddings=True),
                          image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
                          image_seq_length=(LLAVA_IMAGE // PATCH) ** 2, vision_feature_select_strategy="default",
                          vision_feature_layer=-2, projector_hidden_act="gelu", tie_word_embeddings=True)
@@ -140,42 +153,44 @@ def _family(family: str) -> VLMFamily:
     return FAMILIES[family]
 
 
-def vlm_build_name(family: str, seed: int = 0, warm: bool = False) -> str:
-    """The cache folder name of a built-in vision-language model."""
+def vlm_build_name(family: str, seed: int = 0, warm: bool = False, head_dim: int = HEAD_DIMS[0]) -> str:
+    """The cache folder name of a built-in vision-language model (``-hd32`` for a non-default head dimension)."""
+    name = f"{family}-hd{head_dim}" if head_dim != HEAD_DIMS[0] else family
     if warm:
-        return f"vlm-{family}-warm-s{seed}-v{VLM_BUILD_VERSION}.{VLM_WARM_VERSION}"
-    return f"vlm-{family}-s{seed}-v{VLM_BUILD_VERSION}"
+        return f"vlm-{name}-warm-s{seed}-v{VLM_BUILD_VERSION}.{VLM_WARM_VERSION}"
+    return f"vlm-{name}-s{seed}-v{VLM_BUILD_VERSION}"
 
 
-def build_vlm_parts(family: str, seed: int = 0, warm: bool = False):
+def build_vlm_parts(family: str, seed: int = 0, warm: bool = False, head_dim: int = HEAD_DIMS[0]):
     """(model, processor) of ``family`` in memory, in eval mode: what :func:`build_tiny_vlm` saves; ``warm``
-    adds the coloured-shapes warm start."""
+    adds the coloured-shapes warm start; ``head_dim``: the text decoder's, one of :data:`HEAD_DIMS`."""
     import torch
 
     spec = _family(family)
     tokenizer = vlm_tokenizer(spec.image_tokens, spec.chat_template, seed=seed)
-    model = spec.build_model(tokenizer, seed).to(torch.float32).eval()
+    model = spec.build_model(tokenizer, seed, _text_config(head_dim)).to(torch.float32).eval()
     special = _special_ids(tokenizer)
     for key, value in special.items():
         setattr(model.generation_config, key, value)
     processor = spec.build_processor(tokenizer)
     if warm:
         logger.info("building %s: supervised warm start on coloured shapes (seconds of CPU)",
-                    vlm_build_name(family, seed, warm))
+                    vlm_build_name(family, seed, warm, head_dim))
         vlm_warm_start(model, processor, seed=seed)
     return model.eval(), processor
 
 
 def build_tiny_vlm(family: str, seed: int = 0, out_dir: str | os.PathLike | None = None,
-                   force: bool = False, warm: bool = False) -> Path:
+                   force: bool = False, warm: bool = False, head_dim: int = HEAD_DIMS[0]) -> Path:
     """Build (or reuse from the cache) a built-in vision-language model + processor and return its folder.
 
     ``family`` is a key of :data:`FAMILIES`; the same ``seed`` gives the same weights and files (``warm``: on the
     same machine). The folder loads with ``AutoModelForImageTextToText.from_pretrained`` and
-    ``AutoProcessor.from_pretrained``.
+    ``AutoProcessor.from_pretrained``. ``head_dim=32`` builds a decoder vLLM's CPU attention can run.
     """
     _family(family)
-    target = Path(out_dir) if out_dir is not None else cache_dir() / vlm_build_name(family, seed, warm)
+    _text_config(head_dim)
+    target = Path(out_dir) if out_dir is not None else cache_dir() / vlm_build_name(family, seed, warm, head_dim)
     if not force and _is_built(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -184,7 +199,7 @@ def build_tiny_vlm(family: str, seed: int = 0, out_dir: str | os.PathLike | None
             return target  # another process built it while this one waited
 
         def write(tmp: Path) -> None:
-            model, processor = build_vlm_parts(family, seed, warm)
+            model, processor = build_vlm_parts(family, seed, warm, head_dim)
             model.save_pretrained(tmp)
             processor.save_pretrained(tmp)
 
@@ -213,10 +228,12 @@ def add_build_arguments(parser) -> None:
     parser.add_argument("--force", action="store_true", help="rebuild even if the folder exists")
     parser.add_argument("--seed", type=int, default=0, help="seed of the tokenizer, weights and warm start")
     parser.add_argument("--warm", action="store_true", help="add the supervised warm start on the coloured-shapes task")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIMS[0], choices=HEAD_DIMS,
+                        help="the text decoder's head dimension (32: servable by vLLM's CPU build)")
 
 
 def run_build(ns) -> int:
     """``grpo-ascend build-tiny-vlm``: build (or find) a built-in vision-language model and print its folder."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(build_tiny_vlm(ns.family, seed=ns.seed, out_dir=ns.out, force=ns.force, warm=ns.warm))
+    print(build_tiny_vlm(ns.family, seed=ns.seed, out_dir=ns.out, force=ns.force, warm=ns.warm, head_dim=ns.head_dim))
     return 0

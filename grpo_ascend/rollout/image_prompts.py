@@ -71,5 +71,5 @@ class VisionPromptEncoder:
                     "or make the images smaller (the image processor's max_pixels / size)")
             ids.append(row)
             texts.append(text)
-            inputs.append(PromptImages.from_processor(out, len(pictures)))
+            inputs.append(PromptImages.from_processor(out, len(pictures), pictures))
         return EncodedPrompts(ids, texts), inputs

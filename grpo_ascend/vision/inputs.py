@@ -10,7 +10,8 @@ The G rows of a prompt share its :class:`PromptImages` by reference: nothing is 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,14 +22,18 @@ TEXT_KEYS = ("input_ids", "attention_mask")
 
 @dataclass(frozen=True)
 class PromptImages:
-    """One prompt's image inputs: ``per_image`` tensors and ``per_token`` ones (length = the prompt's tokens)."""
+    """One prompt's image inputs: ``per_image`` tensors and ``per_token`` ones (length = the prompt's tokens);
+    ``pictures``: the decoded images they came from (RGB PIL images), for a sampler that runs its own processor
+    (vLLM)."""
 
     per_image: dict[str, Tensor]
     per_token: dict[str, Tensor]
     num_images: int
+    pictures: tuple[Any, ...] = field(default=(), compare=False)
 
     @classmethod
-    def from_processor(cls, outputs: Mapping[str, Tensor], num_images: int) -> PromptImages:
+    def from_processor(cls, outputs: Mapping[str, Tensor], num_images: int,
+                       pictures: Sequence[Any] = ()) -> PromptImages:
         """Split one prompt's processor outputs (batch of 1) into per-token and per-image tensors."""
         length = outputs["input_ids"].shape[-1]
         per_token, per_image = {}, {}
@@ -39,7 +44,7 @@ class PromptImages:
                 per_token[key] = value[0].cpu()
             else:
                 per_image[key] = value.cpu()
-        return cls(per_image, per_token, num_images)
+        return cls(per_image, per_token, num_images, tuple(pictures))
 
 
 class RowVision:

@@ -177,8 +177,8 @@ def test_cli_builds_the_family_asked_for(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(tiny_vlm, "build_tiny_vlm", lambda family, **kw: calls.append((family, kw)) or tmp_path)
     assert cli.main(["build-tiny-vlm", "--family", "llava", "--seed", "3"]) == 0
     assert cli.main(["build-tiny-vlm", "--warm"]) == 0
-    assert calls == [("llava", {"seed": 3, "out_dir": None, "force": False, "warm": False}),
-                     ("qwen2_5_vl", {"seed": 0, "out_dir": None, "force": False, "warm": True})]
+    assert calls == [("llava", {"seed": 3, "out_dir": None, "force": False, "warm": False, "head_dim": 16}),
+                     ("qwen2_5_vl", {"seed": 0, "out_dir": None, "force": False, "warm": True, "head_dim": 16})]
     assert capsys.readouterr().out.split() == [str(tmp_path)] * 2
 
 

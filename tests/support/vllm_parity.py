@@ -22,11 +22,13 @@ def long_prompts(n: int, words: int = 200) -> list[str]:
     return [" ".join(WORDS[(i * 7 + j * (i + 3)) % len(WORDS)] for j in range(words)) for i in range(n)]
 
 
-def recomputed(policy, batch, temperature: float) -> torch.Tensor:
-    """The trainer's log-probs of the batch's completions (its log-prob forward), 0 where masked."""
+def recomputed(policy, batch, temperature: float, vision=None) -> torch.Tensor:
+    """The trainer's log-probs of the batch's completions (its log-prob forward, with the rows' images: the batch's
+    own unless ``vision`` is given), 0 where masked."""
     with torch.no_grad():
         logps, _ = CompletionLogprobs(policy)(batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                              batch.completion_mask, temperature=temperature)
+                                              batch.completion_mask, vision if vision is not None else batch.vision,
+                                              temperature=temperature)
     return logps * batch.completion_mask
 
 
@@ -52,7 +54,7 @@ def train_steps(policy, batch, steps: int = 3, lr: float = 5e-2) -> None:
     policy.train()
     for _ in range(steps):
         logps, _ = CompletionLogprobs(policy)(batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                              batch.completion_mask, temperature=1.0)
+                                              batch.completion_mask, batch.vision, temperature=1.0)
         loss = -(logps * batch.completion_mask).sum() / batch.completion_mask.sum()
         opt.zero_grad()
         loss.backward()
@@ -64,3 +66,35 @@ def sampling(**overrides) -> SamplingParams:
     values = dict(num_generations=2, max_completion_length=12, temperature=0.8, max_prompt_length=None, seed=None)
     values.update(overrides)
     return SamplingParams(**values)
+
+
+def image_rows(colours=((255, 0, 0), (0, 0, 255))) -> list[dict]:
+    """Rows for image parity: the same question under pictures of ``colours`` (rows 0, 1), a row without images
+    and a row with two pictures of other sizes."""
+    from PIL import Image
+
+    question = [{"role": "user", "content": "what colour is the shape?"}]
+    rows = [{"prompt": question, "image": Image.new("RGB", (40, 30), c)} for c in colours]
+    rows.append({"prompt": "a row without images"})
+    rows.append({"prompt": question, "images": [Image.new("RGB", (28, 28), (9, 9, 9)),
+                                                Image.new("RGB", (56, 56), (200, 9, 9))]})
+    return rows
+
+
+def vlm_lora_policy(model_dir, r: int = 8):
+    """The vision-language model at ``model_dir`` with a LoRA adapter on its language model (as the trainer puts
+    it), its B matrices drawn so that the adapter changes the output from the first sync."""
+    from peft import LoraConfig
+
+    from grpo_ascend.models.policy import apply_peft, load_causal_lm
+    from grpo_ascend.models.vision_language import language_model_linear_targets
+
+    model = load_causal_lm(str(model_dir)).eval()
+    policy = apply_peft(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
+                                          target_modules=language_model_linear_targets(model))).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return policy

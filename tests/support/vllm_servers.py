@@ -17,16 +17,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: vLLM's own server entry point, and ours (vLLM's prepared for vision-language models, the generate endpoint on).
+VLLM_SERVER = "vllm.entrypoints.openai.api_server"
+OUR_SERVER = "grpo_ascend.rollout.vllm.serve"
+
+
 @contextlib.contextmanager
-def running_server(model_dir: str, log_dir):
-    """A vLLM OpenAI server on ``model_dir`` at a free port of 127.0.0.1 (LoRA and dev mode on): ``(process, url,
-    model_dir)``; stopped, its engine core included, on leaving."""
+def running_server(model_dir: str, log_dir, entry: str = VLLM_SERVER):
+    """A vLLM OpenAI server on ``model_dir`` at a free port of 127.0.0.1 (LoRA and dev mode on), started by the
+    module ``entry``: ``(process, url, model_dir)``; stopped, its engine core included, on leaving."""
     port = free_port()
     env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_SERVER_DEV_MODE="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
     log = open(log_dir / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host",
+        [sys.executable, "-m", entry, "--model", model_dir, "--host",
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes",
          str(32 * 2**20), "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs", "--enable-lora",
          "--max-lora-rank", "8", "--max-loras", "2", "--seed", "0", "--no-enable-chunked-prefill"],

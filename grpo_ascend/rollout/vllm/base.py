@@ -3,7 +3,8 @@
 
 Grouped generation asks for ``n = G`` completions per prompt; a multi-turn session resubmits each
 running row's context (prompt + completion so far, token ids) with ``n = 1`` and the tokens left,
-so vLLM's prefix cache serves the part it has seen.
+so vLLM's prefix cache serves the part it has seen. Prompts with images (a vision-language model, vision.py)
+go as their placeholder prompt plus their pictures, one request per group.
 """
 
 from __future__ import annotations
@@ -23,19 +24,31 @@ from grpo_ascend.rollout.prompts import left_pad
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm.requests import (
     Completion,
+    ImagePrompt,
     build_batch,
     request_seed,
     right_pad,
     sampling_fields,
 )
+from grpo_ascend.rollout.vllm.vision import placeholder_prompt
+from grpo_ascend.vision.inputs import PromptImages, RowVision
 
 
 class VLLMBackend(RolloutBackend):
     """A vLLM-backed rollout; subclasses implement :meth:`complete`, weight sync and memory.
 
     ``eos_token_ids``: the ids vLLM stops at (the tokenizer's and the model's generation config's).
-    ``length_bucket``: padding multiple of the returned tensors.
+    ``length_bucket``: padding multiple of the returned tensors. Subclasses serving a vision-language model set
+    ``image_token`` (its image token id, vision.py) so that :meth:`generate_with_images` works.
     """
+
+    #: The served model's image token id; None: a text-only model (prompts with images are refused).
+    image_token: int | None = None
+
+    @property  # type: ignore[override]
+    def takes_images(self) -> bool:  # type: ignore[override]
+        """Whether the served model is a vision-language model vLLM serves with images here (vision.py)."""
+        return self.image_token is not None
 
     def __init__(self, tokenizer: Any, params: SamplingParams, *, device: torch.device | str,
                  eos_token_ids: Sequence[int], length_bucket: int = 1) -> None:
@@ -61,9 +74,12 @@ class VLLMBackend(RolloutBackend):
 
     @abstractmethod
     def complete(self, prompt_ids: Sequence[Sequence[int]], fields: Sequence[dict[str, Any]],
-                 keys: Sequence[int] | None = None) -> list[list[Completion]]:
+                 keys: Sequence[int] | None = None,
+                 images: Sequence[ImagePrompt | None] | None = None) -> list[list[Completion]]:
         """Each prompt's completions under its vLLM sampling ``fields`` (:func:`requests.sampling_fields`).
-        ``keys``: each prompt's group (default its index), for a backend that spreads requests over servers."""
+        ``keys``: each prompt's group (default its index), for a backend that spreads requests over servers;
+        ``images``: each prompt's pictures (None: none), its ``prompt_ids`` then holding one placeholder per
+        picture; vLLM's expanded prompt is checked against :attr:`ImagePrompt.expanded`."""
 
     def sampled_version(self) -> int | None:
         """The policy version the calling thread's last :meth:`complete` sampled with (None: not tracked)."""
@@ -72,12 +88,44 @@ class VLLMBackend(RolloutBackend):
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,
                      generator: torch.Generator | None = None,
                      prompt_texts: Sequence[str] | None = None) -> RolloutBatch:
+        return self._generate(prompt_ids, None, params, generator, prompt_texts)
+
+    def generate_with_images(self, prompt_ids: Sequence[Sequence[int]], images: Sequence[PromptImages | None],
+                             params: SamplingParams | None = None, generator: torch.Generator | None = None,
+                             prompt_texts: Sequence[str] | None = None) -> RolloutBatch:
+        """Prompts with images (token ids with each image expanded, as the trainer reads them): each prompt's
+        pictures go to vLLM as multi-modal data, its G completions one request; rows without images mix in."""
+        if self.image_token is None:
+            raise ConfigError(f"the {type(self).__name__} rollout backend serves a text-only model, so it cannot take "
+                              "prompts with images; serve the vision-language policy's base model")
+        requests: list[ImagePrompt | None] = []
+        for i, (ids, inputs) in enumerate(zip(prompt_ids, images)):
+            if inputs is None or inputs.num_images == 0:
+                requests.append(None)
+            elif len(inputs.pictures) != inputs.num_images:
+                raise ConfigError(f"prompt {i} has {inputs.num_images} image(s) but carries {len(inputs.pictures)} "
+                                  "pictures; vLLM processes the pictures themselves: build its PromptImages with "
+                                  "PromptImages.from_processor(outputs, num_images, pictures)")
+            else:
+                requests.append(ImagePrompt(tuple(inputs.pictures), [int(t) for t in ids], i))
+        batch = self._generate(prompt_ids, requests, params, generator, prompt_texts)
+        batch.vision = RowVision.repeated(list(images), batch.num_generations)
+        return batch
+
+    def _generate(self, prompt_ids: Sequence[Sequence[int]], images: list[ImagePrompt | None] | None,
+                  params: SamplingParams | None, generator: torch.Generator | None,
+                  prompt_texts: Sequence[str] | None) -> RolloutBatch:
         params = self.checked(params)
         seed = request_seed(params, generator)
         G = params.num_generations
         fields = [sampling_fields(params, None if seed is None else seed + i * G) for i in range(len(prompt_ids))]
         started = time.perf_counter()
-        groups = self.complete(prompt_ids, fields)
+        if images is None:
+            groups = self.complete(prompt_ids, fields)
+        else:
+            sent = [list(p) if img is None else placeholder_prompt(p, int(self.image_token))  # type: ignore[arg-type]
+                    for p, img in zip(prompt_ids, images)]
+            groups = self.complete(sent, fields, images=images)
         texts = list(prompt_texts) if prompt_texts is not None else self.tokenizer.batch_decode(
             [list(p) for p in prompt_ids], skip_special_tokens=False)
         batch = build_batch(self.tokenizer, prompt_ids, texts, groups, params, self.pad_token_id, self.device,

@@ -13,6 +13,8 @@
   repacked (:func:`refresh_tied_head`: vLLM's CPU build otherwise keeps the old head).
 * After every sync the **prefix cache is reset**: cached blocks of a prompt hold keys/values of the
   old weights, and a prompt longer than one cache block would reuse them.
+* **Images**: a vision-language model's prompts go with their pictures as multi-modal data (vision.py); its
+  family is checked, and vLLM prepared for it (compat_vision.py), before the engine starts.
 * **Sleep / wake** (``enable_sleep_mode``) frees the engine's device memory during training where the
   platform has it; vLLM's CPU build has none, which is logged once.
 """
@@ -35,7 +37,9 @@ from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm import import_vllm
 from grpo_ascend.rollout.vllm.base import VLLMBackend
-from grpo_ascend.rollout.vllm.requests import LOGPROBS_MODE, Completion
+from grpo_ascend.rollout.vllm.compat_vision import prepare_vllm_for_vision
+from grpo_ascend.rollout.vllm.requests import LOGPROBS_MODE, Completion, ImagePrompt
+from grpo_ascend.rollout.vllm.vision import check_expansion, served_image_token
 from grpo_ascend.rollout.vllm.weights import (
     DEFAULT_BUCKET_BYTES,
     lora_rank,
@@ -103,6 +107,9 @@ class VLLMColocatedRollout(VLLMBackend):
         self._version: int | None = None
         self._asleep = False
         self.bucket_bytes = int(bucket_bytes)
+        self.image_token = served_image_token(model_path, cpu_attention=_cpu_platform())
+        if self.image_token is not None:
+            prepare_vllm_for_vision()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # binding would pin the trainer's threads too
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
@@ -134,7 +141,7 @@ class VLLMColocatedRollout(VLLMBackend):
             logger.warning("vllm_enable_sleep_mode: this platform's vLLM has no sleep mode (the CPU build has none); "
                            "the engine keeps its memory between rounds")
         logger.info("vLLM colocated engine started in %.1f s (%s, %s)", self.start_seconds, model_path, dtype)
-        hf_eos = self.llm.llm_engine.model_config.hf_config.eos_token_id
+        hf_eos = getattr(self.llm.llm_engine.model_config.hf_text_config, "eos_token_id", None)  # a VLM's: its text's
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         eos += [int(i) for i in (hf_eos if isinstance(hf_eos, (list, tuple)) else [hf_eos]) if i is not None]
         super().__init__(tokenizer, params, device=device, eos_token_ids=list(dict.fromkeys(eos)),
@@ -150,12 +157,20 @@ class VLLMColocatedRollout(VLLMBackend):
 
     @torch.no_grad()
     def complete(self, prompt_ids: Sequence[Sequence[int]], fields: Sequence[dict[str, Any]],
-                 keys: Sequence[int] | None = None) -> list[list[Completion]]:
+                 keys: Sequence[int] | None = None,
+                 images: Sequence[ImagePrompt | None] | None = None) -> list[list[Completion]]:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids],
-                                    [VLLMSamplingParams(**f) for f in fields], lora_request=self._lora, use_tqdm=False)
+        pictures = list(images) if images is not None else [None] * len(prompt_ids)
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) if img is None else
+                   TokensPrompt(prompt_token_ids=list(p), multi_modal_data={"image": list(img.pictures)})
+                   for p, img in zip(prompt_ids, pictures)]
+        outputs = self.llm.generate(prompts, [VLLMSamplingParams(**f) for f in fields], lora_request=self._lora,
+                                    use_tqdm=False)
+        for out, img in zip(outputs, pictures):
+            if img is not None:
+                check_expansion(img.expanded, out.prompt_token_ids, img.index, len(img.pictures))
         return [[_completion(o) for o in out.outputs] for out in outputs]
 
     # ------------------------------------------------------------------ weight sync

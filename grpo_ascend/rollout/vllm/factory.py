@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from grpo_ascend.errors import ConfigError
+from grpo_ascend.models.vision_language import is_vision_language
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm.base import VLLMBackend
 from grpo_ascend.rollout.vllm.colocated import VLLMColocatedRollout
@@ -26,6 +27,17 @@ def base_model_path(policy: nn.Module) -> str:
     return str(path)
 
 
+def check_adapter_targets(policy: nn.Module) -> None:
+    """vLLM applies a vision-language model's LoRA to its language model only (it ignores, with a warning, adapter
+    weights on the vision tower or projector): refuse such an adapter, whose samples would not be the policy's."""
+    outside = sorted({name.rsplit(".lora_A", 1)[0] for name, _ in policy.named_parameters()
+                      if ".lora_A" in name and ".language_model." not in name})
+    if outside:
+        raise ConfigError(f"rollout_backend 'vllm' applies LoRA to the language model only, but the adapter also "
+                          f"adapts {outside[:3]}{' ...' if len(outside) > 3 else ''}; train those parts without LoRA "
+                          "or leave them out of train_vision_parts, or sample with the built-in engine (use_vllm: false)")
+
+
 def _dtype(args: Any) -> str:
     if getattr(args, "bf16", False):
         return "bfloat16"
@@ -36,6 +48,9 @@ def build_vllm_backend(policy: nn.Module, tokenizer: Any, params: SamplingParams
     """The vLLM backend ``args.vllm_mode`` names, serving the policy's base (docs/vllm.md)."""
     device = next(policy.parameters()).device
     path = base_model_path(policy)
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    if is_vision_language(base.config):
+        check_adapter_targets(policy)
     bucket = params.length_bucket or 1
     if args.vllm_mode == "server":
         urls = server_urls(args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}")

@@ -58,6 +58,16 @@ def sampling_fields(params: SamplingParams, seed: int | None) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class ImagePrompt:
+    """One prompt's pictures for vLLM (RGB PIL images), the prompt the trainer reads (each image expanded into
+    its tokens: what vLLM's own expansion must give) and the prompt's place in its batch (for messages)."""
+
+    pictures: tuple[Any, ...]
+    expanded: list[int]
+    index: int
+
+
 @dataclass
 class Completion:
     """One sampled completion as a backend returns it: token ids, their log-probs, and whether it ended by a

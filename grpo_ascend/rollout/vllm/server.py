@@ -9,7 +9,9 @@ full fine-tuning ``VLLM_SERVER_DEV_MODE=1`` (docs/vllm.md).
   server, waiting up to ``start_timeout`` seconds for them to come up (one that does not is dropped
   with a warning while another answers); a mismatch is one clear error.
 * **Generation**: token ids in (``prompt`` as ids), token ids out (``return_token_ids``), ``n = G``
-  per prompt with a seed per prompt, the sampled tokens' log-probs (``logprobs=0``).
+  per prompt with a seed per prompt, the sampled tokens' log-probs (``logprobs=0``). A prompt with images goes
+  to ``/inference/v1/generate`` with its pictures as PNG data URLs (server_images.py); the server must run
+  ``python -m grpo_ascend.rollout.vllm.serve`` (vLLM's server, prepared for the served family, that endpoint on).
 * **LoRA sync**: the adapter written atomically into ``adapter_dir`` (a folder the server must be
   able to read: the same machine or a shared file system) and loaded under a new name per version
   through ``/v1/load_lora_adapter``; older versions are unloaded once no request uses them.
@@ -50,10 +52,12 @@ from grpo_ascend.errors import ConfigError, RolloutError
 from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm.base import VLLMBackend
-from grpo_ascend.rollout.vllm.requests import LOGPROBS_MODE, Completion
+from grpo_ascend.rollout.vllm.requests import LOGPROBS_MODE, Completion, ImagePrompt
 from grpo_ascend.rollout.vllm.server_http import ServerError, ServerGone, request_json
+from grpo_ascend.rollout.vllm.server_images import GENERATE_PATH, generate_body, generate_completions
 from grpo_ascend.rollout.vllm.server_pool import ServerPool, server_urls
 from grpo_ascend.rollout.vllm.server_versions import Loaded, VersionLedger
+from grpo_ascend.rollout.vllm.vision import served_image_token
 from grpo_ascend.rollout.vllm.weights import remove_folder, write_adapter
 
 __all__ = ["ServerError", "ServerGone", "VLLMServerRollout"]
@@ -106,6 +110,7 @@ class VLLMServerRollout(VLLMBackend):
         super().__init__(tokenizer, params, device=device, eos_token_ids=list(dict.fromkeys([*eos, *eos_token_ids])),
                          length_bucket=length_bucket)
         self.version = self._check_servers(float(start_timeout))
+        self.image_token = served_image_token(model)
 
     # ------------------------------------------------------------------ HTTP
 
@@ -157,14 +162,29 @@ class VLLMServerRollout(VLLMBackend):
         return getattr(self._local, "used", None)
 
     def complete(self, prompt_ids: Sequence[Sequence[int]], fields: Sequence[dict[str, Any]],
-                 keys: Sequence[int] | None = None) -> list[list[Completion]]:
+                 keys: Sequence[int] | None = None,
+                 images: Sequence[ImagePrompt | None] | None = None) -> list[list[Completion]]:
+        pictures = list(images) if images is not None else [None] * len(prompt_ids)
         # a pinned adapter version must still be loaded (the keep_versions newest); full weights hold one version
         with self._leased(self.pinned_version) as loaded:
             name = self.model if loaded is None else loaded.name
-            bodies = [self._completion_body(name, p, f) for p, f in zip(prompt_ids, fields)]
-            answers = self.pool.map(lambda url, b: self.request(url, "POST", "/v1/completions", b), bodies, keys)
+            jobs = [(GENERATE_PATH, generate_body(name, list(p), img, f)) if img is not None
+                    else ("/v1/completions", self._completion_body(name, p, f))
+                    for p, f, img in zip(prompt_ids, fields, pictures)]
+            answers = self.pool.map(lambda url, job: self._post(url, *job), jobs, keys)
         self._local.used = None if loaded is None else loaded.version
-        return [_completions(a, f["n"]) for a, f in zip(answers, fields)]
+        return [_completions(a, f["n"]) if img is None else generate_completions(a, f["n"], img)
+                for a, f, img in zip(answers, fields, pictures)]
+
+    def _post(self, url: str, path: str, body: dict[str, Any]) -> Any:
+        try:
+            return self.request(url, "POST", path, body)
+        except ServerError as err:
+            if path == GENERATE_PATH and " 404" in str(err):
+                raise ConfigError(f"the vLLM server at {url} has no {GENERATE_PATH} endpoint, which prompts with "
+                                  "images are sent to; start it with `python -m grpo_ascend.rollout.vllm.serve "
+                                  f"--model {self.model} ...` (or vLLM's server with --enable-scale-out)") from None
+            raise
 
     @contextlib.contextmanager
     def _leased(self, version: int | None) -> Iterator[Loaded | None]:

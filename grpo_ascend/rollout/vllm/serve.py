@@ -1,0 +1,36 @@
+"""``python -m grpo_ascend.rollout.vllm.serve --model BASE [vLLM server arguments]``: vLLM's OpenAI-compatible
+server, prepared for the vision-language models this project serves (compat_vision.py) and with vLLM's
+token-in/token-out endpoint ``/inference/v1/generate`` on (``--enable-scale-out``), which takes a prompt's token
+ids with its pictures. Text-only runs may use vLLM's own entry point as well (docs/vllm.md#server-mode).
+
+vLLM starts its engine and worker processes with ``spawn`` (always, on the CPU), and a spawned process imports
+its parent's main module before anything else: importing this module prepares vLLM, so they are prepared too.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from grpo_ascend.rollout.vllm import import_vllm
+from grpo_ascend.rollout.vllm.compat_vision import prepare_vllm_for_vision
+
+#: The vLLM flag that turns on ``/inference/v1/generate`` (what prompts with images are sent to).
+SCALE_OUT_FLAG = "--enable-scale-out"
+
+import_vllm()
+prepare_vllm_for_vision()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run vLLM's server with ``argv`` (default: this process's arguments), ``--enable-scale-out`` added."""
+    from vllm.entrypoints.launchers.api_server.entry import main as serve
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if SCALE_OUT_FLAG not in args:
+        args.append(SCALE_OUT_FLAG)
+    sys.argv = [sys.argv[0], *args]
+    serve()
+
+
+if __name__ == "__main__":
+    main()

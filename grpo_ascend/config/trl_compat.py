@@ -136,6 +136,12 @@ TRAINER_SURFACE: list[tuple[str, str, str]] = [
      "(the policy with adapters disabled), as TRL's None for PEFT"),
     ("reward_processing_classes", "supported", "one entry per reward function: a reward model's tokenizer (given, "
      "else its own), None for other functions"),
+    ("reward_funcs", "supported", "the reward functions in scoring order (a reward model named by a string: its "
+     "loaded scorer), environments' get_reward sources last"),
+    ("reward_func_names", "supported", "their names as the metrics use them (an environment's reward: its class name)"),
+    ("reward_weights", "supported", "float32 tensor: reward_weights (1 each when unset), 1 for each environment's "
+     "reward"),
+    ("tools", "supported", "the functions offered as tools: the tools given, then every environment's methods"),
     ("entropy_coef", "supported", "the entropy-bonus coefficient, moved by use_adaptive_entropy; settable"),
     ("aux_loss_enabled", "supported", "TRL's rule: the model config declares output_router_logits and the coefficient "
      "(router_aux_loss_coef, else the config's) is not 0; the loss is then added and logged as aux_loss"),

@@ -22,6 +22,7 @@ from grpo_ascend.length_buckets import round_up
 from grpo_ascend.models.attention_switch import activation_checkpointing_on
 from grpo_ascend.models.grouped_attention import grouped_attention
 from grpo_ascend.models.logprobs import token_logprobs_from_hidden
+from grpo_ascend.models.lora_targets import all_linear_targets, is_all_linear
 from grpo_ascend.models.recurrent_state import RecurrentStateLayer, prompt_cache
 from grpo_ascend.models.router_aux import RouterAux
 from grpo_ascend.models.tiny_model import resolve_builtin
@@ -115,9 +116,14 @@ def apply_peft(model: nn.Module, peft_config: Any | None, vision_parts: Sequence
         return model
     from peft import get_peft_model
 
-    if is_vision_language(getattr(model, "config", None)) and peft_config.target_modules in ("all-linear", {"all-linear"}):
-        peft_config = copy.copy(peft_config)
-        peft_config.target_modules = language_model_linear_targets(model, vision_parts)
+    if is_all_linear(peft_config.target_modules):
+        if is_vision_language(getattr(model, "config", None)):
+            targets: str | None = language_model_linear_targets(model, vision_parts)
+        else:
+            targets = all_linear_targets(model)  # a Mamba hybrid: without the mixers' out_proj PEFT refuses
+        if targets is not None:
+            peft_config = copy.copy(peft_config)
+            peft_config.target_modules = targets
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)

@@ -30,6 +30,8 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+import torch
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 from machine import describe  # noqa: E402
@@ -117,7 +119,12 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="which runs (sync always)")
     parser.add_argument("--vllm-server", action="store_true",
                         help="sample every run (sync included) on one vLLM server of the tiny-warm model (needs vllm)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the trainer's torch threads in every run (default: torch's; with a server on the same "
+                             "cores, 1 leaves the server a core of its own)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     print(describe())
     names = ["sync", *[n for n in args.runs if n != "sync"]]
     with contextlib.ExitStack() as stack:

@@ -198,8 +198,9 @@ class RolloutEngine(RolloutBackend):
         if self._prefix_supported is None:
             self._prefix_supported = supports_shared_prefix(self.model)
             if not self._prefix_supported:
-                logger.info("the model's attention is not plain causal softmax attention: decoding with the plain "
-                            "KV cache (each completion holds its own copy of the prompt)")
+                logger.info("the model's layers are not all plain causal softmax attention (sliding windows, "
+                            "soft-capping, attention sinks or a hybrid decoder's recurrent layers): decoding with "
+                            "the plain KV cache (each completion holds its own copy of the prompt)")
         return self._prefix_supported
 
     def forward(

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from grpo_ascend import device as dev
     from grpo_ascend.models import grouped_attention, lora_kernel
-    from grpo_ascend.models.policy import CompletionLogprobs, adapters_disabled
+    from grpo_ascend.models.parameters import adapters_disabled
+    from grpo_ascend.models.policy import CompletionLogprobs
 
     torch.set_num_threads(args.threads)
     dev.resolve_device("cpu")  # the trainer's host-allocator setting

@@ -37,7 +37,8 @@ from grpo_ascend.distributed.base import SaveState, StepPlan, StrategyArgs
 from grpo_ascend.distributed.memory_layout import MemoryLayout, deepspeed_layout
 from grpo_ascend.distributed.plain import PlainStrategy
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models.policy import backbone_and_head, trainable_parameters
+from grpo_ascend.models.parameters import trainable_parameters
+from grpo_ascend.models.policy import backbone_and_head
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,8 @@ from grpo_ascend.distributed.base import SaveState, StepPlan
 from grpo_ascend.distributed.memory_layout import MemoryLayout, fsdp_layout
 from grpo_ascend.distributed.plain import PlainStrategy
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models.policy import frozen_copy, hf_model
+from grpo_ascend.models.parameters import frozen_copy
+from grpo_ascend.models.policy import hf_model
 
 logger = logging.getLogger(__name__)
 

@@ -39,13 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models.policy import (
-    backbone_and_head,
-    completion_hidden_states,
-    is_peft,
-    preserve_requires_grad,
-    resolve_model_path,
-)
+from grpo_ascend.models.parameters import preserve_requires_grad
+from grpo_ascend.models.policy import backbone_and_head, completion_hidden_states, is_peft, resolve_model_path
 from grpo_ascend.vision.inputs import RowVision
 
 logger = logging.getLogger(__name__)

@@ -41,12 +41,8 @@ from grpo_ascend.distributed.ranks import Ranks
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, ExperienceMaker
 from grpo_ascend.models.lora_merge import lora_merged
-from grpo_ascend.models.policy import (
-    CompletionLogprobs,
-    adapters_disabled,
-    is_peft,
-    trainable_parameters,
-)
+from grpo_ascend.models.parameters import adapters_disabled, trainable_parameters
+from grpo_ascend.models.policy import CompletionLogprobs, is_peft
 from grpo_ascend.models.router_aux import RouterAux
 from grpo_ascend.producers.factory import build_source
 from grpo_ascend.producers.lockstep import SourceParts

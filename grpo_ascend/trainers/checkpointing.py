@@ -18,7 +18,7 @@ from grpo_ascend.checkpoints import checkpoint as ckpt
 from grpo_ascend.config.configs import BaseRLConfig
 from grpo_ascend.data.prompts import PromptSampler, StreamSampler
 from grpo_ascend.distributed.base import Strategy
-from grpo_ascend.models.policy import trainable_parameters
+from grpo_ascend.models.parameters import trainable_parameters
 from grpo_ascend.trainers.best_tracking import BestCheckpointTracker
 from grpo_ascend.trainers.run_state import RunState
 

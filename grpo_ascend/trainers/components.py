@@ -20,14 +20,12 @@ from grpo_ascend.data.prompts import is_stream
 from grpo_ascend.device.npu_patches import apply_npu_patches
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models.lora_merge import lora_merge_bytes
+from grpo_ascend.models.parameters import cast_head_to_fp32, count_parameters, frozen_copy
 from grpo_ascend.models.policy import (
     CompletionLogprobs,
     activation_checkpointing_on,
     apply_peft,
     backbone_and_head,
-    cast_head_to_fp32,
-    count_parameters,
-    frozen_copy,
     hf_model,
     is_peft,
     load_causal_lm,

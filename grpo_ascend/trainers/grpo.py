@@ -46,7 +46,8 @@ from grpo_ascend.config.trl_compat import (
 )
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.experience import Experience, experience_metrics
-from grpo_ascend.models.policy import CompletionLogprobs, adapters_disabled, mix_into_reference
+from grpo_ascend.models.parameters import adapters_disabled, mix_into_reference
+from grpo_ascend.models.policy import CompletionLogprobs
 from grpo_ascend.models.router_aux import router_aux_for
 from grpo_ascend.rollout.row_rollouts import RolloutFuncRollout, build_tool_rollout, prepare_tools
 from grpo_ascend.tools.environment_data import environment_train_dataset

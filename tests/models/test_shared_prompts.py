@@ -73,7 +73,7 @@ def test_shared_forward_matches_plain_forward_and_gradients(tiny_model, repeats,
 
 def test_shared_forward_with_adapters_disabled_matches_base(tiny_model):
     """The reference pass (adapters off) also shares prompts and equals the base model's log-probs."""
-    from grpo_ascend.models.policy import adapters_disabled
+    from grpo_ascend.models.parameters import adapters_disabled
 
     model, tok = tiny_model
     inputs = _batch(tok, PROMPTS[:2], [4, 4])

@@ -17,13 +17,8 @@ from helpers import (
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.data.synthetic import arithmetic_dataset
-from grpo_ascend.models.policy import (
-    CompletionLogprobs,
-    adapters_disabled,
-    apply_peft,
-    default_lora_config,
-    load_causal_lm,
-)
+from grpo_ascend.models.parameters import adapters_disabled
+from grpo_ascend.models.policy import CompletionLogprobs, apply_peft, default_lora_config, load_causal_lm
 
 
 def _config(tmp_path, **kw):

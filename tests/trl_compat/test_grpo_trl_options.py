@@ -20,7 +20,8 @@ from grpo_ascend.algorithms.reward_aggregation import GroupedRewards, aggregate_
 from grpo_ascend.checkpoints.checkpoint import TRAINER_STATE_NAME
 from grpo_ascend.data.synthetic import arithmetic_dataset
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models.policy import cast_head_to_fp32, default_lora_config, mix_into_reference
+from grpo_ascend.models.parameters import cast_head_to_fp32, mix_into_reference
+from grpo_ascend.models.policy import default_lora_config
 
 
 def _config(tmp_path, **kw):

@@ -305,7 +305,7 @@ def _span_medians(spans: list[tuple[float, str, float]], ends: list[float], warm
     return {n: statistics.median(d.get(n, 0.0) for d in per_step[warmup:]) for n in names}
 
 
-def _measured_train(trainer: Any, device: Any, s: Settings, profile: str | None,
+def measured_train(trainer: Any, device: Any, s: Settings, profile: str | None,
                     clock: StepClock) -> tuple[dict[str, Any], float, list[float]]:
     """Run ``trainer.train()`` (under cProfile if asked) measuring peak memory and the steps that
     ``clock`` stamps; returns (memory and CPU-time result, warm-up s, timed steps' s)."""
@@ -356,7 +356,7 @@ def run_ours(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
         clock.step_end()
 
     trainer.recorder.step = timed_record_step  # type: ignore[method-assign]
-    result, warmup, gaps = _measured_train(trainer, device, s, profile, clock)
+    result, warmup, gaps = measured_train(trainer, device, s, profile, clock)
     records = read_jsonl(out_dir / "metrics.jsonl")[s.warmup_steps:]
     phases = {}
     phase_keys = [k for k in records[0] if k == "time/step" or k.startswith(("time/", "memory/peak_gb/"))]
@@ -417,7 +417,7 @@ def run_trl(s: Settings, out_dir: Path, profile: str | None) -> dict[str, Any]:
     )
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[rule_reward], args=cfg, train_dataset=ds,
                           processing_class=tokenizer, peft_config=lora_config(s), callbacks=[StepEnds()])
-    result, warmup, gaps = _measured_train(trainer, device, s, profile, clock)
+    result, warmup, gaps = measured_train(trainer, device, s, profile, clock)
     logs = [r for r in trainer.state.log_history if "completions/mean_length" in r][s.warmup_steps:]
     result.update(
         warmup_s=warmup, step_s=gaps, phases=_span_medians(spans, clock.ends, s.warmup_steps),
@@ -523,7 +523,7 @@ def worker_main(impl: str, settings: str, result: str, profile: str | None) -> N
     Path(result).write_text(json.dumps(data))
 
 
-def _fmt_gib(mib: float) -> str:
+def fmt_gib(mib: float) -> str:
     return f"{mib / 1024:.2f}"
 
 
@@ -531,7 +531,7 @@ def _median_steps(runs: list[dict[str, Any]], key: str) -> float:
     return statistics.median([t for r in runs for t in r[key]])
 
 
-def _uncontended(runs: list[dict[str, Any]], threads: int) -> list[float]:
+def uncontended(runs: list[dict[str, Any]], threads: int) -> list[float]:
     """Wall times of steps whose CPU time kept ``threads`` cores busy (CPU/wall >= 0.8 × threads).
 
     A step slowed by other processes shows it: with one thread it waits (CPU < wall); with more,
@@ -544,7 +544,7 @@ def report(s: Settings, runs: dict[str, list[dict[str, Any]]], loads: list[tuple
     """Print the summary table and the lines that explain it."""
     wall = {impl: _median_steps(runs[impl], "step_s") for impl in IMPLS}
     cpu = {impl: _median_steps(runs[impl], "cpu_step_s") for impl in IMPLS}
-    clean = {impl: _uncontended(runs[impl], s.threads) for impl in IMPLS}
+    clean = {impl: uncontended(runs[impl], s.threads) for impl in IMPLS}
     total = {impl: sum(len(r["step_s"]) for r in runs[impl]) for impl in IMPLS}
     best = {impl: min(t for r in runs[impl] for t in r["step_s"]) for impl in IMPLS}
     ours = runs["ours"]
@@ -572,8 +572,8 @@ def report(s: Settings, runs: dict[str, list[dict[str, Any]]], loads: list[tuple
         r = f"{ratio:.3f}" if impl == "ours" else ""
         c = f"{statistics.median(clean[impl]):.2f} ({len(clean[impl])}/{total[impl]})" if clean[impl] else "none"
         mfu = flops / headline[impl] / peak
-        print(f"| {name} | {c} | {r} | {wall[impl]:.2f} | {best[impl]:.2f} | {cpu[impl]:.2f} | {_fmt_gib(mem[impl])} "
-              f"| {_fmt_gib(life[impl])} | {_fmt_gib(base[impl])} | {lens[impl]:.1f} | {100 * mfu:.1f}% |")
+        print(f"| {name} | {c} | {r} | {wall[impl]:.2f} | {best[impl]:.2f} | {cpu[impl]:.2f} | {fmt_gib(mem[impl])} "
+              f"| {fmt_gib(life[impl])} | {fmt_gib(base[impl])} | {lens[impl]:.1f} | {100 * mfu:.1f}% |")
     print()
     basis = "uncontended-step medians" if enough else "all-step medians (fewer than 3 uncontended steps: too noisy)"
     print(f"ratio ours/TRL: {ratio:.3f} from {basis}; all-step medians {wall['ours'] / wall['trl']:.3f}, minima "

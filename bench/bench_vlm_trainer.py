@@ -42,7 +42,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_trainer import IMPLS, StepClock, _fmt_gib, _measured_train, _uncontended, spawn_lockstep  # noqa: E402
+from bench_trainer import IMPLS, StepClock, fmt_gib, measured_train, spawn_lockstep, uncontended  # noqa: E402
 from vlm_models import MODELS, vlm_folder  # noqa: E402
 
 #: The language model's linear layers (what ours calls all-linear on a vision-language model), for both trainers.
@@ -121,7 +121,7 @@ def run_ours(s: VLMSettings, out_dir: Path) -> dict[str, Any]:
         clock.step_end()
 
     trainer.recorder.step = timed_record_step  # type: ignore[method-assign]
-    result, warmup, gaps = _measured_train(trainer, torch.device("cpu"), s, None, clock)  # type: ignore[arg-type]
+    result, warmup, gaps = measured_train(trainer, torch.device("cpu"), s, None, clock)  # type: ignore[arg-type]
     logs = [r for r in trainer.state.log_history if "loss" in r][s.warmup_steps:]
     result.update(warmup_s=warmup, step_s=gaps, threads=torch.get_num_threads(), machine=describe(),
                   completion_len=statistics.fmean(r["completion_length/mean"] for r in logs) if logs else float("nan"))
@@ -157,7 +157,7 @@ def run_trl(s: VLMSettings, out_dir: Path) -> dict[str, Any]:
     )
     trainer = GRPOTrainer(model=folder, reward_funcs=[colour_code_reward], args=cfg, train_dataset=ds,
                           processing_class=processor, peft_config=lora_config(s), callbacks=[StepEnds()])
-    result, warmup, gaps = _measured_train(trainer, torch.device("cpu"), s, None, clock)  # type: ignore[arg-type]
+    result, warmup, gaps = measured_train(trainer, torch.device("cpu"), s, None, clock)  # type: ignore[arg-type]
     logs = [r for r in trainer.state.log_history if "completions/mean_length" in r][s.warmup_steps:]
     result.update(warmup_s=warmup, step_s=gaps, threads=torch.get_num_threads(), trl_version=trl.__version__,
                   processor=type(trainer.processing_class).__name__,
@@ -172,7 +172,7 @@ def report(s: VLMSettings, runs: dict[str, list[dict[str, Any]]]) -> None:
     """The summary table and the ratio ours/TRL."""
     wall = {i: statistics.median(t for r in runs[i] for t in r["step_s"]) for i in IMPLS}
     cpu = {i: statistics.median(t for r in runs[i] for t in r["cpu_step_s"]) for i in IMPLS}
-    clean = {i: _uncontended(runs[i], s.threads) for i in IMPLS}
+    clean = {i: uncontended(runs[i], s.threads) for i in IMPLS}
     enough = all(len(clean[i]) >= 3 for i in IMPLS)
     headline = {i: statistics.median(clean[i]) if enough else wall[i] for i in IMPLS}
     mem = {i: max(r["peak_rss_train_mib"] for r in runs[i]) for i in IMPLS}
@@ -184,7 +184,7 @@ def report(s: VLMSettings, runs: dict[str, list[dict[str, Any]]]) -> None:
         total = sum(len(r["step_s"]) for r in runs[i])
         c = f"{statistics.median(clean[i]):.2f} ({len(clean[i])}/{total})" if clean[i] else "none"
         print(f"| {name} | {c} | {wall[i]:.2f} | {min(t for r in runs[i] for t in r['step_s']):.2f} | {cpu[i]:.2f} "
-              f"| {_fmt_gib(mem[i])} | {statistics.fmean(r['completion_len'] for r in runs[i]):.1f} |")
+              f"| {fmt_gib(mem[i])} | {statistics.fmean(r['completion_len'] for r in runs[i]):.1f} |")
     basis = "uncontended-step medians" if enough else "all-step medians (fewer than 3 uncontended steps)"
     print(f"\nratio ours/TRL s/step: {headline['ours'] / headline['trl']:.3f} from {basis}; CPU time "
           f"{cpu['ours'] / cpu['trl']:.3f}; peak RSS ours/TRL {mem['ours'] / mem['trl']:.2f}; TRL's processor "

@@ -59,8 +59,9 @@ def first_digit_is_one(completions, **kwargs):
 
 @contextlib.contextmanager
 def vllm_server(model_dir: str, log_path: str) -> Iterator[str]:
-    """A vLLM OpenAI server of ``model_dir`` (LoRA on, float32, one OpenMP thread) at a free local port: its URL.
-    Stopped with its whole process group (the engine core too) on leaving."""
+    """A vLLM OpenAI server of ``model_dir`` (LoRA on, float32, one OpenMP thread) at a free local port, started by
+    our entry point (its processes do not spin-wait on the CPU: compat_polling.py): its URL. Stopped with its whole
+    process group (the engine core too) on leaving."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -68,7 +69,7 @@ def vllm_server(model_dir: str, log_path: str) -> Iterator[str]:
                VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+            [sys.executable, "-m", "grpo_ascend.rollout.vllm.serve", "--model", model_dir, "--host", "127.0.0.1",
              "--port", str(port), "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(32 * 2**20),
              "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-lora-rank",
              "8", "--max-loras", "2", "--seed", "0", "--no-enable-chunked-prefill"],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 from grpo_ascend.rollout.vllm import import_vllm
+from grpo_ascend.rollout.vllm.compat_polling import prepare_vllm_polling
 from grpo_ascend.rollout.vllm.compat_vision import prepare_vllm_for_vision
 
 #: The vLLM flag that turns on ``/inference/v1/generate`` (what prompts with images are sent to).
@@ -19,6 +20,7 @@ SCALE_OUT_FLAG = "--enable-scale-out"
 
 import_vllm()
 prepare_vllm_for_vision()
+prepare_vllm_polling()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,6 +13,8 @@ engine such as vLLM implement it; the trainer, evaluation, multi-turn tool loops
   generate (tool responses) and continue; the multi-turn tool loop drives it.
 - :meth:`RolloutBackend.sync_weights`: take the policy's current weights (:class:`PolicyWeights`:
   LoRA adapter only, or full named tensors); a no-op for a backend that runs the policy module itself.
+  :meth:`RolloutBackend.publish_weights`: the same without waiting for the sampler to load them, where
+  a backend can (a producer sampling ahead of training; the vLLM server client loads adapters on a thread).
 - :meth:`RolloutBackend.release_memory` / :meth:`RolloutBackend.restore_memory`: give back the
   device memory the backend holds between rollouts (KV cache, a weight copy) and take it again.
 
@@ -294,6 +296,13 @@ class RolloutBackend(ABC):
     @abstractmethod
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Sample from ``weights`` from now on (a no-op when the backend runs the policy module itself)."""
+
+    def publish_weights(self, weights: PolicyWeights) -> None:
+        """Hand ``weights`` over as the next version without waiting for the sampler to serve them, where the
+        backend can (rollouts ahead of training push from the trainer's thread while a producer samples): the
+        backend takes what it needs of ``weights`` before returning, and a later request samples with them, as
+        after :meth:`sync_weights`. Default: :meth:`sync_weights`."""
+        self.sync_weights(weights)
 
     @abstractmethod
     def release_memory(self) -> None:

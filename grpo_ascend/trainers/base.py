@@ -250,9 +250,10 @@ class RLTrainerBase(TrainerCheckpoints, TrainerPublicAPI):
         )
 
     def _push_weights(self, step: int) -> None:
-        """The policy's weights to the rollout's sampler as version ``step`` (every rank together)."""
+        """The policy's weights to the rollout's sampler as version ``step`` (every rank together), for a producer
+        sampling ahead: the trainer goes on while the sampler loads them."""
         with self.strategy.whole_weights(self.logprob_model):
-            self.rollout.backend.sync_weights(PolicyWeights(self.policy, step))
+            self.rollout.backend.publish_weights(PolicyWeights(self.policy, step))
 
     def _trainer_state_for_rewards(self) -> dict[str, Any]:
         """``trainer_state`` as reward functions receive it."""

@@ -298,6 +298,54 @@ def test_pinned_version_and_a_sync_past_its_timeout(servers, tmp_path):
     assert "\n" not in str(err.value) and time.monotonic() - started < 1.5
 
 
+@dataclass
+class LiveAdapter(Adapter):
+    """An adapter whose tensor the trainer goes on changing after a push."""
+
+    tensor: torch.Tensor = field(default_factory=lambda: torch.zeros(2, 4))
+
+    def named_tensors(self):
+        yield "base_model.model.q_proj.lora_A.weight", self.tensor
+
+
+def test_a_published_version_loads_while_the_trainer_goes_on_and_serves_the_next_request(servers, tmp_path):
+    """publish_weights (rollouts ahead of training) returns before the servers load the adapter; the copy it
+    took is what they load, whatever the trainer does meanwhile; the next request samples with it."""
+    from safetensors.torch import load_file
+
+    from grpo_ascend.rollout.vllm.weights import ADAPTER_WEIGHTS
+
+    fakes, urls = servers
+    client = make_client(urls, tmp_path)
+    client.sync_weights(Adapter(1))
+    for fake in fakes:
+        fake.load_delay = 0.4
+    live = torch.full((2, 4), 7.0)
+    started = time.monotonic()
+    client.publish_weights(LiveAdapter(2, tensor=live))
+    assert time.monotonic() - started < 0.2 and all(f.loaded == {"policy-v1"} for f in fakes)
+    live.add_(1.0)  # the trainer's next optimizer step
+    assert client.generate_ids([[5, 6]]).policy_versions.unique().tolist() == [2]
+    assert time.monotonic() - started >= 0.4  # the request waited for the load
+    assert all(f.loaded == {"policy-v2"} for f in fakes) and all(not f.violations for f in fakes)
+    saved = load_file(str(tmp_path / "policy-v2" / ADAPTER_WEIGHTS))
+    assert torch.equal(saved["base_model.model.q_proj.lora_A.weight"], torch.full((2, 4), 7.0))
+
+
+def test_a_published_load_past_its_timeout_stops_the_next_request_in_one_line(servers, tmp_path):
+    fakes, urls = servers
+    client = make_client(urls[:1], tmp_path, sync_timeout=0.5)
+    fakes[0].load_delay = 2.0
+    started = time.monotonic()
+    client.publish_weights(Adapter(3))
+    assert time.monotonic() - started < 0.2
+    with pytest.raises(RolloutError, match="policy version 3 .* weight_sync_timeout=0.5 s") as err:
+        client.generate_ids([[5, 6]])
+    assert "\n" not in str(err.value) and time.monotonic() - started < 1.5
+    with pytest.raises(RolloutError, match="weight_sync_timeout=0.5 s"):  # and the next push: the run stops
+        client.publish_weights(Adapter(4))
+
+
 def test_a_multi_turn_session_tags_each_turn_with_the_version_that_sampled_it(servers, tmp_path):
     """A tool loop's session on the servers: each turn's tokens carry the adapter version its request used, an
     appended tool response its turn's, so a batch's staleness counts its oldest turn."""

@@ -38,6 +38,7 @@ full fine-tuning ``VLLM_SERVER_DEV_MODE=1`` (docs/vllm.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -48,10 +49,11 @@ from typing import Any
 import torch
 
 from grpo_ascend.checkpoints.files import AtomicFolder, save_tensors
-from grpo_ascend.errors import ConfigError, RolloutError
+from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm.base import VLLMBackend
+from grpo_ascend.rollout.vllm.pending_load import PendingLoad
 from grpo_ascend.rollout.vllm.requests import LOGPROBS_MODE, Completion, ImagePrompt
 from grpo_ascend.rollout.vllm.server_http import ServerError, ServerGone, request_json
 from grpo_ascend.rollout.vllm.server_images import GENERATE_PATH, generate_body, generate_completions
@@ -103,7 +105,8 @@ class VLLMServerRollout(VLLMBackend):
         self.retries = int(retries)
         self.pool: ServerPool = ServerPool(urls, per_server=max_concurrent_requests)
         self.ledger = VersionLedger(keep=keep_versions)
-        self._version: int | None = None
+        self._version: int | None = None  # the version last started loading
+        self._pending: PendingLoad | None = None  # that load
         self._sync_lock = threading.Lock()
         self._local = threading.local()
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -165,6 +168,7 @@ class VLLMServerRollout(VLLMBackend):
                  keys: Sequence[int] | None = None,
                  images: Sequence[ImagePrompt | None] | None = None) -> list[list[Completion]]:
         pictures = list(images) if images is not None else [None] * len(prompt_ids)
+        self._await_load()  # a version published is served before any request goes out
         # a pinned adapter version must still be loaded (the keep_versions newest); full weights hold one version
         with self._leased(self.pinned_version) as loaded:
             name = self.model if loaded is None else loaded.name
@@ -208,26 +212,50 @@ class VLLMServerRollout(VLLMBackend):
         """Load ``weights`` into every live server (an adapter version, or the full weights in dev mode), within
         ``sync_timeout`` seconds: past it the run stops with one RolloutError line instead of hanging."""
         with self._sync_lock:
-            if weights.version == self._version and weights.version is not None:
-                return
-            outcome: list[BaseException | None] = []
-            worker = threading.Thread(target=lambda: outcome.append(_caught(self._sync, weights)), daemon=True,
-                                      name="vllm-weight-sync")
-            worker.start()
-            worker.join(self.sync_timeout)
-            if worker.is_alive():
-                raise RolloutError(f"the weight sync of policy version {weights.version} to the vLLM servers "
-                                   f"{self.pool.urls} took more than weight_sync_timeout={self.sync_timeout:g} s; "
-                                   "check the servers (and that they can read vllm_sync_dir), or raise "
-                                   "weight_sync_timeout")
-            if outcome[0] is not None:
-                raise outcome[0]
-            self._version = weights.version
+            self._start_load(weights)
+        self._await_load()
 
-    def _sync(self, weights: PolicyWeights) -> None:
+    def publish_weights(self, weights: PolicyWeights) -> None:
+        """An adapter version: copied now and loaded on the servers by a thread of its own (within
+        ``sync_timeout``) while the caller goes on; the next request, sync or publish waits for that load, so
+        requests still sample with the newest version published. Full weights: :meth:`sync_weights` (they are
+        reloaded in place)."""
+        if not weights.adapter_only:
+            self.sync_weights(weights)
+            return
+        with self._sync_lock:
+            self._start_load(weights)
+
+    def _start_load(self, weights: PolicyWeights) -> None:
+        """Start loading ``weights`` unless that version is the last one started (one load at a time, in order)."""
+        self._await_load()
+        if weights.version == self._version and weights.version is not None:
+            return
+        if weights.adapter_only:  # a copy, taken on the caller's thread: the trainer steps on meanwhile
+            config = weights.adapter_config()
+            tensors = [(name, t.detach().to("cpu", copy=True)) for name, t in weights.named_tensors()]
+            work = functools.partial(self._sync_adapter, weights.version, config, tensors)
+        else:  # the caller waits: the live tensors are read on the loading thread
+            work = functools.partial(self._sync_full, weights)
+        self._pending = PendingLoad(work, timeout=self.sync_timeout, timeout_error=(
+            f"the weight sync of policy version {weights.version} to the vLLM servers {self.pool.urls} took more "
+            f"than weight_sync_timeout={self.sync_timeout:g} s; check the servers (and that they can read "
+            "vllm_sync_dir), or raise weight_sync_timeout"))
+        self._version = weights.version
+
+    def _await_load(self) -> None:
+        """Wait for the load last started (RolloutError past its deadline; its error re-raised)."""
+        pending = self._pending
+        if pending is not None:
+            pending.wait()
+
+    def _sync_adapter(self, version: int, config: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> None:
         self._readmit()
-        loaded = self._load_adapter(weights) if weights.adapter_only else self._reload_full(weights)
-        self._unload(self.ledger.add(loaded))
+        self._unload(self.ledger.add(self._load_adapter(version, config, tensors)))
+
+    def _sync_full(self, weights: PolicyWeights) -> None:
+        self._readmit()
+        self._unload(self.ledger.add(self._reload_full(weights)))
 
     def _readmit(self) -> None:
         """Take back, before a sync, each dropped server that answers again and serves the policy's model: the
@@ -247,13 +275,13 @@ class VLLMServerRollout(VLLMBackend):
                 continue
             self.pool.readmit(url)
 
-    def _load_adapter(self, weights: PolicyWeights) -> Loaded:
-        name = f"policy-v{weights.version}"
-        folder = write_adapter(weights.adapter_config(), weights.named_tensors(), self.adapter_dir / name)
+    def _load_adapter(self, version: int, config: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> Loaded:
+        name = f"policy-v{version}"
+        folder = write_adapter(config, tensors, self.adapter_dir / name)
         body = {"lora_name": name, "lora_path": str(folder.resolve()), "load_inplace": True}
         self.pool.broadcast(lambda url: self.request(url, "POST", "/v1/load_lora_adapter", body,
                                                       timeout=self.sync_timeout))
-        return Loaded(weights.version, name, folder)
+        return Loaded(version, name, folder)
 
     def _unload(self, versions: Sequence[Loaded]) -> None:
         """Unload adapter versions no request uses any more, on every live server, and delete their folders."""
@@ -301,17 +329,11 @@ class VLLMServerRollout(VLLMBackend):
         files again when it needs them, so a folder goes only with its version); the servers keep running, and
         the next sync loads its version again."""
         with self._sync_lock:
+            with contextlib.suppress(Exception):  # a failed load was raised to the trainer already
+                self._await_load()
+            self._pending = None
             self._version = None
             self._unload(self.ledger.clear())
-
-
-def _caught(fn: Any, *args: Any) -> BaseException | None:
-    """Run ``fn(*args)``; the exception it raised, or None."""
-    try:
-        fn(*args)
-    except BaseException as exc:  # handed to the calling thread
-        return exc
-    return None
 
 
 def _completions(answer: dict[str, Any], n: int) -> list[Completion]:

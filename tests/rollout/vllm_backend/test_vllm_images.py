@@ -1,6 +1,7 @@
 """Prompts with images through vLLM, colocated and on a server (one engine and one server for the module): the
 sampler's log-probs equal the trainer's forward with the images, rows with other pictures under the same text read
-their own pictures, a row without images mixes in; families vLLM cannot serve here are refused with one line.
+their own pictures, a row without images mixes in; GRPO with rollouts ahead of training (one_step_off, async) on
+the server keeps each row's pictures; families vLLM cannot serve here are refused with one line.
 
 The model is the tiny LLaVA built with head dimension 32 (vLLM's CPU attention runs no smaller one).
 """
@@ -110,3 +111,34 @@ def test_models_vllm_cannot_serve_with_images_are_refused_in_one_line(family, he
     with pytest.raises(ConfigError, match=says) as err:
         VLLMColocatedRollout(str(path), load_tokenizer(None, processor), PARAMS, kv_cache_memory_bytes=32 * 2**20)
     assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_grpo_with_images_ahead_of_training_on_the_server(server, tmp_path, mode):
+    """Rollouts ahead of training carry each row's pictures to the server: at a learning rate too small to move
+    the log-probs, the sampler's equal the trainer's (the rows' pictures sent in reverse order: 0.25 apart), the
+    staleness stays within max_staleness, and the adapter trains."""
+    import json
+
+    from helpers import SMALL_RUN
+
+    from grpo_ascend import GRPOConfig, GRPOTrainer
+    from grpo_ascend.models.policy import default_lora_config
+    from grpo_ascend.vision.shapes_task import colour_code_reward, coloured_shapes_dataset
+
+    _, url, model = server
+    cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), "max_steps": 3, "temperature": 1.0,
+                        "learning_rate": 1e-6, "rollout_mode": mode, "max_staleness": 1, "use_vllm": True,
+                        "vllm_mode": "server", "vllm_server_base_url": [url], "vllm_server_timeout": 300})
+    trainer = GRPOTrainer(model, colour_code_reward, cfg, coloured_shapes_dataset(16, seed=3),
+                          peft_config=default_lora_config(r=8))
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if p.requires_grad}
+    try:
+        trainer.train()
+    finally:
+        trainer.rollout.backend.close()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    staleness = [r["async/staleness_max"] for r in rows]
+    assert len(staleness) == 3 and max(staleness) <= 1 and (mode == "async" or staleness[1:] == [1, 1])
+    assert max(r["sampling/sampling_logp_difference/max"] for r in rows) <= 1e-4
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.named_parameters() if n in before)

@@ -8,7 +8,9 @@ import torch
 
 from grpo_ascend.models.policy import CompletionLogprobs
 from grpo_ascend.rollout.backend import PolicyWeights
+from grpo_ascend.rollout.protocol import PromptRollout
 from grpo_ascend.rollout.sampling import SamplingParams
+from grpo_ascend.vision.inputs import RowVision
 
 #: Parity bound of the sampler's log-probs and the trainer's recomputed ones (fp32).
 PARITY = 1e-4
@@ -98,3 +100,32 @@ def vlm_lora_policy(model_dir, r: int = 8):
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
     return policy
+
+
+#: Sampling for the image parity rounds.
+IMAGE_PARAMS = SamplingParams(num_generations=3, max_completion_length=8, temperature=1.0, max_prompt_length=None)
+
+
+def check_rows_read_their_own_pictures(policy, batch, parity: float) -> None:
+    """Parity on every row, and the pictures matter: row 0's completions read under row 1's picture (same text)
+    get other log-probs, so a sampler that mixed the rows' pictures up would fail the parity."""
+    assert batch.prompt_ids.shape[0] == 12 and batch.vision.rows[9].num_images == 2
+    assert batch.vision.rows[6] is None or batch.vision.rows[6].num_images == 0  # the row without images
+    assert torch.equal(batch.prompt_ids[0], batch.prompt_ids[3])  # same text, other picture
+    assert max_error(policy, batch, 1.0) <= parity
+    swapped = RowVision([batch.vision.rows[3]] * 3 + batch.vision.rows[3:])
+    moved = (recomputed(policy, batch, 1.0, swapped) - recomputed(policy, batch, 1.0))[:3].abs().max()
+    assert float(moved) > STALE, float(moved)
+
+
+def run_rounds(backend, policy, processor, rounds: int = 2) -> list[float]:
+    """``rounds`` of: sync the adapter, sample the image rows, check them, train on them; the errors measured."""
+    rollout, versions, errors = PromptRollout(backend, processor=processor), Versions(), []
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(rounds):
+        backend.sync_weights(versions(policy))
+        batch = rollout.generate_rows(image_rows(), generator=generator)
+        check_rows_read_their_own_pictures(policy, batch, PARITY)
+        errors.append(max_error(policy, batch, 1.0))
+        train_steps(policy, batch, steps=1)
+    return errors

@@ -6,6 +6,11 @@ the engine (or server) starts. It touches vLLM's and transformers' module tables
   torchvision is missing (vLLM's CPU wheel: docs/vllm.md#install). Those modules are pointed at transformers'
   own PIL implementations of the same processors (the ones ``AutoImageProcessor`` picks without torchvision),
   so the model modules import; the images are still processed by the model folder's processor.
+* **Qwen2.5-VL without torchvision.** vLLM builds Qwen2.5-VL's processor (``Qwen2_5_VLProcessor``), whose video
+  processor needs torchvision, and asks it for its video settings. Where torchvision is missing, vLLM's
+  Qwen2.5-VL is registered in this process (so its model inspection runs here, with the twins above) and its
+  processing info builds our image-only processor (models/tiny_vlm_processors.py: the same image processor and
+  token expansion, no video part) and declares images as its only modality; a video request is refused by vLLM.
 * **LLaVA saved by transformers 5.** transformers 5 saves a LLaVA's CLIP tower as ``vision_tower.<part>`` (and
   names it ``model.vision_tower.<part>`` in memory, what a full weight sync sends), where vLLM 0.32 expects the
   hub layout ``vision_tower.vision_model.<part>``; LLaVA is registered with vLLM
@@ -51,6 +56,7 @@ def prepare_vllm_for_vision() -> None:
             return
         if not torchvision_available():
             _install_pil_twins()
+            _register_image_only_qwen2_5_vl()
         _register_llava()
         _done = True
 
@@ -79,3 +85,20 @@ def _register_llava() -> None:
             orig_to_new_regex={_CLIP_PARTS: r"vision_tower.vision_model.\1."})
 
     ModelRegistry.register_model("LlavaForConditionalGeneration", TransformersFiveLlava)
+
+
+def _register_image_only_qwen2_5_vl() -> None:
+    from vllm import ModelRegistry
+    from vllm.model_executor.models import qwen2_5_vl
+
+    from grpo_ascend.models.tiny_vlm_processors import image_only_qwen2_5_vl_processor
+
+    processor_class = image_only_qwen2_5_vl_processor()
+    info = qwen2_5_vl.Qwen2_5_VLProcessingInfo
+
+    def get_hf_processor(self, **kwargs: object) -> object:
+        return self.ctx.get_hf_processor(processor_class, **kwargs)
+
+    info.get_hf_processor = get_hf_processor
+    info.get_supported_mm_limits = lambda self: {"image": None}
+    ModelRegistry.register_model("Qwen2_5_VLForConditionalGeneration", qwen2_5_vl.Qwen2_5_VLForConditionalGeneration)

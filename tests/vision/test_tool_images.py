@@ -25,6 +25,7 @@ from grpo_ascend.models.tiny_vlm_tool_templates import use_tool_template
 from grpo_ascend.models.vision_language import load_processor
 from grpo_ascend.rollout.engine import RolloutEngine
 from grpo_ascend.rollout.multiturn import MultiTurnEngine, ToolSettings
+from grpo_ascend.rollout.process.client import ProcessBackend
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.tool_images import image_token_id
 from grpo_ascend.rollout.vllm.colocated import VLLMColocatedRollout
@@ -191,11 +192,13 @@ def _returning(value):
     return b
 
 
-def test_vllm_and_text_only_loops_refuse_a_processor(vlm):
+def test_vllm_process_and_text_only_loops_refuse_a_processor(vlm):
     model, processor = vlm
     settings = ToolSettings(Toolset([screenshot]), ToolExecutor(takes_images=True), parser="coin")
     with pytest.raises(ConfigError, match=r"built-in engine .* not on the VLLMColocatedRollout backend; set use_vllm: false"):
         MultiTurnEngine(object.__new__(VLLMColocatedRollout), settings, processor)
+    with pytest.raises(ConfigError, match=r"not on the ProcessBackend backend; set use_vllm: false and rollout_mode: sync"):
+        MultiTurnEngine(object.__new__(ProcessBackend), settings, processor)
     with pytest.raises(ConfigError, match="ToolExecutor\\(takes_images=True\\)"):
         MultiTurnEngine(RolloutEngine(model, load_tokenizer(model, processor)),
                         ToolSettings(Toolset([screenshot]), ToolExecutor(), parser="coin"), processor)

@@ -75,7 +75,7 @@ def tool_content(name: str, value: Any, max_chars: int | None, takes_images: boo
             except DataError as exc:
                 return ToolContent("", problem=(
                     f"tool {name!r} returned an image that cannot be decoded (content block {i}: "
-                    f"{type(raw).__name__} {raw!r:.40}; {str(exc).split(' (', 1)[-1].split(';')[0].rstrip(')')}); "
+                    f"{type(raw).__name__} {raw!r:.40}; {_reason(exc)}); "
                     "return a PIL image, an image file's path or its bytes"))
             blocks.append({"type": "image"})
         else:
@@ -85,8 +85,10 @@ def tool_content(name: str, value: Any, max_chars: int | None, takes_images: boo
     return ToolContent(blocks, tuple(images), truncated)
 
 
-def content_text(content: str | Sequence[Mapping[str, Any]]) -> str:
-    """A message content as text (image parts as ``<image>``), for logs and text-only readers."""
-    if isinstance(content, str):
-        return content
-    return "".join("<image>" if b.get("type") == "image" else str(b.get("text", "")) for b in content)
+def _reason(exc: DataError) -> str:
+    """Why :func:`~grpo_ascend.vision.images.decode_image` refused a value, without its dataset-row wording."""
+    text = str(exc)
+    _, found, rest = text.partition("cannot be decoded as an image (")
+    if found:
+        text = rest.rsplit("); fix", 1)[0]
+    return text.partition(": ")[2] if text.startswith("row ") else text

@@ -19,7 +19,7 @@ from torch import nn
 
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models.policy import CompletionLogprobs, load_causal_lm, load_tokenizer
+from grpo_ascend.models.policy import CompletionLogprobs, default_lora_config, load_causal_lm, load_tokenizer
 from grpo_ascend.models.tiny_vlm import build_tiny_vlm
 from grpo_ascend.models.tiny_vlm_tool_templates import use_tool_template
 from grpo_ascend.models.vision_language import load_processor
@@ -146,13 +146,14 @@ def test_grpo_step_trains_rows_with_and_without_tool_images(vlm, tmp_path):
         return [float(len(str(c))) for c in completions]
 
     trainer = GRPOTrainer(copy.deepcopy(model), reward, config, Dataset.from_list(rows), processing_class=processor,
-                          tools=[screenshot])
+                          tools=[screenshot], peft_config=default_lora_config(r=4))
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters() if p.requires_grad}
     trainer.train()
     record = next(r for r in trainer.state.log_history if "loss" in r)
     images = [sum(1 for m in c if m["role"] == "tool" and m["content"][0] == {"type": "image"}) for c in seen]
     assert len(seen) == 8 and 0 in images and max(images) > 0  # rows with and without tool images in the step
     assert record["tools/calls"] > 0 and record["tools/failed_calls"] == 0
+    assert abs(record["ratio/mean"] - 1.0) < 1e-5  # one micro-batch before the update: the trainer's = the sampler's
     changed = [n for n, p in trainer.policy.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert changed and torch.isfinite(torch.tensor(record["loss"]))
 
@@ -172,6 +173,9 @@ def test_bad_tool_image_and_text_only_model_get_one_line(tiny_model_dir):
     assert result.failure == "bad_output" and "\n" not in result.content
     assert result.content.startswith("Error: tool 'broken' returned an image that cannot be decoded (content block 0")
     assert "return a PIL image, an image file's path or its bytes" in result.content
+    with ToolExecutor(takes_images=True) as executor:
+        (result,), = executor.run([ParsedTurn("", [ToolCall("b", {})])], Toolset([_returning([{"type": "image", "image": 3}])]))
+    assert result.failure == "bad_output" and "(content block 0: int 3; expected a PIL image" in result.content
     with ToolExecutor() as executor:  # a text-only model's executor
         (result,), = executor.run([ParsedTurn("", [ToolCall("screenshot", {"shade": 2})])], Toolset([screenshot]))
     assert result.failure == "bad_output" and "\n" not in result.content

@@ -131,6 +131,37 @@ def test_sampler_and_trainer_logprobs_agree_with_tool_images(vlm):
         finally:
             model.gradient_checkpointing_disable()
         assert (logps - batch.sampling_logprobs)[generated].abs().max() < 1e-5
+        checked = [_against_transformers(model, batch, i) for i, t in enumerate(batch.vision.tool) if t is not None]
+    assert any(checked)
+
+
+def _against_transformers(model, batch, row: int) -> bool:
+    """Row ``row``'s sampling log-probs against transformers' own forward over prompt + completion with every image
+    (the model fills every image token and numbers positions itself), up to the first image token the policy
+    sampled (transformers would read it as a slot); False when that leaves nothing after the tool images."""
+    prompt, tool = batch.vision.rows[row], batch.vision.tool[row]
+    p_ids = batch.prompt_ids[row][batch.prompt_mask[row].bool()]
+    n = int(batch.completion_mask[row].sum())
+    c_ids = batch.completion_ids[row, :n]
+    token = model.config.image_token_id if hasattr(model.config, "image_token_id") else model.config.image_token_index
+    sampled = ((c_ids == token) & batch.tool_mask[row, :n].bool()).nonzero()
+    n = int(sampled[0]) if len(sampled) else n
+    if n <= max(tool.columns) + 1:
+        return False
+    ids = torch.cat([p_ids, c_ids[:n]])[None]
+    inputs = {k: torch.cat([prompt.per_image[k], tool.per_image[k]]) if k in prompt.per_image else tool.per_image[k]
+              for k in tool.per_image}
+    if "mm_token_type_ids" in prompt.per_token:
+        types = torch.zeros_like(ids)
+        types[0, : len(p_ids)] = prompt.per_token["mm_token_type_ids"]
+        types[0, len(p_ids) + torch.tensor(tool.columns)] = 1
+        inputs["mm_token_type_ids"] = types
+        model.model.rope_deltas = None
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs).logits[0, len(p_ids) - 1 : -1]
+    reference = torch.log_softmax(logits.float(), -1).gather(1, c_ids[:n, None]).squeeze(1)
+    generated = batch.tool_mask[row, :n].bool()
+    assert (batch.sampling_logprobs[row, :n] - reference)[generated].abs().max() < 1e-5
+    return True
 
 
 def test_grpo_step_trains_rows_with_and_without_tool_images(vlm, tmp_path):
@@ -158,7 +189,7 @@ def test_grpo_step_trains_rows_with_and_without_tool_images(vlm, tmp_path):
     assert changed and torch.isfinite(torch.tensor(record["loss"]))
 
 
-def test_bad_tool_image_and_text_only_model_get_one_line(tiny_model_dir):
+def test_bad_tool_image_and_text_only_model_get_one_line(tmp_path):
     def broken(x: int) -> list:
         """Broken.
 
@@ -186,6 +217,19 @@ def test_bad_tool_image_and_text_only_model_get_one_line(tiny_model_dir):
         (result,), = executor.run([ParsedTurn("", [ToolCall("b", {})])],
                                   Toolset([_returning([{"type": "image", "image": buffer.getvalue()}])]))
     assert result.ok and result.images[0].size == (28 + 14, 28)
+    shot_image(2).save(tmp_path / "shot.png")
+    with ToolExecutor(takes_images=True) as executor:  # a file path
+        (result,), = executor.run([ParsedTurn("", [ToolCall("b", {})])],
+                                  Toolset([_returning([{"type": "image", "image": str(tmp_path / "shot.png")}])]))
+    assert result.ok and result.images[0].size == (28 + 28, 28)
+
+
+def test_tool_image_tokens_count_against_max_completion_length(vlm):
+    model, processor = vlm
+    batch = _rollout(model, processor, length=24)  # a response with an image is 44-48 tokens: it never fits
+    assert batch.vision.tool == [None] * len(batch.vision.tool)
+    assert batch.tool_metrics["tools/length_limited"] > 0 and batch.completion_mask.sum(1).max() <= 24
+    assert all(batch.truncated[i] for i, m in enumerate(batch.messages) if "tool_calls" in m[-1])
 
 
 def _returning(value):

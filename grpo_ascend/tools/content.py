@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo_ascend.errors import DataError
+from grpo_ascend.vision.images import decode_image
 
 #: The keys an image block may hold its image under (TRL / transformers chat content).
 IMAGE_KEYS = ("image", "url", "path", "image_url")
@@ -42,6 +43,14 @@ class ToolContent:
     problem: str | None = None
 
 
+def truncate_output(text: str, max_chars: int | None) -> tuple[str, bool]:
+    """``text`` cut to ``max_chars`` characters with a note saying how much was dropped."""
+    if max_chars is None or len(text) <= max_chars:
+        return text, False
+    dropped = len(text) - max_chars
+    return f"{text[:max_chars]}\n... [output truncated: {dropped} more characters]", True
+
+
 def _block_image(block: Mapping[str, Any]) -> Any:
     for key in IMAGE_KEYS:
         if block.get(key) is not None:
@@ -53,9 +62,6 @@ def _block_image(block: Mapping[str, Any]) -> Any:
 def tool_content(name: str, value: Any, max_chars: int | None, takes_images: bool) -> ToolContent:
     """``value`` (what tool ``name`` returned) as message content; see the module docstring. ``takes_images``:
     whether the model reads images (a text-only model's tool returning one gets ``problem`` set)."""
-    from grpo_ascend.tools.execution import truncate_output
-    from grpo_ascend.vision.images import decode_image
-
     if not is_content_blocks(value):
         text, cut = truncate_output(value if isinstance(value, str) else str(value), max_chars)
         return ToolContent(text, (), cut)

@@ -66,14 +66,6 @@ class ToolResult:
         return {"role": "tool", "name": self.name, "content": self.content}
 
 
-def truncate_output(text: str, max_chars: int | None) -> tuple[str, bool]:
-    """``text`` cut to ``max_chars`` characters with a note saying how much was dropped."""
-    if max_chars is None or len(text) <= max_chars:
-        return text, False
-    dropped = len(text) - max_chars
-    return f"{text[:max_chars]}\n... [output truncated: {dropped} more characters]", True
-
-
 def _type_ok(value: Any, spec: dict[str, Any]) -> bool:
     types = spec.get("type")
     if value is None and spec.get("nullable"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import io
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,10 +27,11 @@ from grpo_ascend.models.vision_language import load_processor
 from grpo_ascend.rollout.engine import RolloutEngine
 from grpo_ascend.rollout.multiturn import MultiTurnEngine, ToolSettings
 from grpo_ascend.rollout.process.client import ProcessBackend
+from grpo_ascend.rollout.row_rollouts import build_tool_rollout
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.tool_images import image_token_id
 from grpo_ascend.rollout.vllm.colocated import VLLMColocatedRollout
-from grpo_ascend.tools import ToolExecutor, Toolset
+from grpo_ascend.tools import EnvironmentPool, ToolExecutor, Toolset
 from grpo_ascend.tools.parsing import TOOL_CALL_PARSERS, ParsedTurn, ToolCall, register_tool_call_parser
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -162,6 +164,44 @@ def _against_transformers(model, batch, row: int) -> bool:
     generated = batch.tool_mask[row, :n].bool()
     assert (batch.sampling_logprobs[row, :n] - reference)[generated].abs().max() < 1e-5
     return True
+
+
+class Screen:
+    """An environment whose observation differs per instance, so a group's rows are prefilled one by one."""
+
+    made = 0
+
+    def reset(self, **row) -> str:
+        Screen.made += 1
+        return f" Screen {Screen.made}."
+
+    def screenshot(self, shade: int) -> list:
+        """Take a screenshot.
+
+        Args:
+            shade: The grey level.
+        """
+        return screenshot(shade)
+
+
+def test_environments_with_images_prefill_rows_one_by_one_and_agree(vlm):
+    model, processor = vlm
+    args = SimpleNamespace(chat_template_kwargs=None, tool_timeout=10, tool_max_output_chars=4096,
+                           tool_call_parser="coin", max_tool_calling_iterations=2)
+    params = SamplingParams(num_generations=4, max_completion_length=160, max_prompt_length=512)
+    tokenizer = load_tokenizer(model, processor)
+    rollout = build_tool_rollout(RolloutEngine(model, tokenizer, params), tokenizer, args, Toolset(),
+                                 EnvironmentPool(Screen), processor)
+    rows = [{"prompt": PROMPTS[0], "image": Image.new("RGB", (40, 30), (0, 200, 0))}, {"prompt": PROMPTS[1]}]
+    batch = rollout.generate_rows(rows, generator=torch.Generator().manual_seed(2))
+    vision = batch.vision
+    assert [v.num_images for v in vision.rows] == [1] * 4 + [0] * 4 and vision.rows[0] is not vision.rows[1]
+    assert vision.any_tool_images and len({t for t in batch.prompt_texts}) == 8  # every row its own observation
+    inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask, vision)
+    with torch.no_grad():
+        logps, _ = CompletionLogprobs(model)(*inputs)
+    generated = (batch.completion_mask * batch.tool_mask).bool()
+    assert (logps - batch.sampling_logprobs)[generated].abs().max() < 1e-5
 
 
 def test_grpo_step_trains_rows_with_and_without_tool_images(vlm, tmp_path):

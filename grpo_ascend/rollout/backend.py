@@ -38,6 +38,15 @@ from grpo_ascend.rollout.prompts import Prompt, PromptEncoder
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.vision.inputs import PromptImages, RowVision, ToolImages
 
+#: What to use instead, for a backend that cannot run a vision-language model's tool loop.
+USE_BUILTIN_FOR_TOOL_IMAGES = "set use_vllm: false and rollout_mode: sync (the built-in engine in the trainer's process)"
+
+
+def tool_images_refused(backend: RolloutBackend) -> str:
+    """The line a backend without multi-turn image support answers a vision-language model's tools with."""
+    return (f"tools with a vision-language model (prompt or tool images in a multi-turn rollout) are not supported on "
+            f"the {type(backend).__name__} backend; " + USE_BUILTIN_FOR_TOOL_IMAGES)
+
 
 def images_refused(backend: RolloutBackend) -> str:
     """The line a backend that takes no images answers prompts with images with."""
@@ -155,10 +164,13 @@ class RolloutSession(ABC):
         """Continue every running row until some stop; the rows that stopped (empty: none is left)."""
 
     @abstractmethod
-    def append(self, row: int, token_ids: Sequence[int], images: ToolImages | None = None) -> None:
-        """Add tokens the policy did not generate to paused ``row`` (out of the log-probs); it continues.
-        ``images``: the images among them (columns from ``token_ids``' start), for a backend that
-        :attr:`RolloutBackend.takes_tool_images`."""
+    def append(self, row: int, token_ids: Sequence[int]) -> None:
+        """Add tokens the policy did not generate to paused ``row`` (out of the log-probs); it continues."""
+
+    def append_with_images(self, row: int, token_ids: Sequence[int], images: ToolImages) -> None:
+        """As :meth:`append`, ``images`` being the tool images among the tokens (columns from ``token_ids``' start);
+        only sessions of a backend that :attr:`RolloutBackend.takes_tool_images` implement it."""
+        raise ConfigError(f"the {type(self).__name__} session cannot take a tool's images; " + USE_BUILTIN_FOR_TOOL_IMAGES)
 
     @abstractmethod
     def output(self) -> SessionOutput:
@@ -229,8 +241,8 @@ class RolloutBackend(ABC):
     samples_policy_module: ClassVar[bool] = False
     #: True when :meth:`generate_with_images` feeds prompts' images to the model.
     takes_images: ClassVar[bool] = False
-    #: True when :meth:`start_session` takes prompts' images and its sessions take tool images at
-    #: :meth:`RolloutSession.append` (multi-turn tool rollouts of a vision-language model).
+    #: True when :meth:`start_image_session` works and its sessions take tool images
+    #: (:meth:`RolloutSession.append_with_images`): multi-turn tool rollouts of a vision-language model.
     takes_tool_images: ClassVar[bool] = False
 
     @property
@@ -297,6 +309,14 @@ class RolloutBackend(ABC):
         generator: torch.Generator | None = None,
     ) -> RolloutSession:
         """A :class:`RolloutSession` over ``num_generations`` rows per prompt (stop strings unsupported)."""
+
+    def start_image_session(
+        self, prompt_ids: Sequence[Sequence[int]], images: Sequence[PromptImages | None],
+        params: SamplingParams | None = None, generator: torch.Generator | None = None,
+    ) -> RolloutSession:
+        """As :meth:`start_session`, each prompt's image inputs encoded with it; only backends that
+        :attr:`takes_tool_images` implement it."""
+        raise ConfigError(tool_images_refused(self))
 
     @abstractmethod
     def sync_weights(self, weights: PolicyWeights) -> None:

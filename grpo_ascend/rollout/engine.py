@@ -280,10 +280,17 @@ class RolloutEngine(RolloutBackend):
 
     def start_session(
         self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,
-        generator: torch.Generator | None = None, images: Sequence[PromptImages | None] | None = None,
+        generator: torch.Generator | None = None,
     ) -> BuiltinSession:
-        """Contexts continued until a stop, on this engine's prefill and decode state (one cache, never re-prefilled);
-        ``images``: each prompt's image inputs, encoded once in its prefill."""
+        """Contexts continued until a stop, on this engine's prefill and decode state (one cache, never re-prefilled)."""
+        params = self.checked(params)
+        return BuiltinSession(self, prompt_ids, params, self.sampling_generator(params, generator))
+
+    def start_image_session(
+        self, prompt_ids: Sequence[Sequence[int]], images: Sequence[PromptImages | None],
+        params: SamplingParams | None = None, generator: torch.Generator | None = None,
+    ) -> BuiltinSession:
+        """As :meth:`start_session`, each prompt's images encoded once in its prefill; its rows take tool images."""
         params = self.checked(params)
         return BuiltinSession(self, prompt_ids, params, self.sampling_generator(params, generator), images)
 

@@ -19,9 +19,9 @@ processor (:mod:`grpo_ascend.rollout.tool_images`) and fed on the row's cache wi
 (:mod:`grpo_ascend.rollout.session`); the batch's ``vision`` holds each row's prompt and tool images in order.
 
 Limits: ``max_completion_length`` counts generated and tool tokens together, a tool image's tokens
-included (a tool response that does not fit ends the row as truncated); ``max_tool_calling_iterations`` tool steps per row
-(a turn with calls past the limit ends the row, its calls not run); tool output truncation is the
-executor's ``max_output_chars``.
+included (a tool response that does not fit ends the row as truncated); ``max_tool_calling_iterations``
+tool steps per row (a turn with calls past the limit ends the row, its calls not run); tool output
+truncation is the executor's ``max_output_chars``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,14 @@ from typing import Any
 import torch
 
 from grpo_ascend.errors import ConfigError, DataError
-from grpo_ascend.rollout.backend import RolloutBackend, RolloutBatch, RolloutSession, SessionOutput, TurnEnd
+from grpo_ascend.rollout.backend import (
+    RolloutBackend,
+    RolloutBatch,
+    RolloutSession,
+    SessionOutput,
+    TurnEnd,
+    tool_images_refused,
+)
 from grpo_ascend.rollout.image_prompts import VisionPromptEncoder
 from grpo_ascend.rollout.prompts import Prompt, check_prompts
 from grpo_ascend.rollout.sampling import SamplingParams
@@ -45,13 +52,6 @@ from grpo_ascend.tools.parsing import get_tool_call_parser
 from grpo_ascend.tools.toolset import Toolset
 from grpo_ascend.tools.turns import run_tool_step
 from grpo_ascend.vision.inputs import PromptImages, RowVision
-
-
-def tool_images_refused(backend: RolloutBackend) -> str:
-    """The line a backend without multi-turn image support answers a vision-language model's tools with."""
-    return (f"tools with a vision-language model (prompt or tool images in a multi-turn rollout) run on the built-in "
-            f"engine in the trainer's process only, not on the {type(backend).__name__} backend; set use_vllm: false "
-            "and rollout_mode: sync")
 
 
 @dataclass
@@ -148,7 +148,7 @@ class MultiTurnEngine:
         if self._vision is not None:
             pictures = images if images is not None else [[] for _ in prompts]
             encoded, prompt_images = self._vision.encode(prompts, pictures, params, kwargs, tools=schemas)
-            session = self.backend.start_session(encoded.ids, params, generator, images=prompt_images)  # type: ignore[call-arg]
+            session = self.backend.start_image_session(encoded.ids, prompt_images, params, generator)
         else:
             encoded = self.backend.prompts.encode(prompts, params, tools=schemas, chat_template_kwargs=kwargs)
             session = self.backend.start_session(encoded.ids, params, generator)
@@ -252,7 +252,7 @@ class MultiTurnEngine:
                 loop.truncated[end.row] = True
                 continue
             if images is not None:
-                session.append(end.row, suffix, images=images)
+                session.append_with_images(end.row, suffix, images)
             else:
                 session.append(end.row, suffix)
             row.iterations += 1

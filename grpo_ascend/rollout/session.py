@@ -96,9 +96,12 @@ class BuiltinSession(RolloutSession):
             if not self._resume():
                 return []
 
+    def append_with_images(self, row: int, token_ids: Sequence[int], images: ToolImages) -> None:
+        """As :meth:`append`, ``images`` being the tool images among the tokens (see the module docstring)."""
+        self.append(row, token_ids, images)
+
     def append(self, row: int, token_ids: Sequence[int], images: ToolImages | None = None) -> None:
-        """Add ``token_ids`` to paused ``row`` (log-prob 0, not generated); it continues at the next advance.
-        ``images``: the tool images among them (see the module docstring)."""
+        """Add ``token_ids`` to paused ``row`` (log-prob 0, not generated); it continues at the next advance."""
         if row not in self.paused or row in self.resumed:
             raise ConfigError(f"row {row} is not paused: append to rows the last advance() returned, once each")
         pos, n = self.host_pos[row], len(token_ids)

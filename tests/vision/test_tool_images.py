@@ -283,10 +283,12 @@ def _returning(value):
 def test_vllm_process_and_text_only_loops_refuse_a_processor(vlm):
     model, processor = vlm
     settings = ToolSettings(Toolset([screenshot]), ToolExecutor(takes_images=True), parser="coin")
-    with pytest.raises(ConfigError, match=r"built-in engine .* not on the VLLMColocatedRollout backend; set use_vllm: false"):
+    with pytest.raises(ConfigError, match=r"not supported on the VLLMColocatedRollout backend; set use_vllm: false"):
         MultiTurnEngine(object.__new__(VLLMColocatedRollout), settings, processor)
-    with pytest.raises(ConfigError, match=r"not on the ProcessBackend backend; set use_vllm: false and rollout_mode: sync"):
+    with pytest.raises(ConfigError, match=r"not supported on the ProcessBackend backend; set use_vllm: false and rollout_mode: sync"):
         MultiTurnEngine(object.__new__(ProcessBackend), settings, processor)
+    with pytest.raises(ConfigError, match="VLLMColocatedRollout backend; set use_vllm: false"):
+        object.__new__(VLLMColocatedRollout).start_image_session([[1]], [None])
     with pytest.raises(ConfigError, match="ToolExecutor\\(takes_images=True\\)"):
         MultiTurnEngine(RolloutEngine(model, load_tokenizer(model, processor)),
                         ToolSettings(Toolset([screenshot]), ToolExecutor(), parser="coin"), processor)

@@ -34,6 +34,7 @@ from grpo_ascend.models.vision_language import (
     takes_processor_images,
 )
 from grpo_ascend.models.wrappers import is_peft
+from grpo_ascend.vision.completion_images import completion_inputs, prompt_embeddings
 from grpo_ascend.vision.inputs import RowVision
 from grpo_ascend.vision.positions import completion_positions, image_placeholders, joined, prompt_positions
 
@@ -203,17 +204,25 @@ def completion_hidden_states(
     images are then encoded once for its rows, and positions follow the model's numbering of image tokens.
     Completions always run as a second call then, as the sampler ran them: an image token a completion
     sampled is a plain token there, not a slot for image features (under activation checkpointing, which
-    needs one call, such a token reads the padding token's embedding instead).
+    needs one call, such a token reads the padding token's embedding instead). Images a tool returned (``vision``'s
+    tool images) take their features at their own completion columns only, with the sampler's positions; with
+    them, the one-call path embeds prompt and completion itself, so a sampled image token stays a plain token.
     """
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
     if vision is not None and not vision.any_images:
         vision = None
+    completion_embeds = None  # the completions' embeddings when tools returned images (vision/completion_images.py)
     if vision is None:
         positions = position_ids_from_mask(mask)
     else:
         grids = vision.forward_kwargs(None, prompt_mask, pixels=False)  # every row's: no copy of G rows' pixels
         prompt_pos, next_pos = prompt_positions(backbone, prompt_ids, prompt_mask, grids)
-        positions = joined(prompt_pos, completion_positions(next_pos, completion_mask))
+        if vision.any_tool_images:
+            completion_embeds, completion_pos = completion_inputs(backbone, completion_ids, completion_mask, next_pos,
+                                                                  vision.tool)
+        else:
+            completion_pos = completion_positions(next_pos, completion_mask)
+        positions = joined(prompt_pos, completion_pos)
     runs = None
     if (share_prompts or vision is not None) and completion_ids.shape[1] > 0 and not activation_checkpointing_on(backbone):
         runs = shared_prompt_rows(prompt_ids, prompt_mask, vision)
@@ -221,6 +230,11 @@ def completion_hidden_states(
             every = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
             runs = (every, every)
     width = prompt_ids.shape[1]
+    if runs is None and completion_embeds is not None:
+        embeds = torch.cat([prompt_embeddings(backbone, prompt_ids, prompt_mask, vision), completion_embeds], dim=1)
+        hidden = backbone(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                          use_cache=False).last_hidden_state
+        return hidden[:, width - 1 : width - 1 + completion_ids.shape[1]]
     if runs is None:
         images = {}
         if vision is not None:
@@ -240,9 +254,9 @@ def completion_hidden_states(
         position_ids=positions.index_select(-2, first)[..., :width], use_cache=True, **{cache_kwarg: cache}, **images,
     ).last_hidden_state
     _select_cache_rows(cache, row_run)
+    tokens = {"input_ids": completion_ids} if completion_embeds is None else {"inputs_embeds": completion_embeds}
     completion = backbone(
-        input_ids=completion_ids, attention_mask=mask, position_ids=positions[..., width:],
-        use_cache=True, **{cache_kwarg: cache},
+        **tokens, attention_mask=mask, position_ids=positions[..., width:], use_cache=True, **{cache_kwarg: cache},
     ).last_hidden_state
     # Token t of a completion is predicted from position t-1: the prompt's last for t = 0.
     return torch.cat([prefill[:, -1:].index_select(0, row_run), completion[:, :-1]], dim=1)

@@ -38,7 +38,16 @@ from torch import Tensor, nn
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.prompts import Prompt, PromptEncoder
 from grpo_ascend.rollout.sampling import SamplingParams
-from grpo_ascend.vision.inputs import PromptImages, RowVision
+from grpo_ascend.vision.inputs import PromptImages, RowVision, ToolImages
+
+#: What to use instead, for a backend that cannot run a vision-language model's tool loop.
+USE_BUILTIN_FOR_TOOL_IMAGES = "set use_vllm: false and rollout_mode: sync (the built-in engine in the trainer's process)"
+
+
+def tool_images_refused(backend: RolloutBackend) -> str:
+    """The line a backend without multi-turn image support answers a vision-language model's tools with."""
+    return (f"tools with a vision-language model (prompt or tool images in a multi-turn rollout) are not supported on "
+            f"the {type(backend).__name__} backend; " + USE_BUILTIN_FOR_TOOL_IMAGES)
 
 
 def images_refused(backend: RolloutBackend) -> str:
@@ -136,6 +145,8 @@ class SessionOutput:
     decode_batch_sizes: list[int] = field(default_factory=list)
     #: [N, W] the policy version that sampled each token (an appended token takes its turn's), None: not tracked.
     policy_versions: Tensor | None = None
+    #: Each row's tool images (completion columns), None per row without; empty: no row has any.
+    tool_images: list[ToolImages | None] = field(default_factory=list)
 
 
 class RolloutSession(ABC):
@@ -157,6 +168,11 @@ class RolloutSession(ABC):
     @abstractmethod
     def append(self, row: int, token_ids: Sequence[int]) -> None:
         """Add tokens the policy did not generate to paused ``row`` (out of the log-probs); it continues."""
+
+    def append_with_images(self, row: int, token_ids: Sequence[int], images: ToolImages) -> None:
+        """As :meth:`append`, ``images`` being the tool images among the tokens (columns from ``token_ids``' start);
+        only sessions of a backend that :attr:`RolloutBackend.takes_tool_images` implement it."""
+        raise ConfigError(f"the {type(self).__name__} session cannot take a tool's images; " + USE_BUILTIN_FOR_TOOL_IMAGES)
 
     @abstractmethod
     def output(self) -> SessionOutput:
@@ -227,6 +243,9 @@ class RolloutBackend(ABC):
     samples_policy_module: ClassVar[bool] = False
     #: True when :meth:`generate_with_images` feeds prompts' images to the model.
     takes_images: ClassVar[bool] = False
+    #: True when :meth:`start_image_session` works and its sessions take tool images
+    #: (:meth:`RolloutSession.append_with_images`): multi-turn tool rollouts of a vision-language model.
+    takes_tool_images: ClassVar[bool] = False
 
     @property
     def backend(self) -> RolloutBackend:
@@ -292,6 +311,14 @@ class RolloutBackend(ABC):
         generator: torch.Generator | None = None,
     ) -> RolloutSession:
         """A :class:`RolloutSession` over ``num_generations`` rows per prompt (stop strings unsupported)."""
+
+    def start_image_session(
+        self, prompt_ids: Sequence[Sequence[int]], images: Sequence[PromptImages | None],
+        params: SamplingParams | None = None, generator: torch.Generator | None = None,
+    ) -> RolloutSession:
+        """As :meth:`start_session`, each prompt's image inputs encoded with it; only backends that
+        :attr:`takes_tool_images` implement it."""
+        raise ConfigError(tool_images_refused(self))
 
     @abstractmethod
     def sync_weights(self, weights: PolicyWeights) -> None:

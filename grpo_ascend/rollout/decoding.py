@@ -19,9 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from grpo_ascend.errors import ConfigError
 from grpo_ascend.length_buckets import round_up
 from grpo_ascend.rollout.kv_cache import BucketedKVCache
 from grpo_ascend.rollout.sampling import SamplingParams, next_tokens
+from grpo_ascend.vision.completion_images import Placement, segment_inputs
+from grpo_ascend.vision.inputs import ToolImages
 
 #: ``forward(input_ids, attention_mask, position_ids, cache, model=None) -> last-position logits [B, V]``
 Forward = Callable[..., Tensor]
@@ -62,18 +65,20 @@ class DecodeBatch:
 
     ``logits`` [P*G, V] are the rows' next-token logits; ``cache`` holds ``prompt_width`` prompt
     columns and room for ``completion_width`` more; ``decode_model`` runs one-token steps (the
-    compiled model when asked), ``forward`` every step.
+    compiled model when asked), ``forward`` every step. ``image_model``: the transformers model that embeds fed
+    tokens and images (a feed with tool images, vision/completion_images.py); None: the model reads no images.
     """
 
     def __init__(
         self, *, prompts: PromptBatch, params: SamplingParams, generator: torch.Generator | None, pad: int,
         stop_ids: list[int], cache: BucketedKVCache, logits: Tensor, completion_width: int, bucket: int,
-        forward: Forward, decode_model: nn.Module | None, compact: bool = True,
+        forward: Forward, decode_model: nn.Module | None, compact: bool = True, image_model: nn.Module | None = None,
     ) -> None:
         group = params.num_generations
         dev = logits.device
         self.prompts, self.params, self.generator, self.pad = prompts, params, generator, pad
         self.cache, self.forward, self.decode_model, self.compacting = cache, forward, decode_model, compact
+        self.image_model = image_model
         self.group, self.bucket = group, bucket
         self.prompt_width, self.completion_width = prompts.ids.shape[1], completion_width
         self.n_rows = len(prompts.lengths) * group
@@ -149,12 +154,19 @@ class DecodeBatch:
         self.positions = self.positions + 1
         self.col += 1
 
-    def feed(self, feeds: Sequence[Sequence[int]]) -> None:
-        """Feed each row its tokens (left-padded to the longest; the cache grows when they outrun it)."""
+    def feed(self, feeds: Sequence[Sequence[int]], images: Sequence[ToolImages | None] | None = None) -> None:
+        """Feed each row its tokens (left-padded to the longest; the cache grows when they outrun it).
+
+        ``images``: per batch row, the tool images among its fed tokens (columns counted from its first fed
+        token), or None. Their features go at those tokens and a multimodal-rotary model numbers them over their
+        grid (vision/completion_images.py); the row's next position then moves by that numbering's span.
+        """
         width = max(len(f) for f in feeds)
         if self.col + width > self.cache.capacity:
             self._grow(round_up(self.col + width + self.params.max_completion_length, self.bucket))
-        if width == 1:
+        placements = [Placement(i, tuple(width - len(feeds[i]) + c for c in t.columns), t.per_image)
+                      for i, t in enumerate(images or ()) if t is not None and t.num_images > 0]
+        if width == 1 and not placements:
             self.step()
             return
         dev = self.attn.device
@@ -163,6 +175,9 @@ class DecodeBatch:
         offsets = torch.arange(width, device=dev).unsqueeze(0) - (width - n_fed).unsqueeze(1)
         real = offsets >= 0
         self.attn[:, self.col : self.col + width] = real
+        if placements:
+            self._feed_images(step_ids, real, placements)
+            return
         step_pos = self.positions.unsqueeze(1) + offsets.clamp_min(0)
         self.positions = self.positions + n_fed
         if self.cache.recurrent_layers:
@@ -171,6 +186,17 @@ class DecodeBatch:
         view = self.cache.view_length(self.col + width)
         self.logits = self.forward(step_ids, self.attn[:, :view], step_pos, self.cache)
         self.col += width
+
+    def _feed_images(self, step_ids: Tensor, real: Tensor, placements: list[Placement]) -> None:
+        """A feed holding tool images: one forward over their embeddings and positions (see :meth:`feed`)."""
+        if self.image_model is None or self.cache.recurrent_layers:
+            raise ConfigError("tool images can be fed only to a vision-language model with attention layers only; "
+                              "return text from the tool for this model")
+        embeds, step_pos, spans = segment_inputs(self.image_model, step_ids, real, self.positions, placements)
+        self.positions = self.positions + spans.to(self.positions.device)
+        view = self.cache.view_length(self.col + step_ids.shape[1])
+        self.logits = self.forward(step_ids, self.attn[:, :view], step_pos, self.cache, embeds=embeds)
+        self.col += step_ids.shape[1]
 
     def _feed_by_column(self, step_ids: Tensor, real: Tensor, step_pos: Tensor) -> None:
         """A hybrid decoder's feed, one column per forward: a padding column would advance a row's recurrent state

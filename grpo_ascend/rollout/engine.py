@@ -80,6 +80,7 @@ class RolloutEngine(RolloutBackend):
 
     samples_policy_module = True
     takes_images = True
+    takes_tool_images = True
 
     def __init__(
         self,
@@ -205,12 +206,13 @@ class RolloutEngine(RolloutBackend):
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: BucketedKVCache,
-        model: nn.Module | None = None, images: Mapping[str, Tensor] | None = None,
+        model: nn.Module | None = None, images: Mapping[str, Tensor] | None = None, embeds: Tensor | None = None,
     ) -> Tensor:
         """One forward (of ``model``, default the engine's) with the cache; the last position's logits [B, V].
-        ``images``: the prompts' image inputs (a prefill of prompts with images)."""
+        ``images``: the prompts' image inputs (a prefill of prompts with images); ``embeds``: the input embeddings
+        to use instead of ``input_ids``' (a fed segment holding tool images)."""
         kwargs = {
-            "input_ids": input_ids,
+            **({"inputs_embeds": embeds} if embeds is not None else {"input_ids": input_ids}),
             "attention_mask": attention_mask,
             "position_ids": position_ids,
             self._cache_kwarg: cache,
@@ -284,6 +286,14 @@ class RolloutEngine(RolloutBackend):
         params = self.checked(params)
         return BuiltinSession(self, prompt_ids, params, self.sampling_generator(params, generator))
 
+    def start_image_session(
+        self, prompt_ids: Sequence[Sequence[int]], images: Sequence[PromptImages | None],
+        params: SamplingParams | None = None, generator: torch.Generator | None = None,
+    ) -> BuiltinSession:
+        """As :meth:`start_session`, each prompt's images encoded once in its prefill; its rows take tool images."""
+        params = self.checked(params)
+        return BuiltinSession(self, prompt_ids, params, self.sampling_generator(params, generator), images)
+
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Nothing to copy: the engine runs the policy module itself."""
         return None
@@ -328,6 +338,7 @@ class RolloutEngine(RolloutBackend):
             generator=generator,
             pad=self.pad_token_id, stop_ids=stop_token_list(params, self.eos_token_ids), cache=cache, logits=logits,
             completion_width=lc, bucket=bucket, forward=self.forward, decode_model=decode_model, compact=self.compact,
+            image_model=self._base,
         )
 
     def _rollout(

@@ -48,16 +48,20 @@ class VisionPromptEncoder:
         self.processor = processor
 
     def encode(self, prompts: Sequence[Prompt], images: Sequence[Sequence[Any]], params: SamplingParams,
-               chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[EncodedPrompts, list[PromptImages]]:
-        """Token ids, rendered texts and image inputs of each prompt (``images``: each prompt's PIL images)."""
+               chat_template_kwargs: Mapping[str, Any] | None = None,
+               tools: Sequence[Sequence[Mapping[str, Any]] | None] | None = None,
+               ) -> tuple[EncodedPrompts, list[PromptImages]]:
+        """Token ids, rendered texts and image inputs of each prompt (``images``: each prompt's PIL images;
+        ``tools``: one tool schema list per prompt, for the chat template)."""
         check_prompts(prompts)
         kwargs = dict((chat_template_kwargs if chat_template_kwargs is not None else params.chat_template_kwargs) or {})
         ids, texts, inputs = [], [], []
         for i, (prompt, pictures) in enumerate(zip(prompts, images)):
             if pictures or not isinstance(prompt, str):
                 messages = with_image_parts(prompt, len(pictures), i)
+                schemas = {"tools": tools[i]} if tools is not None and tools[i] else {}
                 text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                          **kwargs)
+                                                          **schemas, **kwargs)
             else:
                 text = prompt
             out = self.processor(text=[text], images=list(pictures) or None, return_tensors="pt",

@@ -13,10 +13,15 @@ generated tokens, 0 on tool-response tokens and padding), the conversation messa
 tool metrics. ``completion_ids`` hold generated and tool tokens interleaved, ``completion_mask``
 marks them all (the context), ``sampling_logprobs`` are 0 on tool tokens.
 
-Limits: ``max_completion_length`` counts generated and tool tokens together (a tool response
-that does not fit ends the row as truncated); ``max_tool_calling_iterations`` tool steps per row
-(a turn with calls past the limit ends the row, its calls not run); tool output truncation is the
-executor's ``max_output_chars``.
+Vision-language models (a ``processor`` given): prompts keep their images, encoded once in each prompt's
+prefill; a tool may return images (content blocks, :mod:`grpo_ascend.tools.content`), rendered with the
+processor (:mod:`grpo_ascend.rollout.tool_images`) and fed on the row's cache with their features
+(:mod:`grpo_ascend.rollout.session`); the batch's ``vision`` holds each row's prompt and tool images in order.
+
+Limits: ``max_completion_length`` counts generated and tool tokens together, a tool image's tokens
+included (a tool response that does not fit ends the row as truncated); ``max_tool_calling_iterations``
+tool steps per row (a turn with calls past the limit ends the row, its calls not run); tool output
+truncation is the executor's ``max_output_chars``.
 """
 
 from __future__ import annotations
@@ -30,13 +35,23 @@ from typing import Any
 import torch
 
 from grpo_ascend.errors import ConfigError, DataError
-from grpo_ascend.rollout.backend import RolloutBackend, RolloutBatch, RolloutSession, SessionOutput, TurnEnd
+from grpo_ascend.rollout.backend import (
+    RolloutBackend,
+    RolloutBatch,
+    RolloutSession,
+    SessionOutput,
+    TurnEnd,
+    tool_images_refused,
+)
+from grpo_ascend.rollout.image_prompts import VisionPromptEncoder
 from grpo_ascend.rollout.prompts import Prompt, check_prompts
 from grpo_ascend.rollout.sampling import SamplingParams
+from grpo_ascend.rollout.tool_images import has_images, render_image_suffix
 from grpo_ascend.tools.execution import ToolExecutor, tool_metrics
 from grpo_ascend.tools.parsing import get_tool_call_parser
 from grpo_ascend.tools.toolset import Toolset
 from grpo_ascend.tools.turns import run_tool_step
+from grpo_ascend.vision.inputs import PromptImages, RowVision
 
 
 @dataclass
@@ -81,12 +96,20 @@ class _Loop:
 
 
 class MultiTurnEngine:
-    """Multi-turn tool-calling rollouts on a :class:`RolloutBackend`; see the module docstring."""
+    """Multi-turn tool-calling rollouts on a :class:`RolloutBackend`; see the module docstring. ``processor``: a
+    vision-language model's processor (prompts with images, tools returning images)."""
 
-    def __init__(self, backend: RolloutBackend, tools: ToolSettings) -> None:
+    def __init__(self, backend: RolloutBackend, tools: ToolSettings, processor: Any = None) -> None:
+        if processor is not None and not backend.takes_tool_images:
+            raise ConfigError(tool_images_refused(backend))
+        if processor is not None and not tools.executor.takes_images:
+            raise ConfigError("a vision-language model's tool loop needs ToolExecutor(takes_images=True), or its tools' "
+                              "images are refused as for a text-only model")
         self.backend = backend
         self.tools = tools
         self.params = backend.params
+        self.processor = processor
+        self._vision = VisionPromptEncoder(processor) if processor is not None else None
 
     @torch.no_grad()
     def generate(
@@ -95,9 +118,11 @@ class MultiTurnEngine:
         params: SamplingParams | None = None,
         generator: torch.Generator | None = None,
         toolsets: Sequence[Toolset] | None = None,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> RolloutBatch:
         """G completions per prompt with tool calls; ``toolsets``: one per row (per-rollout
-        environments, rows ``i*G .. i*G+G-1`` of prompt ``i``), default the settings' toolset."""
+        environments, rows ``i*G .. i*G+G-1`` of prompt ``i``), default the settings' toolset;
+        ``images``: each prompt's decoded images (a vision-language model's processor given)."""
         params = self.backend.checked(params)
         if params.stop_strings:
             raise ConfigError(
@@ -113,19 +138,30 @@ class MultiTurnEngine:
                 f"got {len(toolsets)} toolsets for {len(prompts)} prompts × {group} generations; "
                 "pass one toolset per completion row"
             )
+        if images is not None and self._vision is None:
+            raise ConfigError("prompts with images need a vision-language model's processor in the tool loop; pass "
+                              "processing_class=<processor>, or drop the image columns")
         t_start = time.perf_counter()
-        encoded = self.backend.prompts.encode(
-            prompts, params, tools=[toolsets[i * group].schemas for i in range(len(prompts))],
-            chat_template_kwargs=self.tools.chat_template_kwargs or {},
-        )
+        schemas = [toolsets[i * group].schemas for i in range(len(prompts))]
+        kwargs = self.tools.chat_template_kwargs or {}
+        prompt_images: list[PromptImages] | None = None
+        if self._vision is not None:
+            pictures = images if images is not None else [[] for _ in prompts]
+            encoded, prompt_images = self._vision.encode(prompts, pictures, params, kwargs, tools=schemas)
+            session = self.backend.start_image_session(encoded.ids, prompt_images, params, generator)
+        else:
+            encoded = self.backend.prompts.encode(prompts, params, tools=schemas, chat_template_kwargs=kwargs)
+            session = self.backend.start_session(encoded.ids, params, generator)
         loop = _Loop([_Row() for _ in range(n_rows)], toolsets, params.max_completion_length, [False] * n_rows)
-        with self.backend.start_session(encoded.ids, params, generator) as session:
+        with session:
             t_prefill = time.perf_counter()
             while ends := session.advance():
                 self._handle(ends, loop, session)
             out = session.output()
         t_decode = time.perf_counter()
         batch = self._batch(encoded.texts, out, loop, group)
+        if prompt_images is not None:
+            batch.vision = RowVision(RowVision.repeated(prompt_images, group).rows, out.tool_images or None)
         t_end = time.perf_counter()
         batch.timing = {
             "prefill_s": t_prefill - t_start,
@@ -208,9 +244,15 @@ class MultiTurnEngine:
             row.results.extend(step.results)
             if not step.continues:
                 continue
-            if end.length + len(step.suffix_ids) >= max_new:  # no room for the response and one more token
+            suffix, images = step.suffix_ids, None
+            if self.processor is not None and has_images(step.results):
+                suffix, images = render_image_suffix(self.processor, step.results, self.tools.chat_template_kwargs)
+            if end.length + len(suffix) >= max_new:  # no room for the response (its image tokens too) and one more token
                 loop.counts["length_limited"] += 1
                 loop.truncated[end.row] = True
                 continue
-            session.append(end.row, step.suffix_ids)
+            if images is not None:
+                session.append_with_images(end.row, suffix, images)
+            else:
+                session.append(end.row, suffix)
             row.iterations += 1

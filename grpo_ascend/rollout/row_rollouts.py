@@ -25,6 +25,7 @@ from grpo_ascend.tools.environments import EnvironmentPool, append_observation
 from grpo_ascend.tools.execution import ToolExecutor
 from grpo_ascend.tools.toolset import Toolset, load_toolset
 from grpo_ascend.tools.turns import check_tool_chat_template
+from grpo_ascend.vision.images import row_images
 
 
 class ToolRollout(Rollout):
@@ -55,8 +56,9 @@ class ToolRollout(Rollout):
         A row without a prompt (environments supply it) starts from an empty user message, as in TRL."""
         prompts = [row_prompt(r) for r in rows]
         params = params if params is not None else self.params
+        images = ([row_images(r, i) for i, r in enumerate(rows)] if self.multiturn.processor is not None else None)
         if self.pool is None:
-            return self.multiturn.generate(prompts, params, generator=generator)
+            return self.multiturn.generate(prompts, params, generator=generator, images=images)
         G = params.num_generations
         envs = self.pool.start([r for r in rows for _ in range(G)])
         observations = [e.observation for e in envs]
@@ -65,11 +67,13 @@ class ToolRollout(Rollout):
         if shared:
             batch = self.multiturn.generate(
                 [append_observation(p, observations[i * G]) for i, p in enumerate(prompts)], params,
-                generator=generator, toolsets=toolsets,
+                generator=generator, toolsets=toolsets, images=images,
             )
         else:
             per_row = [append_observation(prompts[k // G], observations[k]) for k in range(len(envs))]
-            batch = self.multiturn.generate(per_row, _with_group(params, 1), generator=generator, toolsets=toolsets)
+            per_row_images = [images[k // G] for k in range(len(envs))] if images is not None else None
+            batch = self.multiturn.generate(per_row, _with_group(params, 1), generator=generator, toolsets=toolsets,
+                                            images=per_row_images)
             batch.num_generations = G
         batch.extra_columns = {"environments": [e.instance for e in envs]}
         return batch
@@ -98,16 +102,19 @@ def prepare_tools(tools: Any, environment_factory: Any) -> tuple[Toolset | None,
 
 
 def build_tool_rollout(
-    backend: RolloutBackend, tokenizer: Any, args: Any, toolset: Toolset, pool: EnvironmentPool | None
+    backend: RolloutBackend, tokenizer: Any, args: Any, toolset: Toolset, pool: EnvironmentPool | None,
+    processor: Any = None,
 ) -> ToolRollout:
     """The multi-turn tool rollout over ``backend`` with the config's parser, timeout, output and
-    iteration limits; checks that the chat template renders tool conversations."""
+    iteration limits; checks that the chat template renders tool conversations. ``processor``: a
+    vision-language model's (prompts keep their images, tools may return images)."""
     kwargs = getattr(args, "chat_template_kwargs", None)
     check_tool_chat_template(tokenizer, kwargs)
-    executor = ToolExecutor(timeout=args.tool_timeout, max_output_chars=args.tool_max_output_chars)
+    executor = ToolExecutor(timeout=args.tool_timeout, max_output_chars=args.tool_max_output_chars,
+                            takes_images=processor is not None)
     settings = ToolSettings(toolset, executor, parser=args.tool_call_parser,
                             max_tool_calling_iterations=args.max_tool_calling_iterations, chat_template_kwargs=kwargs)
-    return ToolRollout(MultiTurnEngine(backend, settings), pool)
+    return ToolRollout(MultiTurnEngine(backend, settings, processor), pool)
 
 
 #: ``rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", ...extra}`` (TRL 1.16).

@@ -10,6 +10,12 @@ each row's own count, so a row's keys/values and logits are exactly those of the
 conversation run from scratch; only the appended tokens are computed. The host reads the rows
 every step (it must see turn ends anyway); finished rows are compacted away as in single-turn
 decoding.
+
+Tool images: a row appended with images (:class:`~grpo_ascend.vision.inputs.ToolImages`, columns from the
+appended tokens' start) feeds them at its next step, the features at their tokens and their positions numbered as
+the model numbers images (:meth:`~grpo_ascend.rollout.decoding.DecodeBatch.feed`), on the same cache: a row is
+never re-prefilled, since the segment's keys and values are exactly those of the whole conversation run at once
+(vision/completion_images.py). The rows' tool images come out in :attr:`SessionOutput.tool_images`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.backend import RolloutSession, SessionOutput, TurnEnd
 from grpo_ascend.rollout.decoding import Completions, DecodeBatch
 from grpo_ascend.rollout.sampling import SamplingParams
+from grpo_ascend.vision.inputs import PromptImages, ToolImages
 
 
 class Prefiller(Protocol):
@@ -38,7 +45,8 @@ class Prefiller(Protocol):
     def evaluating(self) -> contextlib.AbstractContextManager[None]: ...
 
     def prefill(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
-                generator: torch.Generator | None = None, *, shared_prefix: bool = True) -> DecodeBatch: ...
+                generator: torch.Generator | None = None, *, shared_prefix: bool = True,
+                images: Sequence[PromptImages | None] | None = None) -> DecodeBatch: ...
 
 
 class BuiltinSession(RolloutSession):
@@ -46,7 +54,7 @@ class BuiltinSession(RolloutSession):
 
     def __init__(
         self, engine: Prefiller, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
-        generator: torch.Generator | None,
+        generator: torch.Generator | None, images: Sequence[PromptImages | None] | None = None,
     ) -> None:
         if params.stop_strings:
             raise ConfigError("a rollout session stops at token ids only (EOS, stop_token_ids); "
@@ -55,7 +63,7 @@ class BuiltinSession(RolloutSession):
         self._mode.enter_context(engine.evaluating())
         try:
             with torch.no_grad():
-                self.batch = engine.prefill(prompt_ids, params, generator, shared_prefix=False)
+                self.batch = engine.prefill(prompt_ids, params, generator, shared_prefix=False, images=images)
         except BaseException:
             self._mode.close()
             raise
@@ -66,6 +74,8 @@ class BuiltinSession(RolloutSession):
         self.host_pos = [0] * n
         self.turn_start = [0] * n  # where each row's current turn starts
         self.feed: list[list[int]] = [[] for _ in range(n)]  # tokens each row feeds at the next step
+        self.feed_images: dict[int, ToolImages] = {}  # output row -> tool images in its feed (feed columns)
+        self.tool_images: list[ToolImages | None] = [None] * n  # each row's tool images (completion columns)
         self.host_map = list(range(n))  # decode-batch row -> output row, on the host
         self.host_alive: list[bool] = []  # batch rows running at the last sample
         self.paused: dict[int, int] = {}  # output row -> batch row, returned by the last advance
@@ -86,7 +96,11 @@ class BuiltinSession(RolloutSession):
             if not self._resume():
                 return []
 
-    def append(self, row: int, token_ids: Sequence[int]) -> None:
+    def append_with_images(self, row: int, token_ids: Sequence[int], images: ToolImages) -> None:
+        """As :meth:`append`, ``images`` being the tool images among the tokens (see the module docstring)."""
+        self.append(row, token_ids, images)
+
+    def append(self, row: int, token_ids: Sequence[int], images: ToolImages | None = None) -> None:
         """Add ``token_ids`` to paused ``row`` (log-prob 0, not generated); it continues at the next advance."""
         if row not in self.paused or row in self.resumed:
             raise ConfigError(f"row {row} is not paused: append to rows the last advance() returned, once each")
@@ -99,6 +113,12 @@ class BuiltinSession(RolloutSession):
         self.out.logprobs[row, pos : pos + n] = 0.0
         self.host_pos[row] = self.turn_start[row] = pos + n
         self.pos[row] = pos + n
+        if images is not None and images.num_images:
+            fed = len(self.feed[row])
+            self.feed_images[row] = ToolImages(images.per_image, tuple(fed + c for c in images.columns), images.num_images)
+            placed = ToolImages(images.per_image, tuple(pos + c for c in images.columns), images.num_images)
+            held = self.tool_images[row]
+            self.tool_images[row] = placed if held is None else held.then(placed)
         self.feed[row] = self.feed[row] + list(token_ids)
         self.batch.mark_seen(self.paused[row], token_ids)
         self.resumed.add(row)
@@ -110,6 +130,7 @@ class BuiltinSession(RolloutSession):
         return SessionOutput(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=self.out.ids, sampling_logprobs=self.out.logprobs, generated=self.out.mask,
             lengths=lengths, steps=self.steps, decode_batch_sizes=self.batch.batch_sizes,
+            tool_images=list(self.tool_images) if any(t is not None for t in self.tool_images) else [],
         )
 
     def close(self) -> None:
@@ -162,5 +183,8 @@ class BuiltinSession(RolloutSession):
         if keep is not None:
             self.host_map = [self.host_map[k] for k in keep.tolist()]
         host_done = b.done.tolist()
-        b.feed([[self.pad] if host_done[i] else self.feed[r] for i, r in enumerate(self.host_map)])
+        images = [None if host_done[i] else self.feed_images.get(r) for i, r in enumerate(self.host_map)]
+        self.feed_images = {}
+        b.feed([[self.pad] if host_done[i] else self.feed[r] for i, r in enumerate(self.host_map)],
+               images if any(t is not None for t in images) else None)
         return True

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 import time
 from collections import Counter
@@ -23,11 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_ascend.tools.content import tool_content
 from grpo_ascend.tools.parsing import MalformedCall, ParsedTurn, ToolCall
 from grpo_ascend.tools.toolset import Tool, Toolset
 
-#: Why a call failed, as counted in metrics.
-FAILURE_REASONS = ("malformed", "unknown_tool", "bad_arguments", "exception", "timeout")
+logger = logging.getLogger(__name__)
+
+#: Why a call failed, as counted in metrics (``bad_output``: content blocks the model cannot take, such as an
+#: image that cannot be decoded, or any image for a text-only model; tools/content.py).
+FAILURE_REASONS = ("malformed", "unknown_tool", "bad_arguments", "exception", "timeout", "bad_output")
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
@@ -42,13 +47,15 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 
 @dataclass(frozen=True)
 class ToolResult:
-    """The outcome of one call: ``content`` goes back to the model as the tool message."""
+    """The outcome of one call: ``content`` goes back to the model as the tool message (text, or content blocks
+    whose image parts are bare ``{"type": "image"}``; ``images``: those images, decoded, in order)."""
 
     name: str
-    content: str
+    content: str | list[dict[str, Any]]
     failure: str | None = None
     duration: float = 0.0
     truncated: bool = False
+    images: tuple[Any, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -57,14 +64,6 @@ class ToolResult:
     def tool_message(self) -> dict[str, Any]:
         """The chat message (role ``tool``) the chat template renders as the response."""
         return {"role": "tool", "name": self.name, "content": self.content}
-
-
-def truncate_output(text: str, max_chars: int | None) -> tuple[str, bool]:
-    """``text`` cut to ``max_chars`` characters with a note saying how much was dropped."""
-    if max_chars is None or len(text) <= max_chars:
-        return text, False
-    dropped = len(text) - max_chars
-    return f"{text[:max_chars]}\n... [output truncated: {dropped} more characters]", True
 
 
 def _type_ok(value: Any, spec: dict[str, Any]) -> bool:
@@ -107,12 +106,16 @@ def check_arguments(tool: Tool, arguments: dict[str, Any]) -> str | None:
 
 class ToolExecutor:
     """Runs parsed calls concurrently. ``timeout`` (seconds) applies per call, ``max_output_chars``
-    truncates each result (None: no limit). Its thread pool and event-loop thread start at the first
+    truncates each result (None: no limit; text blocks of a multimodal result each). ``takes_images``: the model
+    reads images, so a tool may return image content blocks (tools/content.py). Its thread pool and event-loop thread start at the first
     :meth:`run`; :meth:`close` (or ``with``) stops them, and a later :meth:`run` starts them again."""
 
-    def __init__(self, timeout: float = 30.0, max_output_chars: int | None = 4096, max_workers: int = 32):
+    def __init__(self, timeout: float = 30.0, max_output_chars: int | None = 4096, max_workers: int = 32,
+                 takes_images: bool = False):
         self.timeout = timeout
         self.max_output_chars = max_output_chars
+        self.takes_images = takes_images
+        self._warned: set[str] = set()
         self.max_workers = max_workers
         self._pool: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -186,10 +189,14 @@ class ToolExecutor:
         except Exception as exc:  # noqa: BLE001 - a tool's exception is reported to the model, never raised
             message = f"Error: {call.name} raised {type(exc).__name__}: {exc}"
             return ToolResult(call.name, message, "exception", time.perf_counter() - start)
-        content, truncated = truncate_output(
-            value if isinstance(value, str) else str(value), self.max_output_chars
-        )
-        return ToolResult(call.name, content, None, time.perf_counter() - start, truncated)
+        duration = time.perf_counter() - start
+        out = tool_content(call.name, value, self.max_output_chars, self.takes_images)
+        if out.problem is not None:
+            if out.problem not in self._warned:  # once per distinct problem: the model is told every time
+                self._warned.add(out.problem)
+                logger.warning("%s", out.problem)
+            return ToolResult(call.name, f"Error: {out.problem}", "bad_output", duration)
+        return ToolResult(call.name, out.content, None, duration, out.truncated, out.images)
 
     def close(self) -> None:
         """Stop the event-loop thread and the thread pool (abandoned timed-out sync calls are not

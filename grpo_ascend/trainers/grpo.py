@@ -145,11 +145,9 @@ class GRPOTrainer(TRLTrainerAPI, RLTrainerBase):
                 "full fine-tuning (peft_config=None) for a synced reference"
             )
         self._build_training(reward_funcs, reward_processing_classes=reward_tokenizers)
-        if toolset is not None and self.processor is not None:
-            raise ConfigError("tools / environments with a vision-language model are not supported yet: the tool loop "
-                              "would drop the prompts' images (docs/vlm.md). Train it without tools, or use a text model")
         if toolset is not None:
-            self.rollout = build_tool_rollout(self.rollout.backend, self.tokenizer, self.args, toolset, pool)
+            self.rollout = build_tool_rollout(self.rollout.backend, self.tokenizer, self.args, toolset, pool,
+                                              self.processor)
         elif rollout_func is not None:
             self.rollout = RolloutFuncRollout(rollout_func, self, self.rollout.backend)
         correction = ImportanceSamplingSettings(

@@ -5,6 +5,11 @@ A processor's outputs are of two kinds: token-aligned tensors ``[1, L]`` beside 
 completion; and per-image tensors (``pixel_values``, ``image_grid_thw``, ``image_sizes`` ...), joined along
 their first dimension in row order, which is the order the model scatters image features into image tokens.
 The G rows of a prompt share its :class:`PromptImages` by reference: nothing is copied per completion.
+
+Images a tool returned in a multi-turn rollout sit inside a row's completion: :class:`ToolImages` holds a row's
+per-image tensors (all its tool images, in order) and the completion columns their features fill
+(:mod:`grpo_ascend.vision.completion_images` embeds and numbers them). Rows of a group may call tools
+differently, so these are per row, never shared.
 """
 
 from __future__ import annotations
@@ -47,11 +52,31 @@ class PromptImages:
         return cls(per_image, per_token, num_images, tuple(pictures))
 
 
-class RowVision:
-    """The image inputs of a batch's rows (None: a row without images); see the module docstring."""
+@dataclass(frozen=True)
+class ToolImages:
+    """A completion row's tool images: ``per_image`` tensors (every tool image of the row, in order, joined along
+    dim 0) and ``columns``, the completion columns of their image tokens, in order (one per feature vector)."""
 
-    def __init__(self, rows: Sequence[PromptImages | None]) -> None:
+    per_image: dict[str, Tensor]
+    columns: tuple[int, ...]
+    num_images: int
+
+    def then(self, other: ToolImages) -> ToolImages:
+        """This row's images followed by ``other``'s (a later tool turn)."""
+        keys = sorted(set(self.per_image) | set(other.per_image))
+        joined = {k: torch.cat([x.per_image[k] for x in (self, other) if k in x.per_image]) for k in keys}
+        return ToolImages(joined, self.columns + other.columns, self.num_images + other.num_images)
+
+
+class RowVision:
+    """The image inputs of a batch's rows (None: a row without images); see the module docstring.
+    ``tool``: each row's tool images (None: the row's tools returned none; all None by default)."""
+
+    def __init__(self, rows: Sequence[PromptImages | None], tool: Sequence[ToolImages | None] | None = None) -> None:
         self.rows = list(rows)
+        self.tool = list(tool) if tool is not None else [None] * len(self.rows)
+        if len(self.tool) != len(self.rows):
+            raise ValueError(f"RowVision: {len(self.tool)} rows of tool images for {len(self.rows)} rows")
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -62,14 +87,16 @@ class RowVision:
         return cls([p for p in prompts for _ in range(group)])
 
     def select(self, index: Sequence[int]) -> RowVision:
-        return RowVision([self.rows[i] for i in index])
+        return RowVision([self.rows[i] for i in index], [self.tool[i] for i in index])
 
     @staticmethod
     def concat(parts: Sequence[RowVision | None], sizes: Sequence[int]) -> RowVision | None:
         """Row-wise join; a part without images contributes ``sizes[i]`` rows of None."""
         if all(p is None for p in parts):
             return None
-        return RowVision([r for p, n in zip(parts, sizes) for r in (p.rows if p is not None else [None] * n)])
+        rows = [r for p, n in zip(parts, sizes) for r in (p.rows if p is not None else [None] * n)]
+        tool = [t for p, n in zip(parts, sizes) for t in (p.tool if p is not None else [None] * n)]
+        return RowVision(rows, tool)
 
     def same_as_previous(self) -> list[bool]:
         """Per row: whether it holds the very inputs of the row before it (a prompt's rows share them)."""
@@ -77,7 +104,15 @@ class RowVision:
 
     @property
     def any_images(self) -> bool:
+        return self.any_prompt_images or self.any_tool_images
+
+    @property
+    def any_prompt_images(self) -> bool:
         return any(r is not None and r.num_images > 0 for r in self.rows)
+
+    @property
+    def any_tool_images(self) -> bool:
+        return any(t is not None and t.num_images > 0 for t in self.tool)
 
     def forward_kwargs(self, rows: Sequence[int] | Tensor | None, prompt_mask: Tensor,
                        completion_width: int = 0, pixels: bool = True) -> dict[str, Tensor]:

@@ -60,10 +60,45 @@ def completion_positions(next_positions: Tensor, completion_mask: Tensor) -> Ten
 
 
 def joined(prompt: Tensor, completion: Tensor) -> Tensor:
-    """Prompt positions ([B, Lp] or [3, B, Lp]) followed by the completion's [B, Lc] (broadcast to 3-D)."""
-    if prompt.dim() == 3:
+    """Prompt positions ([B, Lp] or [3, B, Lp]) followed by the completion's ([B, Lc] or [3, B, Lc]); a 2-D
+    part is broadcast to 3-D when the other is 3-D (text positions are equal in every component)."""
+    if prompt.dim() == 3 and completion.dim() == 2:
         completion = completion.unsqueeze(0).expand(prompt.shape[0], -1, -1)
+    elif prompt.dim() == 2 and completion.dim() == 3:
+        prompt = prompt.unsqueeze(0).expand(completion.shape[0], -1, -1)
     return torch.cat([prompt, completion], dim=-1)
+
+
+def _plain_segment(model: nn.Module, types: Tensor, real: Tensor, grids: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    counted = real.long()
+    return (counted.cumsum(-1) - 1).clamp_min(0), counted.sum(-1)
+
+
+def _multimodal_segment(model: nn.Module, types: Tensor, real: Tensor,
+                        grids: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    # One text token after every row's segment: where it lands is the row's span.
+    types = torch.cat([types, types.new_zeros(types.shape[0], 1)], dim=1)
+    real = torch.cat([real.bool(), real.new_ones(real.shape[0], 1, dtype=torch.bool)], dim=1)
+    owner = _rope_index_owner(model)
+    positions, _ = owner.get_rope_index(input_ids=types, mm_token_type_ids=types, attention_mask=real.long(),
+                                        image_grid_thw=grids.get("image_grid_thw"))
+    return positions[..., :-1], positions[0, :, -1]
+
+
+#: (applies, scheme) for segments inside a completion, from 0: the first that applies is used.
+SEGMENT_SCHEMES: list[tuple[Callable[[nn.Module, Mapping[str, Tensor]], bool], Callable[..., tuple[Tensor, Tensor]]]] = [
+    (lambda model, grids: "image_grid_thw" in grids and _rope_index_owner(model) is not None, _multimodal_segment),
+    (lambda model, grids: True, _plain_segment),
+]
+
+
+def segment_positions(model: nn.Module, types: Tensor, real: Tensor,
+                      grids: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Positions of token segments counted from 0 ([B, L] or [3, B, L]) and each row's span (where its next
+    text token goes, [B]). ``types`` [B, L]: 1 on image tokens, 0 on text; ``real`` [B, L]: False on padding;
+    ``grids``: the segments' ``image_grid_thw`` in row order (empty: no image is numbered over a grid)."""
+    scheme = next(scheme for applies, scheme in SEGMENT_SCHEMES if applies(model, grids))
+    return scheme(model, types, real, grids)
 
 
 #: Config fields naming the token ids a model fills with image (or video) features.

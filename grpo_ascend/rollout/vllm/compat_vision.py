@@ -26,6 +26,8 @@ import sys
 import threading
 import types
 
+from grpo_ascend.models.tiny_vlm_processors import image_only_qwen2_5_vl_processor
+
 #: Torchvision-backed transformers modules vLLM imports -> (their PIL twin, {torchvision class: PIL class}).
 PIL_TWINS: dict[str, tuple[str, dict[str, str]]] = {
     "transformers.models.pixtral.image_processing_pixtral": (
@@ -90,8 +92,6 @@ def _register_llava() -> None:
 def _register_image_only_qwen2_5_vl() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models import qwen2_5_vl
-
-    from grpo_ascend.models.tiny_vlm_processors import image_only_qwen2_5_vl_processor
 
     processor_class = image_only_qwen2_5_vl_processor()
     info = qwen2_5_vl.Qwen2_5_VLProcessingInfo

@@ -65,19 +65,30 @@ def load_processor(path: str | Path) -> Any:
 
 
 #: The parts of a vision-language model that ``train_vision_parts`` may name: module-name pieces of each
-#: (LLaVA's ``multi_modal_projector`` / ``vision_tower``, Qwen-VL's ``visual.merger`` / ``visual``).
+#: (LLaVA's ``multi_modal_projector`` / ``vision_tower``, LLaVA-NeXT's ``image_newline`` too, Qwen-VL's
+#: ``visual.merger`` / ``visual``, Gemma 4's ``embed_vision``).
 VISION_PARTS: dict[str, tuple[str, ...]] = {
-    "projector": (".multi_modal_projector.", ".visual.merger.", ".mm_projector."),
+    "projector": (".multi_modal_projector.", ".visual.merger.", ".mm_projector.", ".image_newline.",
+                  ".embed_vision."),
     "vision_tower": (".vision_tower.", ".visual.", ".vision_model."),
 }
 
 
-def check_vision_parts(parts: Sequence[str]) -> tuple[str, ...]:
-    """``train_vision_parts`` checked against :data:`VISION_PARTS`."""
+def check_vision_parts(parts: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``train_vision_parts`` checked against :data:`VISION_PARTS` (None, TRL's choice, passes as is)."""
+    if parts is None:
+        return None
     unknown = [p for p in parts if p not in VISION_PARTS]
     if unknown:
-        raise ConfigError(f"train_vision_parts {unknown} unknown: choose from {sorted(VISION_PARTS)}")
+        raise ConfigError(f"train_vision_parts {unknown} unknown: choose from {sorted(VISION_PARTS)} (or null for "
+                          "TRL's choice)")
     return tuple(parts)
+
+
+def trains_whole_model(parts: Sequence[str] | None, lora: bool) -> bool:
+    """Whether a vision-language model trains every parameter: ``train_vision_parts`` null (TRL's choice) in full
+    fine-tuning, as TRL's ``GRPOTrainer`` does (under LoRA TRL's choice is the language model's adapters)."""
+    return parts is None and not lora
 
 
 def _in_parts(name: str, parts: Sequence[str]) -> bool:

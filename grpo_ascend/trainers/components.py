@@ -38,6 +38,7 @@ from grpo_ascend.models.vision_language import (
     is_vision_language,
     load_processor,
     takes_processor_images,
+    trains_whole_model,
 )
 from grpo_ascend.planning.memory_plan import (
     AUTO_FRACTION,
@@ -67,11 +68,14 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
         logger.warning("model_init_kwargs are ignored: the model was passed already loaded")
     policy = load_causal_lm(model, init_kwargs=args.model_init_kwargs)
     tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class, args.model_init_kwargs)
-    vision_parts = check_vision_parts(args.train_vision_parts)
-    if vision_parts and not is_vision_language(policy.config):
-        raise ConfigError(f"train_vision_parts={list(vision_parts)} but {type(policy).__name__} has no vision parts; "
+    chosen = check_vision_parts(args.train_vision_parts)
+    if chosen and not is_vision_language(policy.config):
+        raise ConfigError(f"train_vision_parts={list(chosen)} but {type(policy).__name__} has no vision parts; "
                           "leave it empty for a text model")
-    if peft_config is None and is_vision_language(policy.config):
+    vision_parts = chosen or ()
+    if trains_whole_model(chosen, lora=peft_config is not None):
+        logger.info("vision-language model: every part trains (train_vision_parts null, TRL's choice)")
+    elif peft_config is None and is_vision_language(policy.config):
         logger.info("vision-language model: %d vision tensors frozen", freeze_vision(policy, vision_parts))
     if getattr(args, "cast_lm_head_to_fp32", False):
         cast_head_to_fp32(policy)  # before the adapter: TRL refuses an adapter on the head

@@ -179,7 +179,8 @@ def test_rollouts_ahead_of_training_carry_the_images(tmp_path):
 @pytest.mark.parametrize("peft", [True, False], ids=["lora", "full"])
 def test_train_vision_parts_chooses_what_trains_besides_the_language_model(tmp_path, peft):
     """LoRA: adapters on the language model and the chosen parts' linear layers; full fine-tuning: those parts'
-    weights trainable, the rest of the vision tower frozen. An unknown part is refused naming the choices."""
+    weights trainable, the rest of the vision tower frozen; null (TRL's choice): every weight in full fine-tuning,
+    the language model's adapters under LoRA. An unknown part is refused naming the choices."""
     def trainable(parts, family="llava"):
         cfg = GRPOConfig(output_dir=str(tmp_path), report_to=[], train_vision_parts=parts)
         trainer = GRPOTrainer(f"builtin:vlm-{family}", colour_code_reward, cfg, coloured_shapes_dataset(4),
@@ -191,9 +192,13 @@ def test_train_vision_parts_chooses_what_trains_besides_the_language_model(tmp_p
                  "projector" if "projector" in n or ".merger." in n else "vision") for n in names}
 
     assert where(trainable([])) == {"language"}
+    # null, TRL's choice: every weight in full fine-tuning, the language model's adapters under LoRA
+    assert where(trainable(None)) == ({"language"} if peft else {"language", "projector", "vision"})
     assert where(trainable(["projector"])) == {"language", "projector"}
     assert where(trainable(["projector"], "qwen2_5_vl")) == {"language", "projector"}  # the merger inside .visual
     assert where(trainable(["vision_tower", "projector"])) == {"language", "projector", "vision"}
+    if not peft:  # LLaVA's weights are the language model's, its projector's and its vision tower's: all of them
+        assert trainable(None) == trainable(["vision_tower", "projector"])
     with pytest.raises(ConfigError, match=r"train_vision_parts \['eyes'\] unknown: choose from \['projector'"):
         trainable(["eyes"])
 

@@ -198,3 +198,26 @@ def test_image_only_fallback_reads_older_saves(built, tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.utils, "is_torchvision_available", lambda: False)
     processor = load_vlm_processor(old)
     assert (inputs(processor, [picture(0)])["input_ids"] == processor.image_token_id).sum() == EXPECTED[family][1]
+
+
+def test_image_only_fallback_loads_a_hub_id_from_the_cache(built, tmp_path, monkeypatch):
+    """A hub id (not a folder) is looked up in the hub cache for its processor class, so without torchvision it
+    loads image-only too (it went to AutoProcessor, which raised ImportError)."""
+    import shutil
+
+    import huggingface_hub.constants
+    import transformers.utils
+
+    family, folder, _, _ = built
+    if family != "qwen2_5_vl":
+        pytest.skip("only Qwen2.5-VL's processor needs torchvision")
+    repo = tmp_path / "hub" / "models--someone--tiny-vl"
+    shutil.copytree(folder, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(transformers.utils, "is_torchvision_available", lambda: False)
+    processor = load_vlm_processor("someone/tiny-vl")
+    assert type(processor).__name__ == "ImageOnlyQwen2_5_VLProcessor"
+    assert (inputs(processor, [picture(0)])["input_ids"] == processor.image_token_id).sum() == EXPECTED[family][1]

@@ -1,4 +1,5 @@
-"""Offline, deterministic tiny vision-language models: Qwen2.5-VL and LLaVA-1.5 architectures in miniature.
+"""Offline, deterministic tiny vision-language models: Qwen2.5-VL, Qwen3.5 (dense and MoE: a hybrid linear- and
+full-attention text decoder), LLaVA-1.5 and LLaVA-NeXT architectures in miniature.
 
 Vision-language GRPO (issue #38) needs real ``*ForConditionalGeneration`` models with working processors and
 chat templates, without any download. Each family in :data:`FAMILIES` builds its model from a fixed seed and
@@ -27,7 +28,7 @@ from grpo_ascend.models.tiny_vlm_processors import (
     LLAVA_TOKENS,
     QWEN2_5_VL_CHAT_TEMPLATE,
     QWEN_VL_TOKENS,
-    image_only_qwen2_5_vl_processor,
+    image_only_processor,
     vlm_tokenizer,
 )
 from grpo_ascend.models.tiny_vlm_warm import vlm_warm_start
@@ -102,14 +103,62 @@ def _qwen2_5_vl_model(tokenizer, seed: int, text: dict):
         return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def _qwen2_5_vl_processor(tokenizer):
-    """The image-only Qwen2.5-VL processor (PIL image processor; no torchvision needed) at the tiny patch size."""
+def _qwen_vision_ids(tokenizer) -> dict:
+    ids = tokenizer.convert_tokens_to_ids
+    return {"image_token_id": ids("<|image_pad|>"), "video_token_id": ids("<|video_pad|>"),
+            "vision_start_token_id": ids("<|vision_start|>"), "vision_end_token_id": ids("<|vision_end|>")}
+
+
+#: Qwen3.5 MoE's text settings in miniature: 4 experts, 2 per token, and a shared expert.
+QWEN3_5_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 32}
+
+
+def qwen3_5_config(tokenizer, text: dict, moe: bool = False):
+    """A Qwen3.5 config (``moe``: Qwen3.5 MoE's) on ``tokenizer`` with the text decoder ``text``: a 2-block vision
+    tower (learned position embeddings, 2x2 patch merger) and a hybrid decoder, a gated-DeltaNet linear-attention
+    layer then a full-attention layer, with interleaved 3D (mrope) rotary positions on half of each head."""
+    import transformers
+
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    decoder = {**text, "head_dim": head_dim, "vocab_size": len(tokenizer), **_special_ids(tokenizer),
+               "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
+               "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+               "linear_num_value_heads": 4,
+               # temporal, height, width sections of half the rotary dimension (head_dim / 2 rotated)
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.5,
+                                   "mrope_section": [s * head_dim // 16 for s in (2, 1, 1)],
+                                   "mrope_interleaved": True},
+               **(QWEN3_5_MOE if moe else {})}
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": PATCH,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": text["hidden_size"],
+              "num_position_embeddings": 64}
+    config_class = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    return config_class(text_config=decoder, vision_config=vision, tie_word_embeddings=True,
+                        **_qwen_vision_ids(tokenizer))
+
+
+def _qwen3_5_model_of(moe: bool) -> Callable:
+    def build(tokenizer, seed: int, text: dict):
+        import transformers
+
+        model_class = (transformers.Qwen3_5MoeForConditionalGeneration if moe
+                       else transformers.Qwen3_5ForConditionalGeneration)
+        with seeded(seed):
+            return model_class(qwen3_5_config(tokenizer, text, moe))
+
+    return build
+
+
+def qwen_vl_processor(tokenizer, processor_class: str = "Qwen2_5_VLProcessor"):
+    """An image-only Qwen-VL processor (:func:`image_only_processor` of ``processor_class``; PIL image processor,
+    no torchvision needed) at the tiny patch size: 28x28 to 56x56 pixels, 4 to 16 image tokens."""
     from transformers import Qwen2VLImageProcessorPil
 
     images = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=2, temporal_patch_size=2,
                                       min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS)
-    return image_only_qwen2_5_vl_processor()(image_processor=images, tokenizer=tokenizer,
-                                             chat_template=tokenizer.chat_template)
+    return image_only_processor(processor_class)(image_processor=images, tokenizer=tokenizer,
+                                                 chat_template=tokenizer.chat_template)
 
 
 def _llava_model(tokenizer, seed: int, text: dict):
@@ -141,8 +190,12 @@ def _llava_processor(tokenizer):
 
 
 FAMILIES: dict[str, VLMFamily] = {
-    "qwen2_5_vl": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen2_5_vl_model, _qwen2_5_vl_processor),
+    "qwen2_5_vl": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen2_5_vl_model, qwen_vl_processor),
     "llava": VLMFamily(LLAVA_TOKENS, LLAVA_CHAT_TEMPLATE, _llava_model, _llava_processor),
+    "qwen3_5": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen3_5_model_of(moe=False),
+                         lambda tokenizer: qwen_vl_processor(tokenizer, "Qwen3VLProcessor")),
+    "qwen3_5_moe": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen3_5_model_of(moe=True),
+                             lambda tokenizer: qwen_vl_processor(tokenizer, "Qwen3VLProcessor")),
 }
 
 

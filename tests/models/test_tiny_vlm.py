@@ -23,6 +23,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 EXPECTED = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", 16, 4),
     "llava": ("LlavaForConditionalGeneration", 16, 16),  # resized and cropped to 28x28 whatever the input
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", 16, 4),
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", 16, 4),
 }
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is 2 + 3?"}]}]
 RENDERED = {
@@ -30,6 +32,10 @@ RENDERED = {
                   "<|im_start|>assistant\n",
     "llava": "USER: <image>\nWhat is 2 + 3? ASSISTANT:",
 }
+RENDERED["qwen3_5"] = RENDERED["qwen3_5_moe"] = RENDERED["qwen2_5_vl"]  # Qwen-VL's vision tokens and template
+#: The image-only processors' classes (processors that need torchvision for their video part).
+PROCESSOR_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "llava": "LlavaProcessor", "qwen3_5": "Qwen3VLProcessor",
+                     "qwen3_5_moe": "Qwen3VLProcessor"}
 
 
 def picture(seed: int, side: int = 56) -> Image.Image:
@@ -71,7 +77,7 @@ def test_multi_turn_and_string_content_render(built):
                       "<|vision_end|><|im_end|>\n<|im_start|>assistant\n",
         "llava": "Be brief. USER: <image>\nWhat is 2 + 3? ASSISTANT: 5<|im_end|> USER: <image>\n<image>\nAnd ASSISTANT:",
     }
-    assert text == expected[family]
+    assert text == expected.get(family, expected["qwen2_5_vl"])
 
 
 @pytest.mark.parametrize("side,which", [(56, 1), (28, 2)])
@@ -141,7 +147,7 @@ def test_processor_loads_without_torchvision(built, monkeypatch):
     assert type(pickle.loads(pickle.dumps(processor))) is type(processor)  # a rollout process can receive it
     assert (inputs(processor, [picture(0)])["input_ids"] == processor.image_token_id).sum() == EXPECTED[family][1]
     saved = json.loads((folder / "processor_config.json").read_text())
-    assert saved["processor_class"] == {"qwen2_5_vl": "Qwen2_5_VLProcessor", "llava": "LlavaProcessor"}[family]
+    assert saved["processor_class"] == PROCESSOR_CLASSES[family]
 
 
 def test_auto_processor_loads_the_folder_where_torchvision_works(built):
@@ -166,7 +172,7 @@ def test_builtin_names_resolve_through_the_family_registry(monkeypatch, tmp_path
 
 
 def test_unknown_family_names_the_known_ones():
-    with pytest.raises(ConfigError, match=r"'qwen25_vl'.*\['llava', 'qwen2_5_vl'\].*did you mean 'qwen2_5_vl'"):
+    with pytest.raises(ConfigError, match=r"'qwen25_vl'.*\['llava', 'qwen2_5_vl', 'qwen3_5'.*did you mean 'qwen2_5_vl'"):
         build_tiny_vlm("qwen25_vl")
 
 

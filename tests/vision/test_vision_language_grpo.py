@@ -221,3 +221,32 @@ def test_under_gradient_checkpointing_the_one_call_forward_agrees_with_the_sampl
     clean = ~image_placeholders(model.config, batch.completion_ids).any(1)
     mask = batch.completion_mask.bool() & clean.unsqueeze(1)
     assert clean.sum() >= 12 and (logps.detach() - batch.sampling_logprobs)[mask].abs().max() < 1e-5
+
+
+def test_the_moe_load_balancing_loss_with_images_is_the_models_own():
+    """Qwen3.5 MoE with image prompts: the forward's load-balancing loss (TRL adds it to the GRPO loss) is
+    transformers' own over prompt, images and completion, and its log-probs are the sampler's."""
+    from grpo_ascend.models.router_aux import router_aux_for
+
+    path = build_tiny_vlm("qwen3_5_moe")
+    model, processor = load_causal_lm(str(path)).eval(), load_processor(path)
+    params = SamplingParams(num_generations=2, max_completion_length=4, ignore_eos=True)
+    engine = RolloutEngine(model, load_tokenizer(model, processor), params)
+    pictures = [Image.new("RGB", (40, 30), (255, 0, 0)), Image.new("RGB", (40, 30), (0, 0, 255))]
+    batch = PromptRollout(engine, processor=processor).generate_rows(
+        [{"prompt": QUESTION, "image": p} for p in pictures], generator=torch.Generator().manual_seed(0))
+    forward = CompletionLogprobs(model, router_aux=router_aux_for(model, None))
+    with torch.no_grad():
+        logps, _, aux = forward(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                                batch.vision, aux_loss=True)
+        encoded = processor(text=[t for t in batch.prompt_texts], images=[[p] for p in pictures for _ in range(2)],
+                            return_tensors="pt", add_special_tokens=False)
+        completion = batch.completion_ids
+        extra = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask")}
+        extra["mm_token_type_ids"] = torch.nn.functional.pad(extra["mm_token_type_ids"], (0, completion.shape[1]))
+        ids = torch.cat([encoded["input_ids"], completion], dim=1)
+        model.model.rope_deltas = None
+        expected = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_router_logits=True, **extra)
+    assert batch.completion_mask.all() and not torch.equal(batch.completion_ids[0], batch.completion_ids[2])
+    assert (logps - batch.sampling_logprobs).abs().max() < 1e-5
+    torch.testing.assert_close(aux, expected.aux_loss, rtol=1e-5, atol=1e-7)

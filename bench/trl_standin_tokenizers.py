@@ -74,6 +74,8 @@ SPECS: dict[str, TokenizerSpec] = {
                                non_special=QWEN_NON_SPECIAL),
     "qwen3_5": TokenizerSpec(QWEN3_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", template="qwen3_5_nothink",
                             non_special=QWEN_NON_SPECIAL),
+    "qwen3_6": TokenizerSpec(QWEN3_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", template="qwen3_6",
+                            non_special=QWEN_NON_SPECIAL),
     "llama3_2": TokenizerSpec(["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                                "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"],
                               eos="<|eot_id|>", bos="<|begin_of_text|>", template="llama3_2", add_bos=True),

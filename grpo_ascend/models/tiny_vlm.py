@@ -161,16 +161,22 @@ def qwen_vl_processor(tokenizer, processor_class: str = "Qwen2_5_VLProcessor"):
                                                  chat_template=tokenizer.chat_template)
 
 
-def _llava_model(tokenizer, seed: int, text: dict):
-    """LLaVA-1.5: a 2-layer CLIP vision tower (features of its second-to-last layer, CLS dropped), a 2-layer
-    GELU projector, and a 2-layer Llama text decoder."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+def _llava_towers(tokenizer, text: dict) -> tuple:
+    """LLaVA's vision tower and text decoder configs: a 2-layer CLIP tower, a 2-layer Llama decoder."""
+    from transformers import CLIPVisionConfig, LlamaConfig
 
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               image_size=LLAVA_IMAGE, patch_size=PATCH, projection_dim=32)
-    config = LlavaConfig(vision_config=vision,
-                         text_config=LlamaConfig(**text, vocab_size=len(tokenizer), **_special_ids(tokenizer),
-                                                 tie_word_embeddings=True),
+    return vision, LlamaConfig(**text, vocab_size=len(tokenizer), **_special_ids(tokenizer), tie_word_embeddings=True)
+
+
+def _llava_model(tokenizer, seed: int, text: dict):
+    """LLaVA-1.5: a 2-layer CLIP vision tower (features of its second-to-last layer, CLS dropped), a 2-layer
+    GELU projector, and a 2-layer Llama text decoder."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    vision, decoder = _llava_towers(tokenizer, text)
+    config = LlavaConfig(vision_config=vision, text_config=decoder,
                          image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
                          image_seq_length=(LLAVA_IMAGE // PATCH) ** 2, vision_feature_select_strategy="default",
                          vision_feature_layer=-2, projector_hidden_act="gelu", tie_word_embeddings=True)
@@ -189,9 +195,42 @@ def _llava_processor(tokenizer):
                           chat_template=tokenizer.chat_template)
 
 
+#: LLaVA-NeXT's tilings (height, width): a picture is resized onto the best fitting one and cut into 28x28 tiles.
+LLAVA_NEXT_GRID = [[LLAVA_IMAGE, LLAVA_IMAGE], [LLAVA_IMAGE, 2 * LLAVA_IMAGE], [2 * LLAVA_IMAGE, LLAVA_IMAGE]]
+
+
+def _llava_next_model(tokenizer, seed: int, text: dict):
+    """LLaVA-NeXT: LLaVA-1.5's tower, projector and decoder, plus tiling ("anyres": a base view and the tiles of
+    the best fitting grid, unpadded to the picture's aspect ratio, with a learned newline feature per row)."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    vision, decoder = _llava_towers(tokenizer, text)
+    config = LlavaNextConfig(vision_config=vision, text_config=decoder,
+                             image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+                             image_grid_pinpoints=LLAVA_NEXT_GRID,
+                             vision_feature_select_strategy="default", vision_feature_layer=-2,
+                             projector_hidden_act="gelu", tie_word_embeddings=True)
+    with seeded(seed):
+        return LlavaNextForConditionalGeneration(config)
+
+
+def _llava_next_processor(tokenizer):
+    """LlavaNextProcessor with a PIL image processor tiling onto :data:`LLAVA_NEXT_GRID`; it counts the tower's
+    CLS token before the "default" strategy drops it (``num_additional_image_tokens=1``), as the real ones."""
+    from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
+
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE},
+                                        crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE},
+                                        image_grid_pinpoints=LLAVA_NEXT_GRID)
+    return LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
+                              vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                              chat_template=tokenizer.chat_template)
+
+
 FAMILIES: dict[str, VLMFamily] = {
     "qwen2_5_vl": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen2_5_vl_model, qwen_vl_processor),
     "llava": VLMFamily(LLAVA_TOKENS, LLAVA_CHAT_TEMPLATE, _llava_model, _llava_processor),
+    "llava_next": VLMFamily(LLAVA_TOKENS, LLAVA_CHAT_TEMPLATE, _llava_next_model, _llava_next_processor),
     "qwen3_5": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen3_5_model_of(moe=False),
                          lambda tokenizer: qwen_vl_processor(tokenizer, "Qwen3VLProcessor")),
     "qwen3_5_moe": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen3_5_model_of(moe=True),

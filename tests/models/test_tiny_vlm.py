@@ -23,6 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 EXPECTED = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", 16, 4),
     "llava": ("LlavaForConditionalGeneration", 16, 16),  # resized and cropped to 28x28 whatever the input
+    "llava_next": ("LlavaNextForConditionalGeneration", 36, 36),  # a base view and one tile (with row ends)
     "qwen3_5": ("Qwen3_5ForConditionalGeneration", 16, 4),
     "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", 16, 4),
 }
@@ -32,10 +33,13 @@ RENDERED = {
                   "<|im_start|>assistant\n",
     "llava": "USER: <image>\nWhat is 2 + 3? ASSISTANT:",
 }
-RENDERED["qwen3_5"] = RENDERED["qwen3_5_moe"] = RENDERED["qwen2_5_vl"]  # Qwen-VL's vision tokens and template
-#: The image-only processors' classes (processors that need torchvision for their video part).
+#: The family whose chat template each family shares.
+TEMPLATE_OF = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_5": "qwen2_5_vl", "qwen3_5_moe": "qwen2_5_vl", "llava": "llava",
+               "llava_next": "llava"}
+RENDERED.update({family: RENDERED[same] for family, same in TEMPLATE_OF.items()})
+#: The processor class each family's folder names.
 PROCESSOR_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "llava": "LlavaProcessor", "qwen3_5": "Qwen3VLProcessor",
-                     "qwen3_5_moe": "Qwen3VLProcessor"}
+                     "qwen3_5_moe": "Qwen3VLProcessor", "llava_next": "LlavaNextProcessor"}
 
 
 def picture(seed: int, side: int = 56) -> Image.Image:
@@ -77,7 +81,7 @@ def test_multi_turn_and_string_content_render(built):
                       "<|vision_end|><|im_end|>\n<|im_start|>assistant\n",
         "llava": "Be brief. USER: <image>\nWhat is 2 + 3? ASSISTANT: 5<|im_end|> USER: <image>\n<image>\nAnd ASSISTANT:",
     }
-    assert text == expected.get(family, expected["qwen2_5_vl"])
+    assert text == expected[TEMPLATE_OF[family]]
 
 
 @pytest.mark.parametrize("side,which", [(56, 1), (28, 2)])
@@ -163,7 +167,7 @@ def test_builtin_names_resolve_through_the_family_registry(monkeypatch, tmp_path
     monkeypatch.setattr(tiny_vlm, "build_tiny_vlm", lambda family, warm: tmp_path / f"{family}{'-warm' * warm}")
     assert resolve_builtin("builtin:vlm-llava") == tmp_path / "llava"
     assert resolve_builtin("builtin:vlm-qwen2_5_vl-warm") == tmp_path / "qwen2_5_vl-warm"
-    with pytest.raises(ConfigError, match=r"builtin:vlm-lava.*'llava', 'qwen2_5_vl'.*did you mean 'llava'"):
+    with pytest.raises(ConfigError, match=r"builtin:vlm-lava.*'llava', 'llava_next', 'qwen2_5_vl'.*did you mean 'llava'"):
         resolve_builtin("builtin:vlm-lava")
     with pytest.raises(ConfigError, match=r"builtin:vlm-llava-hot.*builtin:vlm-<family>\[-warm\]"):
         resolve_builtin("builtin:vlm-llava-hot")
@@ -172,7 +176,7 @@ def test_builtin_names_resolve_through_the_family_registry(monkeypatch, tmp_path
 
 
 def test_unknown_family_names_the_known_ones():
-    with pytest.raises(ConfigError, match=r"'qwen25_vl'.*\['llava', 'qwen2_5_vl', 'qwen3_5'.*did you mean 'qwen2_5_vl'"):
+    with pytest.raises(ConfigError, match=r"'qwen25_vl'.*\['llava', 'llava_next', 'qwen2_5_vl', 'qwen3_5'.*did you mean 'qwen2_5_vl'"):
         build_tiny_vlm("qwen25_vl")
 
 

@@ -110,6 +110,8 @@ def environment(cache: Path, datasets: dict[str, str], outcomes: Path, side: str
         TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled",
         OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // max(workers, 1))),
     )
+    if side == "trl":  # TRL loads processors with AutoProcessor: the image-only ones where torchvision is missing
+        env["TRL_HARNESS_IMAGE_ONLY_FROM"] = str(ROOT)
     if side != "ours":
         env["PYTHONPATH"] = os.pathsep.join(p for p in env["PYTHONPATH"].split(os.pathsep)
                                             if Path(p).resolve() != ROOT)

@@ -135,17 +135,17 @@ def __getattr__(name: str) -> type:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def load_vlm_processor(path: str | Path):
+def load_vlm_processor(path: str | Path, **kwargs: Any):
     """A vision-language model's processor (a folder or a hub id): ``AutoProcessor``'s when torchvision is
     installed, else, for the processors whose video part needs torchvision (:data:`VIDEO_PROCESSORS`), their
-    image-only stand-in."""
+    image-only stand-in. ``kwargs`` go to ``from_pretrained`` (e.g. ``padding_side``)."""
     from transformers import AutoProcessor
     from transformers.utils import is_torchvision_available
 
     name = _processor_class(str(path))
     if is_torchvision_available() or name not in VIDEO_PROCESSORS:
-        return AutoProcessor.from_pretrained(path)
-    return image_only_processor(name).from_pretrained(path)
+        return AutoProcessor.from_pretrained(path, **kwargs)
+    return image_only_processor(name).from_pretrained(path, **kwargs)
 
 
 def _processor_class(source: str) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,49 @@ VIDEO_PROCESSORS: dict[str, str] = {
     "Qwen2VLProcessor": "Qwen2VLVideoProcessor",
     "Qwen2_5_VLProcessor": "Qwen2VLVideoProcessor",
     "Qwen3VLProcessor": "Qwen3VLVideoProcessor",
+    "Gemma4Processor": "Gemma4VideoProcessor",
 }
+
+
+def _image_and_text(base: type) -> Callable:
+    """The stand-in's ``__init__`` of a processor of an image processor and a tokenizer (Qwen-VL): transformers
+    reads a processor's parts from its ``__init__``'s arguments, so this one names no video processor."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):  # noqa: N807
+        kwargs.pop("video_processor", None)  # a saved folder's video section: unused without torchvision
+        base.__init__(self, image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                      chat_template=chat_template, **kwargs)
+
+    return __init__
+
+
+def _audio_image_and_text(base: type) -> Callable:
+    """As :func:`_image_and_text`, for a processor with an audio feature extractor too (Gemma 4)."""
+
+    def __init__(self, feature_extractor=None, image_processor=None, tokenizer=None, chat_template=None,  # noqa: N807
+                 **kwargs):
+        kwargs.pop("video_processor", None)
+        base.__init__(self, feature_extractor=feature_extractor, image_processor=image_processor,
+                      tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+
+    return __init__
+
+
+@functools.cache
+def _without_video() -> type:
+    """A ``ProcessorMixin`` whose ``__init__`` drops the video processor a processor's own ``__init__`` hands it
+    by name (Gemma 4's): it sits between that processor and ``ProcessorMixin`` in a stand-in's class order."""
+    from transformers import ProcessorMixin
+
+    def __init__(self, *args, **kwargs):  # noqa: N807
+        kwargs.pop("video_processor", None)
+        ProcessorMixin.__init__(self, *args, **kwargs)
+
+    return type("WithoutVideoProcessor", (ProcessorMixin,), {"__init__": __init__, "__module__": __name__})
+
+
+#: Each image-only stand-in's ``__init__``, by its processor's parts.
+_INITS: dict[str, Callable[[type], Callable]] = {"Gemma4Processor": _audio_image_and_text}
 _VIDEO_SETTINGS = ("patch_size", "temporal_patch_size", "merge_size", "size", "image_mean", "image_std", "resample")
 _IMAGE_ONLY_PREFIX = "ImageOnly"
 
@@ -104,11 +147,6 @@ def image_only_processor(name: str) -> type:
     base = getattr(transformers, name)
     video_type = VIDEO_PROCESSORS[name]
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):  # noqa: N807
-        kwargs.pop("video_processor", None)  # a saved folder's video section: unused without torchvision
-        base.__init__(self, image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
-                      chat_template=chat_template, **kwargs)
-
     def to_dict(self) -> dict[str, Any]:
         """The real processor's config: its class name, and a video processor matching the image settings."""
         out = base.to_dict(self)
@@ -118,7 +156,9 @@ def image_only_processor(name: str) -> type:
         out["processor_class"] = name
         return out
 
-    cls = type(_IMAGE_ONLY_PREFIX + name, (base,), {"__init__": __init__, "to_dict": to_dict, "__module__": __name__})
+    init = _INITS.get(name, _image_and_text)(base)
+    cls = type(_IMAGE_ONLY_PREFIX + name, (base, _without_video()),
+               {"__init__": init, "to_dict": to_dict, "__module__": __name__})
     return cls
 
 

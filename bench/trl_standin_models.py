@@ -171,6 +171,39 @@ def gemma3(tokenizer, out: Path) -> None:
     save_vlm(model, processor, out)
 
 
+def gemma4(tokenizer, out: Path) -> None:
+    """Gemma 4 without its audio tower: a 2-layer vision encoder (7-pixel patches pooled 2x2, at most 70 image
+    tokens), a sliding- then a full-attention text layer with per-layer inputs; the image-only processor (its
+    video part needs torchvision)."""
+    import torch
+    from transformers import (
+        Gemma4AudioFeatureExtractor,
+        Gemma4Config,
+        Gemma4ForConditionalGeneration,
+        Gemma4ImageProcessorPil,
+    )
+
+    from grpo_ascend.models.tiny_vlm_processors import image_only_processor
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = Gemma4Config(
+        text_config={**TEXT, **special_ids(tokenizer), "sliding_window": 64, "global_head_dim": TEXT["head_dim"],
+                     "layer_types": ["sliding_attention", "full_attention"], "vocab_size_per_layer_input": len(tokenizer),
+                     "hidden_size_per_layer_input": 8},
+        vision_config={**VISION, "num_key_value_heads": 2, "head_dim": 8, "patch_size": 7, "pooling_kernel_size": 2,
+                       "position_embedding_size": 64},
+        audio_config=None, boi_token_id=ids("<|image>"), eoi_token_id=ids("<image|>"), image_token_id=ids("<|image|>"),
+        video_token_id=ids("<|video|>"), boa_token_id=ids("<|audio>"), eoa_token_index=ids("<audio|>"),
+        audio_token_id=ids("<|audio|>"))
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(config)
+    images = Gemma4ImageProcessorPil(patch_size=7, max_soft_tokens=70, pooling_kernel_size=2)
+    processor = image_only_processor("Gemma4Processor")(
+        feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=images, tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template, image_seq_length=70)
+    save_vlm(model, processor, out)
+
+
 #: The text decoder of the Qwen-VL stand-ins: 2 query heads of 16 over 1 key/value head (a head of 4 leaves the
 #: multimodal rotary sections no room).
 QWEN_VL_TEXT = {**TEXT, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
@@ -263,6 +296,7 @@ STANDINS: dict[str, StandIn] = {
     f"{ORG}/tiny-Qwen2_5_VLForConditionalGeneration": StandIn("qwen2_5_vl", grpo_ascend_vlm("qwen2_5_vl")),
     f"{ORG}/tiny-LlavaNextForConditionalGeneration": StandIn("llava", llava_next),
     f"{ORG}/tiny-Gemma3ForConditionalGeneration": StandIn("gemma3", gemma3),
+    f"{ORG}/tiny-Gemma4ForConditionalGeneration": StandIn("gemma4", gemma4),
     f"{ORG}/tiny-Qwen2VLForConditionalGeneration": StandIn("qwen2_5_vl", qwen2_vl),
     f"{ORG}/tiny-Qwen3_5ForConditionalGeneration-NoThink": StandIn("qwen3_5", qwen3_5(moe=False)),
     f"{ORG}/tiny-Qwen3_5MoeForConditionalGeneration-3.6": StandIn("qwen3_6", qwen3_5(moe=True)),

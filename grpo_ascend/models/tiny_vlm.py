@@ -1,5 +1,5 @@
 """Offline, deterministic tiny vision-language models: Qwen2.5-VL, Qwen3.5 (dense and MoE: a hybrid linear- and
-full-attention text decoder), LLaVA-1.5 and LLaVA-NeXT architectures in miniature.
+full-attention text decoder), LLaVA-1.5, LLaVA-NeXT and Gemma 4 architectures in miniature.
 
 Vision-language GRPO (issue #38) needs real ``*ForConditionalGeneration`` models with working processors and
 chat templates, without any download. Each family in :data:`FAMILIES` builds its model from a fixed seed and
@@ -24,6 +24,9 @@ from grpo_ascend.models.build_cache import build_lock, cache_dir, write_atomical
 from grpo_ascend.models.seeding import seeded
 from grpo_ascend.models.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN
 from grpo_ascend.models.tiny_vlm_processors import (
+    GEMMA4_CHAT_TEMPLATE,
+    GEMMA4_NAMED_TOKENS,
+    GEMMA4_TOKENS,
     LLAVA_CHAT_TEMPLATE,
     LLAVA_TOKENS,
     QWEN2_5_VL_CHAT_TEMPLATE,
@@ -57,12 +60,14 @@ QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 28 * 28, 56 * 56
 
 @dataclass(frozen=True)
 class VLMFamily:
-    """One built-in vision-language family: its image tokens, chat template, model and processor."""
+    """One built-in vision-language family: its image tokens, chat template, model and processor
+    (``named_tokens``: special tokens its processor reads from the tokenizer by name)."""
 
     image_tokens: list[str]
     chat_template: str
     build_model: Callable  # (tokenizer, seed, text) -> a PreTrainedModel
     build_processor: Callable  # (tokenizer) -> a ProcessorMixin
+    named_tokens: dict[str, str] | None = None
 
 
 def _special_ids(tokenizer) -> dict:
@@ -227,10 +232,44 @@ def _llava_next_processor(tokenizer):
                               chat_template=tokenizer.chat_template)
 
 
+def _gemma4_model(tokenizer, seed: int, text: dict):
+    """Gemma 4 without its audio tower: a 2-layer vision encoder (7-pixel patches pooled 2x2, at most 70 soft
+    tokens a picture), a sliding-window then a full-attention text layer with per-layer inputs."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    ids = tokenizer.convert_tokens_to_ids
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    named = {key.removesuffix("_token"): ids(token) for key, token in GEMMA4_NAMED_TOKENS.items()}
+    config = Gemma4Config(
+        text_config={**text, "head_dim": head_dim, "global_head_dim": head_dim, "vocab_size": len(tokenizer),
+                     **_special_ids(tokenizer), "sliding_window": 64,
+                     "layer_types": ["sliding_attention", "full_attention"],
+                     "vocab_size_per_layer_input": len(tokenizer), "hidden_size_per_layer_input": 8},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "num_key_value_heads": 2, "head_dim": 16, "patch_size": PATCH, "pooling_kernel_size": 2,
+                       "position_embedding_size": 64},
+        audio_config=None, boi_token_id=named["boi"], eoi_token_id=named["eoi"], image_token_id=named["image"],
+        video_token_id=ids("<|video|>"), boa_token_id=named["boa"], eoa_token_index=named["eoa"],
+        audio_token_id=named["audio"], tie_word_embeddings=True)
+    with seeded(seed):
+        return Gemma4ForConditionalGeneration(config)
+
+
+def _gemma4_processor(tokenizer):
+    """Gemma 4's processor without its video part (image-only; its audio feature extractor kept), PIL images."""
+    from transformers import Gemma4AudioFeatureExtractor, Gemma4ImageProcessorPil
+
+    images = Gemma4ImageProcessorPil(patch_size=PATCH, max_soft_tokens=70, pooling_kernel_size=2)
+    return image_only_processor("Gemma4Processor")(
+        feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=images, tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template, image_seq_length=70)
+
+
 FAMILIES: dict[str, VLMFamily] = {
     "qwen2_5_vl": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen2_5_vl_model, qwen_vl_processor),
     "llava": VLMFamily(LLAVA_TOKENS, LLAVA_CHAT_TEMPLATE, _llava_model, _llava_processor),
     "llava_next": VLMFamily(LLAVA_TOKENS, LLAVA_CHAT_TEMPLATE, _llava_next_model, _llava_next_processor),
+    "gemma4": VLMFamily(GEMMA4_TOKENS, GEMMA4_CHAT_TEMPLATE, _gemma4_model, _gemma4_processor, GEMMA4_NAMED_TOKENS),
     "qwen3_5": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen3_5_model_of(moe=False),
                          lambda tokenizer: qwen_vl_processor(tokenizer, "Qwen3VLProcessor")),
     "qwen3_5_moe": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen3_5_model_of(moe=True),
@@ -259,7 +298,7 @@ def build_vlm_parts(family: str, seed: int = 0, warm: bool = False, head_dim: in
     import torch
 
     spec = _family(family)
-    tokenizer = vlm_tokenizer(spec.image_tokens, spec.chat_template, seed=seed)
+    tokenizer = vlm_tokenizer(spec.image_tokens, spec.chat_template, seed=seed, named=spec.named_tokens)
     model = spec.build_model(tokenizer, seed, _text_config(head_dim)).to(torch.float32).eval()
     special = _special_ids(tokenizer)
     for key, value in special.items():

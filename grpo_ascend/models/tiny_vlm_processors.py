@@ -64,13 +64,41 @@ LLAVA_CHAT_TEMPLATE = (
 )
 
 
-def vlm_tokenizer(image_tokens: list[str], chat_template: str, seed: int = 0):
+#: Gemma 4's image (and, for its processor, audio and video) tokens: ``<|image>`` opens a picture's soft tokens
+#: ``<|image|>`` and ``<image|>`` closes them.
+GEMMA4_NAMED_TOKENS = {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
+                       "boa_token": "<|audio>", "audio_token": "<|audio|>", "eoa_token": "<audio|>"}
+GEMMA4_TOKENS = [*GEMMA4_NAMED_TOKENS.values(), "<|video|>"]
+
+# Gemma 4's turn format (``<|turn>role\n ... ``, the assistant as ``model``) with the tiny tokenizer's end of turn (its EOS), each image as
+# ``<|image|>`` where it is (the processor expands it to ``<|image>`` + soft tokens + ``<image|>``).
+GEMMA4_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for content in message['content'] %}"
+    "{%- if content['type'] == 'image' %}{{- '<|image|>' }}"
+    "{%- elif content['type'] == 'text' %}{{- content['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '" + EOS_TOKEN + "\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|turn>model\\n' }}{%- endif %}"
+)
+
+
+def vlm_tokenizer(image_tokens: list[str], chat_template: str, seed: int = 0, named: dict[str, str] | None = None):
     """The tiny BPE tokenizer with ``image_tokens`` appended as special tokens (every other id unchanged)
-    and ``chat_template`` as its template."""
+    and ``chat_template`` as its template; ``named``: special tokens its processor reads by name (Gemma 4's
+    ``image_token``, ``boi_token``, ...: ``tokenizer.image_token`` / ``image_token_id``)."""
     from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
 
     tokenizer = build_tokenizer(seed=seed)
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in image_tokens], special_tokens=True)
+    if named:
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token=EOS_TOKEN,
+                                            pad_token=tokenizer.pad_token, padding_side="left",
+                                            extra_special_tokens=named)
     tokenizer.chat_template = chat_template
     return tokenizer
 

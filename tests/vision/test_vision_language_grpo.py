@@ -28,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 QUESTION = [{"role": "user", "content": "what colour?"}]
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "llava", "llava_next", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "llava", "llava_next", "qwen3_5", "gemma4"])
 def vlm(request):
     path = build_tiny_vlm(request.param)
     processor = load_processor(path)

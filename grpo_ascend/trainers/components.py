@@ -38,7 +38,6 @@ from grpo_ascend.models.vision_language import (
     is_vision_language,
     load_processor,
     takes_processor_images,
-    trains_whole_model,
 )
 from grpo_ascend.planning.memory_plan import (
     AUTO_FRACTION,
@@ -72,11 +71,12 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
     if chosen and not is_vision_language(policy.config):
         raise ConfigError(f"train_vision_parts={list(chosen)} but {type(policy).__name__} has no vision parts; "
                           "leave it empty for a text model")
-    vision_parts = chosen or ()
-    if trains_whole_model(chosen, lora=peft_config is not None):
-        logger.info("vision-language model: every part trains (train_vision_parts null, TRL's choice)")
-    elif peft_config is None and is_vision_language(policy.config):
-        logger.info("vision-language model: %d vision tensors frozen", freeze_vision(policy, vision_parts))
+    vision_parts = chosen or ()  # null (TRL's choice) under LoRA: the language model's adapters only
+    if peft_config is None and is_vision_language(policy.config):
+        if chosen is None:  # TRL's choice in full fine-tuning: the whole model, as TRL's GRPOTrainer
+            logger.info("vision-language model: every part trains (train_vision_parts null, TRL's choice)")
+        else:
+            logger.info("vision-language model: %d vision tensors frozen", freeze_vision(policy, vision_parts))
     if getattr(args, "cast_lm_head_to_fp32", False):
         cast_head_to_fp32(policy)  # before the adapter: TRL refuses an adapter on the head
     policy = apply_peft(policy, peft_config, vision_parts)

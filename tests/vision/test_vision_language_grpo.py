@@ -239,7 +239,7 @@ def test_the_moe_load_balancing_loss_with_images_is_the_models_own():
     with torch.no_grad():
         logps, _, aux = forward(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
                                 batch.vision, aux_loss=True)
-        encoded = processor(text=[t for t in batch.prompt_texts], images=[[p] for p in pictures for _ in range(2)],
+        encoded = processor(text=list(batch.prompt_texts), images=[[p] for p in pictures for _ in range(2)],
                             return_tensors="pt", add_special_tokens=False)
         completion = batch.completion_ids
         extra = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask")}

@@ -5,6 +5,10 @@
   folder before the test module imports ``load_dataset``.
 - Gives an installed trl that predates the test file the ``trl.import_utils.is_<package>_available`` checks that
   the test helpers import (the package is looked up with ``importlib.util.find_spec``), so the helpers import.
+- In TRL's run, where torchvision is missing (it cannot be installed beside the CPU torch here), lets
+  ``AutoProcessor`` load the Qwen2-VL / Qwen2.5-VL / Qwen3.5 processors without their video part (grpo-ascend's
+  image-only stand-ins, from the checkout named in ``$TRL_HARNESS_IMAGE_ONLY_FROM``): TRL loads every processor
+  with ``AutoProcessor``, which needs torchvision for those; with a working torchvision nothing changes.
 - Stops a test that runs past ``$TRL_HARNESS_TEST_TIMEOUT`` seconds (SIGALRM; a failure, not a hung run).
 - Writes one JSON line per test to ``$TRL_HARNESS_OUTCOMES`` from the process that ran it: its outcome per phase,
   the first line of a failure, and whether it needs jmespath (TRL's tool tests).
@@ -47,8 +51,38 @@ def add_availability_checks() -> list[str]:
     return added
 
 
+def image_only_processors() -> bool:
+    """``AutoProcessor.from_pretrained`` falls back to the image-only processor where torchvision is missing (see
+    the module docstring); returns whether it was patched."""
+    root = os.environ.get("TRL_HARNESS_IMAGE_ONLY_FROM")
+    from transformers.utils import is_torchvision_available
+
+    if not root or is_torchvision_available():
+        return False
+    import sys
+
+    import transformers
+
+    sys.path.insert(0, root)
+    from grpo_ascend.models.tiny_vlm_processors import load_vlm_processor
+
+    original = transformers.AutoProcessor.from_pretrained
+
+    def from_pretrained(path, **kwargs):
+        try:
+            return original(path, **kwargs)
+        except ImportError as error:
+            if "torchvision" not in str(error).lower():
+                raise
+            return load_vlm_processor(path, **kwargs)
+
+    transformers.AutoProcessor.from_pretrained = from_pretrained
+    return True
+
+
 map_datasets()
 add_availability_checks()
+image_only_processors()
 
 
 RECORDS = pytest.StashKey[dict]()

@@ -25,7 +25,7 @@ from trl_standin_tokenizers import build_tokenizer
 logger = logging.getLogger(__name__)
 
 #: Part of every stand-in's fake commit hash: bump it when a builder's output changes.
-STANDIN_VERSION = 2
+STANDIN_VERSION = 3
 #: The text decoder of every stand-in: 2 layers, hidden 16, 4 query heads of 4 over 2 key/value heads.
 TEXT = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 4, "max_position_embeddings": 4096}
@@ -117,7 +117,9 @@ def save_vlm(model, processor, out: Path) -> None:
 
 def llava_next(tokenizer, out: Path) -> None:
     """LLaVA-NeXT: a CLIP tower (feature layer -2, as the real checkpoints) and a Mistral decoder; images are
-    tiled onto a 28-pixel grid."""
+    tiled onto a 28-pixel grid. The processor counts the tower's CLS token before the "default" strategy drops it
+    (``num_additional_image_tokens=1``, as the real processors): without it each image had one token fewer than
+    the model's features."""
     import torch
     from transformers import (
         LlavaNextConfig,
@@ -138,12 +140,14 @@ def llava_next(tokenizer, out: Path) -> None:
     image_processor = LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
                                               image_grid_pinpoints=[[28, 28], [28, 56], [56, 28]])
     processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
-                                   vision_feature_select_strategy="default", chat_template=tokenizer.chat_template)
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                   chat_template=tokenizer.chat_template)
     save_vlm(model, processor, out)
 
 
 def gemma3(tokenizer, out: Path) -> None:
-    """Gemma 3: a SigLIP tower pooled to 4 image tokens and a Gemma 3 decoder."""
+    """Gemma 3: a SigLIP tower without its pooling head (as the real ones: the head's output is unused, so it
+    would never train) pooled to 4 image tokens and a Gemma 3 decoder."""
     import torch
     from transformers import (
         Gemma3Config,
@@ -153,7 +157,8 @@ def gemma3(tokenizer, out: Path) -> None:
     )
 
     config = Gemma3Config(
-        vision_config={"model_type": "siglip_vision_model", **VISION, "image_size": 28, "patch_size": 7},
+        vision_config={"model_type": "siglip_vision_model", **VISION, "image_size": 28, "patch_size": 7,
+                       "vision_use_head": False},
         text_config={"model_type": "gemma3_text", **TEXT, **special_ids(tokenizer), "sliding_window": 64},
         mm_tokens_per_image=4, boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
         eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
@@ -164,6 +169,84 @@ def gemma3(tokenizer, out: Path) -> None:
     processor = Gemma3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_length=4,
                                 chat_template=tokenizer.chat_template)
     save_vlm(model, processor, out)
+
+
+def gemma4(tokenizer, out: Path) -> None:
+    """Gemma 4 without its audio tower: a 2-layer vision encoder (7-pixel patches pooled 2x2, at most 70 image
+    tokens), a sliding- then a full-attention text layer with per-layer inputs; the image-only processor (its
+    video part needs torchvision)."""
+    import torch
+    from transformers import (
+        Gemma4AudioFeatureExtractor,
+        Gemma4Config,
+        Gemma4ForConditionalGeneration,
+        Gemma4ImageProcessorPil,
+    )
+
+    from grpo_ascend.models.tiny_vlm_processors import image_only_processor
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = Gemma4Config(
+        text_config={**TEXT, **special_ids(tokenizer), "sliding_window": 64, "global_head_dim": TEXT["head_dim"],
+                     "layer_types": ["sliding_attention", "full_attention"], "vocab_size_per_layer_input": len(tokenizer),
+                     "hidden_size_per_layer_input": 8},
+        vision_config={**VISION, "num_key_value_heads": 2, "head_dim": 8, "patch_size": 7, "pooling_kernel_size": 2,
+                       "position_embedding_size": 64},
+        audio_config=None, boi_token_id=ids("<|image>"), eoi_token_id=ids("<image|>"), image_token_id=ids("<|image|>"),
+        video_token_id=ids("<|video|>"), boa_token_id=ids("<|audio>"), eoa_token_index=ids("<audio|>"),
+        audio_token_id=ids("<|audio|>"))
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(config)
+    images = Gemma4ImageProcessorPil(patch_size=7, max_soft_tokens=70, pooling_kernel_size=2)
+    processor = image_only_processor("Gemma4Processor")(
+        feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=images, tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template, image_seq_length=70)
+    save_vlm(model, processor, out)
+
+
+#: The text decoder of the Qwen-VL stand-ins: 2 query heads of 16 over 1 key/value head (a head of 4 leaves the
+#: multimodal rotary sections no room).
+QWEN_VL_TEXT = {**TEXT, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
+
+
+def qwen2_vl(tokenizer, out: Path) -> None:
+    """Qwen2-VL: a 2-block vision tower (14-pixel patches merged 2x2) and a Qwen2 decoder with 3D (mrope)
+    positions; the image-only processor (PIL, no torchvision) at 28x28 to 56x56 pixels."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from grpo_ascend.models.tiny_vlm import qwen_vl_processor
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2VLConfig(
+        text_config={**QWEN_VL_TEXT, **special_ids(tokenizer), "rope_parameters": {
+            "rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": QWEN_VL_TEXT["hidden_size"], "num_heads": 2,
+                       "mlp_ratio": 2, "patch_size": 7, "spatial_merge_size": 2, "temporal_patch_size": 2},
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+    torch.manual_seed(0)
+    save_vlm(Qwen2VLForConditionalGeneration(config), qwen_vl_processor(tokenizer, "Qwen2VLProcessor"), out)
+
+
+def qwen3_5(moe: bool) -> Callable[..., None]:
+    """Qwen3.5 (``moe``: Qwen3.5 MoE): grpo-ascend's tiny configuration (a hybrid linear- and full-attention
+    decoder, ``grpo_ascend.models.tiny_vlm.qwen3_5_config``) on the stand-in tokenizer and its TRL template."""
+
+    def build(tokenizer, out: Path) -> None:
+        import torch
+        import transformers
+
+        from grpo_ascend.models.tiny_vlm import qwen3_5_config, qwen_vl_processor
+
+        text = {k: QWEN_VL_TEXT[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                             "num_attention_heads", "num_key_value_heads", "max_position_embeddings")}
+        model_class = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
+        torch.manual_seed(0)
+        model = getattr(transformers, model_class)(qwen3_5_config(tokenizer, text, moe=moe))
+        save_vlm(model, qwen_vl_processor(tokenizer, "Qwen3VLProcessor"), out)
+
+    return build
 
 
 def grpo_ascend_vlm(family: str) -> Callable[..., None]:
@@ -213,6 +296,10 @@ STANDINS: dict[str, StandIn] = {
     f"{ORG}/tiny-Qwen2_5_VLForConditionalGeneration": StandIn("qwen2_5_vl", grpo_ascend_vlm("qwen2_5_vl")),
     f"{ORG}/tiny-LlavaNextForConditionalGeneration": StandIn("llava", llava_next),
     f"{ORG}/tiny-Gemma3ForConditionalGeneration": StandIn("gemma3", gemma3),
+    f"{ORG}/tiny-Gemma4ForConditionalGeneration": StandIn("gemma4", gemma4),
+    f"{ORG}/tiny-Qwen2VLForConditionalGeneration": StandIn("qwen2_5_vl", qwen2_vl),
+    f"{ORG}/tiny-Qwen3_5ForConditionalGeneration-NoThink": StandIn("qwen3_5", qwen3_5(moe=False)),
+    f"{ORG}/tiny-Qwen3_5MoeForConditionalGeneration-3.6": StandIn("qwen3_6", qwen3_5(moe=True)),
 }
 
 

@@ -85,7 +85,22 @@ def hub_ids(source: str) -> tuple[list[str], list[str]]:
     return models, datasets
 
 
-def prepare(test_file: Path, workdir: Path, side: str) -> Path:
+def with_config_defaults(source: str, defaults: dict) -> str:
+    """``source`` (its import already swapped) with ``GRPOConfig`` replaced by a subclass whose unset ``defaults``
+    fields take the given values: our config run with TRL's choice where our defaults differ on purpose."""
+    if not defaults:
+        return source
+    tree = ast.parse(source)
+    line = next(node.end_lineno for node in tree.body if isinstance(node, ast.ImportFrom)
+                and node.module == "grpo_ascend" and any(a.name == "GRPOConfig" for a in node.names))
+    lines = source.splitlines(keepends=True)
+    shim = (f"\n\nclass GRPOConfig(GRPOConfig):  # trl_tests_harness --ours-defaults\n"
+            f"    def __init__(self, *args, **kwargs):\n"
+            f"        super().__init__(*args, **{{**{defaults!r}, **kwargs}})\n\n\n")
+    return "".join(lines[:line]) + shim + "".join(lines[line:])
+
+
+def prepare(test_file: Path, workdir: Path, side: str, ours_defaults: dict | None = None) -> Path:
     """The test package of ``side`` under ``workdir``; returns the copied test file."""
     package = workdir / side / PACKAGE
     package.mkdir(parents=True)
@@ -93,7 +108,9 @@ def prepare(test_file: Path, workdir: Path, side: str) -> Path:
     for helper in helper_modules(test_file):
         shutil.copy(helper, package / helper.name)
     source = test_file.read_text()
-    (package / test_file.name).write_text(swap_import(source) if side == "ours" else source)
+    if side == "ours":
+        source = with_config_defaults(swap_import(source), ours_defaults or {})
+    (package / test_file.name).write_text(source)
     return package / test_file.name
 
 
@@ -110,6 +127,8 @@ def environment(cache: Path, datasets: dict[str, str], outcomes: Path, side: str
         TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled",
         OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // max(workers, 1))),
     )
+    if side == "trl":  # TRL loads processors with AutoProcessor: the image-only ones where torchvision is missing
+        env["TRL_HARNESS_IMAGE_ONLY_FROM"] = str(ROOT)
     if side != "ours":
         env["PYTHONPATH"] = os.pathsep.join(p for p in env["PYTHONPATH"].split(os.pathsep)
                                             if Path(p).resolve() != ROOT)
@@ -259,6 +278,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--out", type=Path, default=BENCH / "results",
                         help="folder of the JSON / markdown results (default bench/results)")
     parser.add_argument("--name", help="results file name without suffix (default trl_tests_<date>)")
+    parser.add_argument("--ours-defaults", type=json.loads, default={}, metavar="JSON",
+                        help="our GRPOConfig's defaults changed in our run, e.g. '{\"train_vision_parts\": null}' "
+                             "(TRL's choice where ours differs on purpose); the results record it")
     args, rest = parser.parse_known_args(argv)
     if not args.test_file.is_file():
         parser.error(f"test file {args.test_file} not found: pass the path of TRL's tests/test_grpo_trainer.py, "
@@ -287,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="trl-harness-"))
     results, seconds = {}, {}
     for side in args.sides:
-        copy = prepare(test_file, workdir, side)
+        copy = prepare(test_file, workdir, side, args.ours_defaults)
         outcomes, log = workdir / f"{side}.jsonl", workdir / f"{side}.log"
         env = environment(args.cache, datasets, outcomes, side, args.workers, args.test_timeout)
         print(f"running {side} ({'-n ' + str(args.workers) if args.workers > 1 else '1 process'}), log {log}")
@@ -303,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"meta": {"date": date, "machine": machine(), "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
                        "test_file": str(test_file), "trl_commit": trl_commit(test_file, args.trl_commit),
                        "test_file_sha256": hashlib.sha256(source.encode()).hexdigest(), "versions": versions(),
-                       "seconds": seconds, "workdir": str(workdir)},
+                       "seconds": seconds, "workdir": str(workdir), "ours_defaults": args.ours_defaults},
               "summary": summary, "results": results, "standin_failures": failures}
     args.out.mkdir(parents=True, exist_ok=True)
     name = args.name or f"trl_tests_{date}"

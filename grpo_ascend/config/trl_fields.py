@@ -307,4 +307,6 @@ for _name, _entry in TRL_FIELDS.items():
 #: What the conversion sets although TRL has no field for it, and why.
 IMPLIED_SETTINGS: dict[str, tuple[Any, str]] = {
     "max_prompt_length": (None, "TRL 1.16 does not truncate or refuse long prompts"),
+    "train_vision_parts": (None, "TRL 1.16 trains a vision-language model's vision tower and projector too in full "
+                           "fine-tuning (docs/vlm.md)"),
 }

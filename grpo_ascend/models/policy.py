@@ -179,6 +179,29 @@ def _cache_kwarg(decoder_class: type) -> str:
     return "cache" if "cache" in inspect.signature(decoder_class.forward).parameters else "past_key_values"
 
 
+def joined_positions(backbone: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_mask: Tensor,
+                     vision: RowVision | None) -> Tensor:
+    """Position ids of prompt + completion: from the mask, or with images the model's own numbering of the
+    prompt's image tokens (e.g. Qwen-VL's 3D positions), the completion continuing from the prompt's next."""
+    if vision is None:
+        return position_ids_from_mask(torch.cat([prompt_mask, completion_mask], dim=1))
+    grids = vision.forward_kwargs(None, prompt_mask, pixels=False)  # every row's: no copy of G rows' pixels
+    prompt_pos, next_pos = prompt_positions(backbone, prompt_ids, prompt_mask, grids)
+    return joined(prompt_pos, completion_positions(next_pos, completion_mask))
+
+
+def one_call_inputs(backbone: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+                    vision: RowVision | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """(input ids, image inputs) of one decoder call over prompt + completion. With images, an image token a
+    completion sampled reads the pad token's embedding (in one call it would be a slot for image features)."""
+    if vision is None:
+        return torch.cat([prompt_ids, completion_ids], dim=1), {}
+    images = vision.forward_kwargs(None, prompt_mask, completion_ids.shape[1])
+    pad = getattr(backbone.config.get_text_config(decoder=True), "pad_token_id", None) or 0
+    completion_ids = completion_ids.masked_fill(image_placeholders(backbone.config, completion_ids), pad)
+    return torch.cat([prompt_ids, completion_ids], dim=1), images
+
+
 def completion_hidden_states(
     backbone: nn.Module,
     prompt_ids: Tensor,
@@ -212,17 +235,14 @@ def completion_hidden_states(
     if vision is not None and not vision.any_images:
         vision = None
     completion_embeds = None  # the completions' embeddings when tools returned images (vision/completion_images.py)
-    if vision is None:
-        positions = position_ids_from_mask(mask)
-    else:
+    if vision is not None and vision.any_tool_images:
         grids = vision.forward_kwargs(None, prompt_mask, pixels=False)  # every row's: no copy of G rows' pixels
         prompt_pos, next_pos = prompt_positions(backbone, prompt_ids, prompt_mask, grids)
-        if vision.any_tool_images:
-            completion_embeds, completion_pos = completion_inputs(backbone, completion_ids, completion_mask, next_pos,
-                                                                  vision.tool)
-        else:
-            completion_pos = completion_positions(next_pos, completion_mask)
+        completion_embeds, completion_pos = completion_inputs(backbone, completion_ids, completion_mask, next_pos,
+                                                              vision.tool)
         positions = joined(prompt_pos, completion_pos)
+    else:
+        positions = joined_positions(backbone, prompt_ids, prompt_mask, completion_mask, vision)
     runs = None
     if (share_prompts or vision is not None) and completion_ids.shape[1] > 0 and not activation_checkpointing_on(backbone):
         runs = shared_prompt_rows(prompt_ids, prompt_mask, vision)
@@ -236,12 +256,7 @@ def completion_hidden_states(
                           use_cache=False).last_hidden_state
         return hidden[:, width - 1 : width - 1 + completion_ids.shape[1]]
     if runs is None:
-        images = {}
-        if vision is not None:
-            images = vision.forward_kwargs(None, prompt_mask, completion_ids.shape[1])
-            pad = getattr(backbone.config.get_text_config(decoder=True), "pad_token_id", None) or 0
-            completion_ids = completion_ids.masked_fill(image_placeholders(backbone.config, completion_ids), pad)
-        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        ids, images = one_call_inputs(backbone, prompt_ids, prompt_mask, completion_ids, vision)
         hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
                           **images).last_hidden_state
         return hidden[:, width - 1 : width - 1 + completion_ids.shape[1]]
@@ -279,14 +294,18 @@ def _select_cache_rows(cache: Any, rows: Tensor) -> None:
 
 def hidden_states_and_router_loss(
     backbone: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-    router_aux: RouterAux,
+    router_aux: RouterAux, vision: RowVision | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(completion hidden states as :func:`completion_hidden_states`, the MoE load-balancing loss): one decoder
     call per row over prompt and completion, as the model's own forward, so the loss weighs every row's prompt
-    tokens like TRL's (a shared prompt prefill would count a group's prompt once)."""
+    tokens like TRL's (a shared prompt prefill would count a group's prompt once). ``vision``: the rows' image
+    inputs, each row's images encoded with it (:func:`one_call_inputs`)."""
+    if vision is not None and not vision.any_images:
+        vision = None
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    out = backbone(input_ids=torch.cat([prompt_ids, completion_ids], dim=1), attention_mask=mask,
-                   position_ids=position_ids_from_mask(mask), use_cache=False, output_router_logits=True)
+    ids, images = one_call_inputs(backbone, prompt_ids, prompt_mask, completion_ids, vision)
+    out = backbone(input_ids=ids, attention_mask=mask, use_cache=False, output_router_logits=True, **images,
+                   position_ids=joined_positions(backbone, prompt_ids, prompt_mask, completion_mask, vision))
     width = prompt_ids.shape[1]
     hidden = out.last_hidden_state[:, width - 1 : width - 1 + completion_ids.shape[1]]
     return hidden, router_aux.loss(out.router_logits, mask)
@@ -387,13 +406,10 @@ class CompletionLogprobs(nn.Module):
         if self.router_aux is None:
             raise ConfigError("aux_loss=True needs a Mixture-of-Experts model's router_aux (models/router_aux.py); "
                               "this log-prob model has none")
-        if vision is not None and vision.any_images:
-            raise ConfigError("the MoE load-balancing loss with image prompts is not supported; set "
-                              "router_aux_loss_coef=0.0 to train this vision-language model without it")
         backbone, head = backbone_and_head(self.model)
         with grouped_attention(backbone):
             hidden, aux = hidden_states_and_router_loss(backbone, prompt_ids, prompt_mask, completion_ids,
-                                                        completion_mask, self.router_aux)
+                                                        completion_mask, self.router_aux, vision)
         logps, entropies = token_logprobs_from_hidden(
             hidden, head, completion_ids, temperature=temperature or 1.0, chunk_size=self.chunk_size,
             with_entropy=with_entropy, entropy_grad=entropy_grad)

@@ -46,7 +46,9 @@ def router_aux_for(model: nn.Module, coef: float | None) -> RouterAux | None:
     if not is_moe or not effective:
         return None
     loss_fn = getattr(sys.modules.get(type(hf).__module__), "load_balancing_loss_func", None)
-    num_experts, top_k = getattr(hf, "num_experts", None), getattr(hf, "num_experts_per_tok", None)
+    # the causal LM's own attributes; a vision-language model (Qwen3.5 MoE) reads them from its text config
+    num_experts = getattr(hf, "num_experts", None) or getattr(text_config, "num_experts", None)
+    top_k = getattr(hf, "num_experts_per_tok", None) or getattr(text_config, "num_experts_per_tok", None)
     if loss_fn is None or num_experts is None or top_k is None:
         raise ConfigError(
             f"{type(hf).__name__} declares output_router_logits (a Mixture-of-Experts model) but its module has no "

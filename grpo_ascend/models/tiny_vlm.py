@@ -1,4 +1,5 @@
-"""Offline, deterministic tiny vision-language models: Qwen2.5-VL and LLaVA-1.5 architectures in miniature.
+"""Offline, deterministic tiny vision-language models: Qwen2.5-VL, Qwen3.5 (dense and MoE: a hybrid linear- and
+full-attention text decoder), LLaVA-1.5, LLaVA-NeXT and Gemma 4 architectures in miniature.
 
 Vision-language GRPO (issue #38) needs real ``*ForConditionalGeneration`` models with working processors and
 chat templates, without any download. Each family in :data:`FAMILIES` builds its model from a fixed seed and
@@ -23,11 +24,14 @@ from grpo_ascend.models.build_cache import build_lock, cache_dir, write_atomical
 from grpo_ascend.models.seeding import seeded
 from grpo_ascend.models.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN
 from grpo_ascend.models.tiny_vlm_processors import (
+    GEMMA4_CHAT_TEMPLATE,
+    GEMMA4_NAMED_TOKENS,
+    GEMMA4_TOKENS,
     LLAVA_CHAT_TEMPLATE,
     LLAVA_TOKENS,
     QWEN2_5_VL_CHAT_TEMPLATE,
     QWEN_VL_TOKENS,
-    image_only_qwen2_5_vl_processor,
+    image_only_processor,
     vlm_tokenizer,
 )
 from grpo_ascend.models.tiny_vlm_warm import vlm_warm_start
@@ -56,12 +60,14 @@ QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 28 * 28, 56 * 56
 
 @dataclass(frozen=True)
 class VLMFamily:
-    """One built-in vision-language family: its image tokens, chat template, model and processor."""
+    """One built-in vision-language family: its image tokens, chat template, model and processor
+    (``named_tokens``: special tokens its processor reads from the tokenizer by name)."""
 
     image_tokens: list[str]
     chat_template: str
     build_model: Callable  # (tokenizer, seed, text) -> a PreTrainedModel
     build_processor: Callable  # (tokenizer) -> a ProcessorMixin
+    named_tokens: dict[str, str] | None = None
 
 
 def _special_ids(tokenizer) -> dict:
@@ -102,26 +108,80 @@ def _qwen2_5_vl_model(tokenizer, seed: int, text: dict):
         return Qwen2_5_VLForConditionalGeneration(config)
 
 
-def _qwen2_5_vl_processor(tokenizer):
-    """The image-only Qwen2.5-VL processor (PIL image processor; no torchvision needed) at the tiny patch size."""
+def _qwen_vision_ids(tokenizer) -> dict:
+    ids = tokenizer.convert_tokens_to_ids
+    return {"image_token_id": ids("<|image_pad|>"), "video_token_id": ids("<|video_pad|>"),
+            "vision_start_token_id": ids("<|vision_start|>"), "vision_end_token_id": ids("<|vision_end|>")}
+
+
+#: Qwen3.5 MoE's text settings in miniature: 4 experts, 2 per token, and a shared expert.
+QWEN3_5_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 32}
+
+
+def qwen3_5_config(tokenizer, text: dict, moe: bool = False):
+    """A Qwen3.5 config (``moe``: Qwen3.5 MoE's) on ``tokenizer`` with the text decoder ``text``: a 2-block vision
+    tower (learned position embeddings, 2x2 patch merger) and a hybrid decoder, a gated-DeltaNet linear-attention
+    layer then a full-attention layer, with interleaved 3D (mrope) rotary positions on half of each head."""
+    import transformers
+
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    decoder = {**text, "head_dim": head_dim, "vocab_size": len(tokenizer), **_special_ids(tokenizer),
+               "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
+               "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+               "linear_num_value_heads": 4,
+               # temporal, height, width sections of half the rotary dimension (head_dim / 2 rotated)
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.5,
+                                   "mrope_section": [s * head_dim // 16 for s in (2, 1, 1)],
+                                   "mrope_interleaved": True},
+               **(QWEN3_5_MOE if moe else {})}
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": PATCH,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": text["hidden_size"],
+              "num_position_embeddings": 64}
+    config_class = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    return config_class(text_config=decoder, vision_config=vision, tie_word_embeddings=True,
+                        **_qwen_vision_ids(tokenizer))
+
+
+def _qwen3_5_model_of(moe: bool) -> Callable:
+    def build(tokenizer, seed: int, text: dict):
+        import transformers
+
+        model_class = (transformers.Qwen3_5MoeForConditionalGeneration if moe
+                       else transformers.Qwen3_5ForConditionalGeneration)
+        with seeded(seed):
+            return model_class(qwen3_5_config(tokenizer, text, moe))
+
+    return build
+
+
+def qwen_vl_processor(tokenizer, processor_class: str = "Qwen2_5_VLProcessor"):
+    """An image-only Qwen-VL processor (:func:`image_only_processor` of ``processor_class``; PIL image processor,
+    no torchvision needed) at the tiny patch size: 28x28 to 56x56 pixels, 4 to 16 image tokens."""
     from transformers import Qwen2VLImageProcessorPil
 
     images = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=2, temporal_patch_size=2,
                                       min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS)
-    return image_only_qwen2_5_vl_processor()(image_processor=images, tokenizer=tokenizer,
-                                             chat_template=tokenizer.chat_template)
+    return image_only_processor(processor_class)(image_processor=images, tokenizer=tokenizer,
+                                                 chat_template=tokenizer.chat_template)
+
+
+def _llava_towers(tokenizer, text: dict) -> tuple:
+    """LLaVA's vision tower and text decoder configs: a 2-layer CLIP tower, a 2-layer Llama decoder."""
+    from transformers import CLIPVisionConfig, LlamaConfig
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=LLAVA_IMAGE, patch_size=PATCH, projection_dim=32)
+    return vision, LlamaConfig(**text, vocab_size=len(tokenizer), **_special_ids(tokenizer), tie_word_embeddings=True)
 
 
 def _llava_model(tokenizer, seed: int, text: dict):
     """LLaVA-1.5: a 2-layer CLIP vision tower (features of its second-to-last layer, CLS dropped), a 2-layer
     GELU projector, and a 2-layer Llama text decoder."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
 
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                              image_size=LLAVA_IMAGE, patch_size=PATCH, projection_dim=32)
-    config = LlavaConfig(vision_config=vision,
-                         text_config=LlamaConfig(**text, vocab_size=len(tokenizer), **_special_ids(tokenizer),
-                                                 tie_word_embeddings=True),
+    vision, decoder = _llava_towers(tokenizer, text)
+    config = LlavaConfig(vision_config=vision, text_config=decoder,
                          image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
                          image_seq_length=(LLAVA_IMAGE // PATCH) ** 2, vision_feature_select_strategy="default",
                          vision_feature_layer=-2, projector_hidden_act="gelu", tie_word_embeddings=True)
@@ -140,9 +200,80 @@ def _llava_processor(tokenizer):
                           chat_template=tokenizer.chat_template)
 
 
+#: LLaVA-NeXT's tilings (height, width): a picture is resized onto the best fitting one and cut into 28x28 tiles.
+LLAVA_NEXT_GRID = [[LLAVA_IMAGE, LLAVA_IMAGE], [LLAVA_IMAGE, 2 * LLAVA_IMAGE], [2 * LLAVA_IMAGE, LLAVA_IMAGE]]
+
+
+def _llava_next_model(tokenizer, seed: int, text: dict):
+    """LLaVA-NeXT: LLaVA-1.5's tower, projector and decoder, plus tiling ("anyres": a base view and the tiles of
+    the best fitting grid, unpadded to the picture's aspect ratio, with a learned newline feature per row)."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    vision, decoder = _llava_towers(tokenizer, text)
+    config = LlavaNextConfig(vision_config=vision, text_config=decoder,
+                             image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+                             image_grid_pinpoints=LLAVA_NEXT_GRID,
+                             vision_feature_select_strategy="default", vision_feature_layer=-2,
+                             projector_hidden_act="gelu", tie_word_embeddings=True)
+    with seeded(seed):
+        return LlavaNextForConditionalGeneration(config)
+
+
+def _llava_next_processor(tokenizer):
+    """LlavaNextProcessor with a PIL image processor tiling onto :data:`LLAVA_NEXT_GRID`; it counts the tower's
+    CLS token before the "default" strategy drops it (``num_additional_image_tokens=1``), as the real ones."""
+    from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
+
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE},
+                                        crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE},
+                                        image_grid_pinpoints=LLAVA_NEXT_GRID)
+    return LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
+                              vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                              chat_template=tokenizer.chat_template)
+
+
+def _gemma4_model(tokenizer, seed: int, text: dict):
+    """Gemma 4 without its audio tower: a 2-layer vision encoder (7-pixel patches pooled 2x2, at most 70 soft
+    tokens a picture), a sliding-window then a full-attention text layer with per-layer inputs."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    ids = tokenizer.convert_tokens_to_ids
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    named = {key.removesuffix("_token"): ids(token) for key, token in GEMMA4_NAMED_TOKENS.items()}
+    config = Gemma4Config(
+        text_config={**text, "head_dim": head_dim, "global_head_dim": head_dim, "vocab_size": len(tokenizer),
+                     **_special_ids(tokenizer), "sliding_window": 64,
+                     "layer_types": ["sliding_attention", "full_attention"],
+                     "vocab_size_per_layer_input": len(tokenizer), "hidden_size_per_layer_input": 8},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "num_key_value_heads": 2, "head_dim": 16, "patch_size": PATCH, "pooling_kernel_size": 2,
+                       "position_embedding_size": 64},
+        audio_config=None, boi_token_id=named["boi"], eoi_token_id=named["eoi"], image_token_id=named["image"],
+        video_token_id=ids("<|video|>"), boa_token_id=named["boa"], eoa_token_index=named["eoa"],
+        audio_token_id=named["audio"], tie_word_embeddings=True)
+    with seeded(seed):
+        return Gemma4ForConditionalGeneration(config)
+
+
+def _gemma4_processor(tokenizer):
+    """Gemma 4's processor without its video part (image-only; its audio feature extractor kept), PIL images."""
+    from transformers import Gemma4AudioFeatureExtractor, Gemma4ImageProcessorPil
+
+    images = Gemma4ImageProcessorPil(patch_size=PATCH, max_soft_tokens=70, pooling_kernel_size=2)
+    return image_only_processor("Gemma4Processor")(
+        feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=images, tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template, image_seq_length=70)
+
+
 FAMILIES: dict[str, VLMFamily] = {
-    "qwen2_5_vl": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen2_5_vl_model, _qwen2_5_vl_processor),
+    "qwen2_5_vl": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen2_5_vl_model, qwen_vl_processor),
     "llava": VLMFamily(LLAVA_TOKENS, LLAVA_CHAT_TEMPLATE, _llava_model, _llava_processor),
+    "llava_next": VLMFamily(LLAVA_TOKENS, LLAVA_CHAT_TEMPLATE, _llava_next_model, _llava_next_processor),
+    "gemma4": VLMFamily(GEMMA4_TOKENS, GEMMA4_CHAT_TEMPLATE, _gemma4_model, _gemma4_processor, GEMMA4_NAMED_TOKENS),
+    "qwen3_5": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen3_5_model_of(moe=False),
+                         lambda tokenizer: qwen_vl_processor(tokenizer, "Qwen3VLProcessor")),
+    "qwen3_5_moe": VLMFamily(QWEN_VL_TOKENS, QWEN2_5_VL_CHAT_TEMPLATE, _qwen3_5_model_of(moe=True),
+                             lambda tokenizer: qwen_vl_processor(tokenizer, "Qwen3VLProcessor")),
 }
 
 
@@ -167,7 +298,7 @@ def build_vlm_parts(family: str, seed: int = 0, warm: bool = False, head_dim: in
     import torch
 
     spec = _family(family)
-    tokenizer = vlm_tokenizer(spec.image_tokens, spec.chat_template, seed=seed)
+    tokenizer = vlm_tokenizer(spec.image_tokens, spec.chat_template, seed=seed, named=spec.named_tokens)
     model = spec.build_model(tokenizer, seed, _text_config(head_dim)).to(torch.float32).eval()
     special = _special_ids(tokenizer)
     for key, value in special.items():

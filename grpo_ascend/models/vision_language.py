@@ -5,7 +5,8 @@ family). It loads with ``AutoModelForImageTextToText``; its processor renders ch
 expands each image into image tokens (rollout and training take the token ids and pixel inputs it
 returns). LoRA's ``all-linear`` targets the language model's linear layers only, and full fine-tuning
 freezes the vision tower and projector: GRPO's reward rarely says anything about how to see, and the
-vision tower is where a small batch does the most damage.
+vision tower is where a small batch does the most damage. ``train_vision_parts`` adds parts; null is TRL's
+choice (the whole model in full fine-tuning, what a ``trl.GRPOConfig`` converts to).
 """
 
 from __future__ import annotations
@@ -65,18 +66,23 @@ def load_processor(path: str | Path) -> Any:
 
 
 #: The parts of a vision-language model that ``train_vision_parts`` may name: module-name pieces of each
-#: (LLaVA's ``multi_modal_projector`` / ``vision_tower``, Qwen-VL's ``visual.merger`` / ``visual``).
+#: (LLaVA's ``multi_modal_projector`` / ``vision_tower``, LLaVA-NeXT's ``image_newline`` too, Qwen-VL's
+#: ``visual.merger`` / ``visual``, Gemma 4's ``embed_vision``).
 VISION_PARTS: dict[str, tuple[str, ...]] = {
-    "projector": (".multi_modal_projector.", ".visual.merger.", ".mm_projector."),
+    "projector": (".multi_modal_projector.", ".visual.merger.", ".mm_projector.", ".image_newline.",
+                  ".embed_vision."),
     "vision_tower": (".vision_tower.", ".visual.", ".vision_model."),
 }
 
 
-def check_vision_parts(parts: Sequence[str]) -> tuple[str, ...]:
-    """``train_vision_parts`` checked against :data:`VISION_PARTS`."""
+def check_vision_parts(parts: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``train_vision_parts`` checked against :data:`VISION_PARTS` (None, TRL's choice, passes as is)."""
+    if parts is None:
+        return None
     unknown = [p for p in parts if p not in VISION_PARTS]
     if unknown:
-        raise ConfigError(f"train_vision_parts {unknown} unknown: choose from {sorted(VISION_PARTS)}")
+        raise ConfigError(f"train_vision_parts {unknown} unknown: choose from {sorted(VISION_PARTS)} (or null for "
+                          "TRL's choice)")
     return tuple(parts)
 
 

@@ -33,6 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models.attention_switch import attention_implementation, register
+from grpo_ascend.models.layer_kinds import text_decoder_config
 from grpo_ascend.rollout.kv_cache import BucketedKVCache
 
 IMPLEMENTATION = "grpo_ascend_shared_prefix"
@@ -276,10 +277,12 @@ def _register() -> None:
 
 def supports_shared_prefix(model: nn.Module) -> bool:
     """Whether ``model``'s attention is plain causal softmax attention that the shared prefix reproduces:
-    an sdpa/eager implementation, every layer full attention, no soft-capping, no attention sinks."""
+    an sdpa/eager implementation, every layer full attention, no soft-capping, no attention sinks (the layers
+    are read from the text decoder's config: a vision-language model's own config names none)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) not in PLAIN_IMPLEMENTATIONS:
         return False
+    config = text_decoder_config(config)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
         return False

@@ -67,12 +67,16 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
         logger.warning("model_init_kwargs are ignored: the model was passed already loaded")
     policy = load_causal_lm(model, init_kwargs=args.model_init_kwargs)
     tokenizer = load_tokenizer(model if isinstance(model, str) else policy, processing_class, args.model_init_kwargs)
-    vision_parts = check_vision_parts(args.train_vision_parts)
-    if vision_parts and not is_vision_language(policy.config):
-        raise ConfigError(f"train_vision_parts={list(vision_parts)} but {type(policy).__name__} has no vision parts; "
+    chosen = check_vision_parts(args.train_vision_parts)
+    if chosen and not is_vision_language(policy.config):
+        raise ConfigError(f"train_vision_parts={list(chosen)} but {type(policy).__name__} has no vision parts; "
                           "leave it empty for a text model")
+    vision_parts = chosen or ()  # null (TRL's choice) under LoRA: the language model's adapters only
     if peft_config is None and is_vision_language(policy.config):
-        logger.info("vision-language model: %d vision tensors frozen", freeze_vision(policy, vision_parts))
+        if chosen is None:  # TRL's choice in full fine-tuning: the whole model, as TRL's GRPOTrainer
+            logger.info("vision-language model: every part trains (train_vision_parts null, TRL's choice)")
+        else:
+            logger.info("vision-language model: %d vision tensors frozen", freeze_vision(policy, vision_parts))
     if getattr(args, "cast_lm_head_to_fp32", False):
         cast_head_to_fp32(policy)  # before the adapter: TRL refuses an adapter on the head
     policy = apply_peft(policy, peft_config, vision_parts)

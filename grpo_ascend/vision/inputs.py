@@ -3,7 +3,8 @@
 A processor's outputs are of two kinds: token-aligned tensors ``[1, L]`` beside ``input_ids`` (Qwen-VL's
 ``mm_token_type_ids``, Gemma's ``token_type_ids``), padded with the prompt and extended with zeros over the
 completion; and per-image tensors (``pixel_values``, ``image_grid_thw``, ``image_sizes`` ...), joined along
-their first dimension in row order, which is the order the model scatters image features into image tokens.
+their first dimension in row order, which is the order the model scatters image features into image tokens
+(zero-padded to a common shape where a processor pads, e.g. LLaVA-NeXT's tiles: :func:`join_images`).
 The G rows of a prompt share its :class:`PromptImages` by reference: nothing is copied per completion.
 
 Images a tool returned in a multi-turn rollout sit inside a row's completion: :class:`ToolImages` holds a row's
@@ -52,6 +53,22 @@ class PromptImages:
         return cls(per_image, per_token, num_images, tuple(pictures))
 
 
+def join_images(pieces: Sequence[Tensor]) -> Tensor:
+    """Per-image tensors of several prompts joined along the first dimension. Where their other dimensions
+    differ (LLaVA-NeXT's ``pixel_values`` [images, tiles, C, H, W]: each prompt's processor padded the tiles to
+    its own images' most), each is zero-padded at the end to the largest, as a processor pads one call's images;
+    the model reads each image's real tiles from its ``image_sizes``."""
+    shape = [max(sizes) for sizes in zip(*(p.shape[1:] for p in pieces))]
+    padded = []
+    for piece in pieces:
+        missing = [want - have for want, have in zip(shape, piece.shape[1:])]
+        if any(missing):
+            pad = [amount for m in reversed(missing) for amount in (0, m)]
+            piece = torch.nn.functional.pad(piece, pad)
+        padded.append(piece)
+    return torch.cat(padded)
+
+
 @dataclass(frozen=True)
 class ToolImages:
     """A completion row's tool images: ``per_image`` tensors (every tool image of the row, in order, joined along
@@ -64,7 +81,7 @@ class ToolImages:
     def then(self, other: ToolImages) -> ToolImages:
         """This row's images followed by ``other``'s (a later tool turn)."""
         keys = sorted(set(self.per_image) | set(other.per_image))
-        joined = {k: torch.cat([x.per_image[k] for x in (self, other) if k in x.per_image]) for k in keys}
+        joined = {k: join_images([x.per_image[k] for x in (self, other) if k in x.per_image]) for k in keys}
         return ToolImages(joined, self.columns + other.columns, self.num_images + other.num_images)
 
 
@@ -126,7 +143,7 @@ class RowVision:
         keys = {k for r in chosen if r is not None for k in r.per_image if pixels or not k.startswith("pixel_values")}
         for key in sorted(keys):
             pieces = [r.per_image[key] for r in chosen if r is not None and key in r.per_image]
-            out[key] = torch.cat(pieces).to(device)
+            out[key] = join_images(pieces).to(device)
         token_keys = {k for r in chosen if r is not None for k in r.per_token}
         width = prompt_mask.shape[1]
         for key in sorted(token_keys):

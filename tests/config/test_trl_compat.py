@@ -71,6 +71,7 @@ def test_trl_defaults_convert_silently_with_trl_meanings(tmp_path):
     assert (ours.max_completion_length, ours.logging_steps, ours.num_train_epochs) == (512, 10, 3.0)
     assert ours.gradient_checkpointing is True and ours.bf16 is False
     assert ours.max_prompt_length is None  # TRL 1.16 has no prompt limit
+    assert ours.train_vision_parts is None  # TRL trains a VLM's vision tower too in full fine-tuning
     # TRL's vllm_importance_sampling_correction=True only acts on vLLM samples: not our correction
     assert ours.importance_sampling_correction is False
 

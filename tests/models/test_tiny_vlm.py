@@ -23,13 +23,26 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 EXPECTED = {
     "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", 16, 4),
     "llava": ("LlavaForConditionalGeneration", 16, 16),  # resized and cropped to 28x28 whatever the input
+    "llava_next": ("LlavaNextForConditionalGeneration", 36, 36),  # a base view and one tile (with row ends)
+    "gemma4": ("Gemma4ForConditionalGeneration", 64, 64),  # resized onto up to 70 soft tokens, aspect kept
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", 16, 4),
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", 16, 4),
 }
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is 2 + 3?"}]}]
 RENDERED = {
     "qwen2_5_vl": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is 2 + 3?<|im_end|>\n"
                   "<|im_start|>assistant\n",
     "llava": "USER: <image>\nWhat is 2 + 3? ASSISTANT:",
+    "gemma4": "<|turn>user\n<|image|>What is 2 + 3?<|im_end|>\n<|turn>model\n",
 }
+#: The family whose chat template each family shares.
+TEMPLATE_OF = {"qwen2_5_vl": "qwen2_5_vl", "qwen3_5": "qwen2_5_vl", "qwen3_5_moe": "qwen2_5_vl", "llava": "llava",
+               "llava_next": "llava", "gemma4": "gemma4"}
+RENDERED.update({family: RENDERED[same] for family, same in TEMPLATE_OF.items()})
+#: The processor class each family's folder names.
+PROCESSOR_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "llava": "LlavaProcessor", "qwen3_5": "Qwen3VLProcessor",
+                     "qwen3_5_moe": "Qwen3VLProcessor", "llava_next": "LlavaNextProcessor",
+                     "gemma4": "Gemma4Processor"}
 
 
 def picture(seed: int, side: int = 56) -> Image.Image:
@@ -47,7 +60,8 @@ def built(request, tmp_path_factory):
 
 def inputs(processor, images, messages=QUESTION):
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return processor(text=[text] * len(images), images=images, return_tensors="pt", padding=True)
+    # one picture per row, nested (Gemma's processors read a flat list as one row's pictures)
+    return processor(text=[text] * len(images), images=[[i] for i in images], return_tensors="pt", padding=True)
 
 
 def test_loads_with_auto_classes_and_renders_image_parts(built):
@@ -70,8 +84,10 @@ def test_multi_turn_and_string_content_render(built):
                       "<|im_start|>user\nAnd<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|image_pad|>"
                       "<|vision_end|><|im_end|>\n<|im_start|>assistant\n",
         "llava": "Be brief. USER: <image>\nWhat is 2 + 3? ASSISTANT: 5<|im_end|> USER: <image>\n<image>\nAnd ASSISTANT:",
+        "gemma4": "<|turn>system\nBe brief.<|im_end|>\n" + RENDERED["gemma4"] + "5<|im_end|>\n<|turn>user\nAnd<|image|>"
+                  "<|image|><|im_end|>\n<|turn>model\n",
     }
-    assert text == expected[family]
+    assert text == expected[TEMPLATE_OF[family]]
 
 
 @pytest.mark.parametrize("side,which", [(56, 1), (28, 2)])
@@ -141,7 +157,7 @@ def test_processor_loads_without_torchvision(built, monkeypatch):
     assert type(pickle.loads(pickle.dumps(processor))) is type(processor)  # a rollout process can receive it
     assert (inputs(processor, [picture(0)])["input_ids"] == processor.image_token_id).sum() == EXPECTED[family][1]
     saved = json.loads((folder / "processor_config.json").read_text())
-    assert saved["processor_class"] == {"qwen2_5_vl": "Qwen2_5_VLProcessor", "llava": "LlavaProcessor"}[family]
+    assert saved["processor_class"] == PROCESSOR_CLASSES[family]
 
 
 def test_auto_processor_loads_the_folder_where_torchvision_works(built):
@@ -157,7 +173,7 @@ def test_builtin_names_resolve_through_the_family_registry(monkeypatch, tmp_path
     monkeypatch.setattr(tiny_vlm, "build_tiny_vlm", lambda family, warm: tmp_path / f"{family}{'-warm' * warm}")
     assert resolve_builtin("builtin:vlm-llava") == tmp_path / "llava"
     assert resolve_builtin("builtin:vlm-qwen2_5_vl-warm") == tmp_path / "qwen2_5_vl-warm"
-    with pytest.raises(ConfigError, match=r"builtin:vlm-lava.*'llava', 'qwen2_5_vl'.*did you mean 'llava'"):
+    with pytest.raises(ConfigError, match=r"builtin:vlm-lava.*'gemma4', 'llava', 'llava_next', 'qwen2_5_vl'.*did you mean 'llava'"):
         resolve_builtin("builtin:vlm-lava")
     with pytest.raises(ConfigError, match=r"builtin:vlm-llava-hot.*builtin:vlm-<family>\[-warm\]"):
         resolve_builtin("builtin:vlm-llava-hot")
@@ -166,7 +182,7 @@ def test_builtin_names_resolve_through_the_family_registry(monkeypatch, tmp_path
 
 
 def test_unknown_family_names_the_known_ones():
-    with pytest.raises(ConfigError, match=r"'qwen25_vl'.*\['llava', 'qwen2_5_vl'\].*did you mean 'qwen2_5_vl'"):
+    with pytest.raises(ConfigError, match=r"'qwen25_vl'.*\['gemma4', 'llava', 'llava_next', 'qwen2_5_vl'.*did you mean 'qwen2_5_vl'"):
         build_tiny_vlm("qwen25_vl")
 
 
@@ -197,4 +213,27 @@ def test_image_only_fallback_reads_older_saves(built, tmp_path, monkeypatch):
     (old / "preprocessor_config.json").write_text(json.dumps({**images, "processor_class": "Qwen2_5_VLProcessor"}))
     monkeypatch.setattr(transformers.utils, "is_torchvision_available", lambda: False)
     processor = load_vlm_processor(old)
+    assert (inputs(processor, [picture(0)])["input_ids"] == processor.image_token_id).sum() == EXPECTED[family][1]
+
+
+def test_image_only_fallback_loads_a_hub_id_from_the_cache(built, tmp_path, monkeypatch):
+    """A hub id (not a folder) is looked up in the hub cache for its processor class, so without torchvision it
+    loads image-only too (it went to AutoProcessor, which raised ImportError)."""
+    import shutil
+
+    import huggingface_hub.constants
+    import transformers.utils
+
+    family, folder, _, _ = built
+    if family != "qwen2_5_vl":
+        pytest.skip("only Qwen2.5-VL's processor needs torchvision")
+    repo = tmp_path / "hub" / "models--someone--tiny-vl"
+    shutil.copytree(folder, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(transformers.utils, "is_torchvision_available", lambda: False)
+    processor = load_vlm_processor("someone/tiny-vl")
+    assert type(processor).__name__ == "ImageOnlyQwen2_5_VLProcessor"
     assert (inputs(processor, [picture(0)])["input_ids"] == processor.image_token_id).sum() == EXPECTED[family][1]

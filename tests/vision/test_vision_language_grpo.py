@@ -28,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 QUESTION = [{"role": "user", "content": "what colour?"}]
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "llava"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "llava", "llava_next", "qwen3_5", "gemma4"])
 def vlm(request):
     path = build_tiny_vlm(request.param)
     processor = load_processor(path)
@@ -179,7 +179,8 @@ def test_rollouts_ahead_of_training_carry_the_images(tmp_path):
 @pytest.mark.parametrize("peft", [True, False], ids=["lora", "full"])
 def test_train_vision_parts_chooses_what_trains_besides_the_language_model(tmp_path, peft):
     """LoRA: adapters on the language model and the chosen parts' linear layers; full fine-tuning: those parts'
-    weights trainable, the rest of the vision tower frozen. An unknown part is refused naming the choices."""
+    weights trainable, the rest of the vision tower frozen; null (TRL's choice): every weight in full fine-tuning,
+    the language model's adapters under LoRA. An unknown part is refused naming the choices."""
     def trainable(parts, family="llava"):
         cfg = GRPOConfig(output_dir=str(tmp_path), report_to=[], train_vision_parts=parts)
         trainer = GRPOTrainer(f"builtin:vlm-{family}", colour_code_reward, cfg, coloured_shapes_dataset(4),
@@ -191,9 +192,13 @@ def test_train_vision_parts_chooses_what_trains_besides_the_language_model(tmp_p
                  "projector" if "projector" in n or ".merger." in n else "vision") for n in names}
 
     assert where(trainable([])) == {"language"}
+    # null, TRL's choice: every weight in full fine-tuning, the language model's adapters under LoRA
+    assert where(trainable(None)) == ({"language"} if peft else {"language", "projector", "vision"})
     assert where(trainable(["projector"])) == {"language", "projector"}
     assert where(trainable(["projector"], "qwen2_5_vl")) == {"language", "projector"}  # the merger inside .visual
     assert where(trainable(["vision_tower", "projector"])) == {"language", "projector", "vision"}
+    if not peft:  # LLaVA's weights are the language model's, its projector's and its vision tower's: all of them
+        assert trainable(None) == trainable(["vision_tower", "projector"])
     with pytest.raises(ConfigError, match=r"train_vision_parts \['eyes'\] unknown: choose from \['projector'"):
         trainable(["eyes"])
 
@@ -216,3 +221,32 @@ def test_under_gradient_checkpointing_the_one_call_forward_agrees_with_the_sampl
     clean = ~image_placeholders(model.config, batch.completion_ids).any(1)
     mask = batch.completion_mask.bool() & clean.unsqueeze(1)
     assert clean.sum() >= 12 and (logps.detach() - batch.sampling_logprobs)[mask].abs().max() < 1e-5
+
+
+def test_the_moe_load_balancing_loss_with_images_is_the_models_own():
+    """Qwen3.5 MoE with image prompts: the forward's load-balancing loss (TRL adds it to the GRPO loss) is
+    transformers' own over prompt, images and completion, and its log-probs are the sampler's."""
+    from grpo_ascend.models.router_aux import router_aux_for
+
+    path = build_tiny_vlm("qwen3_5_moe")
+    model, processor = load_causal_lm(str(path)).eval(), load_processor(path)
+    params = SamplingParams(num_generations=2, max_completion_length=4, ignore_eos=True)
+    engine = RolloutEngine(model, load_tokenizer(model, processor), params)
+    pictures = [Image.new("RGB", (40, 30), (255, 0, 0)), Image.new("RGB", (40, 30), (0, 0, 255))]
+    batch = PromptRollout(engine, processor=processor).generate_rows(
+        [{"prompt": QUESTION, "image": p} for p in pictures], generator=torch.Generator().manual_seed(0))
+    forward = CompletionLogprobs(model, router_aux=router_aux_for(model, None))
+    with torch.no_grad():
+        logps, _, aux = forward(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                                batch.vision, aux_loss=True)
+        encoded = processor(text=list(batch.prompt_texts), images=[[p] for p in pictures for _ in range(2)],
+                            return_tensors="pt", add_special_tokens=False)
+        completion = batch.completion_ids
+        extra = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask")}
+        extra["mm_token_type_ids"] = torch.nn.functional.pad(extra["mm_token_type_ids"], (0, completion.shape[1]))
+        ids = torch.cat([encoded["input_ids"], completion], dim=1)
+        model.model.rope_deltas = None
+        expected = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_router_logits=True, **extra)
+    assert batch.completion_mask.all() and not torch.equal(batch.completion_ids[0], batch.completion_ids[2])
+    assert (logps - batch.sampling_logprobs).abs().max() < 1e-5
+    torch.testing.assert_close(aux, expected.aux_loss, rtol=1e-5, atol=1e-7)

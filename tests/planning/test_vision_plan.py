@@ -108,8 +108,8 @@ def test_vision_terms_are_the_spelled_out_arithmetic():
 
 
 def test_unplanned_families_and_bad_sizes_say_what_is_known(capsys):
-    with pytest.raises(ConfigError, match=r"model_type 'gemma3' cannot be planned yet; planned families"):
-        vision_language_shape({"model_type": "gemma3", "vision_config": {}}, "cfg")
+    with pytest.raises(ConfigError, match=r"model_type 'gemma4' cannot be planned yet; planned families: \['gemma3', "):
+        vision_language_shape({"model_type": "gemma4", "vision_config": {}}, "cfg")
     recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "default.yaml")
     assert main(["plan", recipe, "--model", "builtin:vlm-llava", "--image-size", "big"]) != 0
     assert "--image-size 'big' is not a size" in capsys.readouterr().err

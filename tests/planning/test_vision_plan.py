@@ -124,7 +124,8 @@ def test_plan_command_on_a_built_vlm_folder(capsys):
                  "--prompt-length", "20", "--image-size", "28x28", "--images-per-prompt", "2"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "vision: qwen2_5_vl tower 30,592 + projector 24,800 parameters (frozen); 2 image(s) per prompt, 4 tokens" in out
+    assert "vision: qwen2_5_vl tower 30,592 + projector 24,800 parameters; 2 image(s) per prompt, 4 tokens" in out
+    assert "vision: tower and projector frozen (train_vision_parts: [])" in out
     assert "prompt: 20 text tokens (--prompt-length) + 8 image tokens" in out
     assert "prompt 28 + completion" in out and "vision tower + projector" in out and "pixel tensors" in out
 

@@ -135,15 +135,17 @@ def _layers(v: Config) -> tuple[int, int, int]:
     return int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_hidden_layers"])
 
 
-def _projector_saved(config: Config, v: Config, image: ImageCost) -> int:
-    """LLaVA's projector keeps its input (the selected layers' features) and its hidden before and after GELU."""
-    width = v["hidden_size"] * (len(config["vision_feature_layer"]) if isinstance(config.get("vision_feature_layer"), list) else 1)
-    return image.projected * (width + 2 * config["text_config"]["hidden_size"])
+def _projector_saved(config: Config, v: Config, image: ImageCost) -> tuple[int, int]:
+    """LLaVA's projector keeps its hidden before and after GELU, and its input (the selected layers' features:
+    a trained tower's layers keep them already)."""
+    layers = config.get("vision_feature_layer", -2)
+    width = v["hidden_size"] * (len(layers) if isinstance(layers, list) else 1)
+    return image.projected * 2 * config["text_config"]["hidden_size"], image.projected * width
 
 
-def _gemma3_projector_saved(config: Config, v: Config, image: ImageCost) -> int:
+def _gemma3_projector_saved(config: Config, v: Config, image: ImageCost) -> tuple[int, int]:
     """Gemma 3's projector keeps its RMS norm's input and output per pooled token (the pooling keeps nothing)."""
-    return 2 * image.projected * v["hidden_size"]
+    return 2 * image.projected * v["hidden_size"], 0
 
 
 CLIP_FAMILIES: dict[str, VisionFamily] = {

@@ -62,10 +62,17 @@ class VisionShape:
     intermediate_size: int
     num_layers: int
     image: ImageCost
-    #: The vision MLP is gated (Qwen2.5-VL: gate, up, down) rather than two linears around an activation.
-    gated_mlp: bool = False
-    #: Elements per image the projector keeps for its backward (its inputs, norms and activations).
+    #: Elements one patch keeps for the backward in one vision layer, in hidden widths and MLP widths (measured
+    #: with autograd's saved-tensor hooks per family: norms, q / k / v, rotary copies, attention output, the
+    #: MLP's hidden before and after its activation -- three for quick GELU, four gated).
+    saved_hidden: int = 8
+    saved_mlp: int = 2
+    #: ... and once per patch before the layers (patch embedding, positions, norms), in hidden widths.
+    embedding_saved: int = 4
+    #: Elements per image the projector keeps for its backward (norms, hidden activations).
     projector_saved: int = 0
+    #: ... and of its input, kept apart only over a frozen tower (a trained tower's last layer keeps it already).
+    projector_input: int = 0
     #: The projector is a module inside the tower (Qwen-VL's ``visual.merger``): training the tower trains it.
     projector_in_tower: bool = False
 
@@ -92,14 +99,8 @@ class VisionShape:
 
     @property
     def saved_elements(self) -> int:
-        """Elements one patch keeps for the backward in one vision layer: the norms' inputs and outputs, q, k, v,
-        the attention output before and after its reshape, and the MLP's hidden (two, or four gated)."""
-        return 8 * self.hidden_size + (4 if self.gated_mlp else 2) * self.intermediate_size
-
-    @property
-    def backward_elements(self) -> int:
-        """Elements one patch holds at once in one vision layer's backward (its gradients, as the decoder's)."""
-        return 5 * self.hidden_size + 2 * self.intermediate_size
+        """Elements one patch keeps for the backward in one vision layer."""
+        return self.saved_hidden * self.hidden_size + self.saved_mlp * self.intermediate_size
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,14 @@ class VisionFamily:
     image_cost: Callable[[Config, Config, Config, tuple[int, int] | None], ImageCost]
     #: (vision config) -> (hidden size, intermediate size, layers)
     layers: Callable[[Config], tuple[int, int, int]]
-    #: (config, vision config, one image) -> elements the projector keeps for its backward
-    projector_saved: Callable[[Config, Config, ImageCost], int]
+    #: (config, vision config, one image) -> elements the projector keeps for its backward: (beside its input,
+    #: its input when that is not the tower's last saved layer output)
+    projector_saved: Callable[[Config, Config, ImageCost], tuple[int, int]]
     #: The text decoder's q/k/v projections have biases (Qwen2 style).
     text_attention_bias: bool
+    #: What one patch keeps per vision layer beyond the MLP, and before the layers, in hidden widths.
+    saved_hidden: int = 8
+    embedding_saved: int = 4
+    #: The MLP is gated (Qwen2.5-VL: gate, up, down): four MLP widths kept instead of two.
     gated_mlp: bool = False
     projector_in_tower: bool = False

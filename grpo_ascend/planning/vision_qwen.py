@@ -97,20 +97,25 @@ def qwen_image_cost(low_default: int, high_default: int) -> Callable[[Config, Co
     return cost
 
 
-def merger_saved(config: Config, v: Config, image: ImageCost) -> int:
-    """The merger keeps its norm's input and output (a patch's width each) and both linears' inputs (merged)."""
-    return 4 * image.patches * v.get("embed_dim", v["hidden_size"])
+def merger_saved(config: Config, v: Config, image: ImageCost) -> tuple[int, int]:
+    """The merger keeps its norm's input and output (a patch's width each) and both linears' inputs (merged);
+    the last block's output, its input, is no block's saved tensor."""
+    return 4 * image.patches * v.get("embed_dim", v["hidden_size"]), 0
 
 
 def _qwen_family(parameters: Callable[[Config, Config], tuple[PartShape, PartShape]], low: int, high: int,
-                 keys: tuple[str, str, str], gated: bool = False, text_bias: bool = True) -> VisionFamily:
+                 keys: tuple[str, str, str], gated: bool = False, text_bias: bool = True,
+                 saved_hidden: int = 11, embedding_saved: int = 4) -> VisionFamily:
+    """A Qwen-VL family; ``saved_hidden``: 11 hidden widths kept per layer, CLIP's 8 and the rotary embedding's
+    copies of q and k (measured); the patch embedding, window reordering and rotary tables keep 4 before them."""
+
     def layers(v: Config) -> tuple[int, int, int]:
         if keys[0] == "embed_dim":  # Qwen2-VL: the MLP's width is a ratio
             return int(v["embed_dim"]), int(v["embed_dim"] * v["mlp_ratio"]), int(v["depth"])
         return int(v[keys[0]]), int(v[keys[1]]), int(v[keys[2]])
 
     return VisionFamily(parameters, qwen_image_cost(low, high), layers, merger_saved, text_attention_bias=text_bias,
-                        gated_mlp=gated, projector_in_tower=True)
+                        saved_hidden=saved_hidden, embedding_saved=embedding_saved, gated_mlp=gated, projector_in_tower=True)
 
 
 _QWEN2_BOUNDS = (56 * 56, 28 * 28 * 1280)
@@ -120,7 +125,9 @@ _DEPTH_KEYS = ("hidden_size", "intermediate_size", "depth")
 
 QWEN_FAMILIES: dict[str, VisionFamily] = {
     "qwen2_vl": _qwen_family(qwen2_vl_parameters, *_QWEN2_BOUNDS, ("embed_dim", "mlp_ratio", "depth")),
-    "qwen2_5_vl": _qwen_family(qwen2_5_vl_parameters, *_QWEN2_BOUNDS, _DEPTH_KEYS, gated=True),
+    # RMS norms keep their input and its normalised copy: two more hidden widths than layer norms
+    "qwen2_5_vl": _qwen_family(qwen2_5_vl_parameters, *_QWEN2_BOUNDS, _DEPTH_KEYS, gated=True, saved_hidden=13,
+                               embedding_saved=5),
     "qwen3_vl": _qwen_family(qwen3_vl_parameters, *_QWEN3_BOUNDS, _DEPTH_KEYS, text_bias=False),
     "qwen3_5": _qwen_family(qwen3_vl_parameters, *_QWEN3_BOUNDS, _DEPTH_KEYS, text_bias=False),
     "qwen3_5_moe": _qwen_family(qwen3_vl_parameters, *_QWEN3_BOUNDS, _DEPTH_KEYS, text_bias=False),

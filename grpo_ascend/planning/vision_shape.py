@@ -65,9 +65,12 @@ def vision_shape(config: Config, folder: Path | None = None, image_size: tuple[i
     tower, projector = spec.parameters(config, v)
     hidden, inter, layers = spec.layers(v)
     image = spec.image_cost(config, v, processor_settings(folder), image_size)
+    saved, shared = spec.projector_saved(config, v, image)
+    quick_gelu = 1 if v.get("hidden_act") == "quick_gelu" else 0  # x * sigmoid(1.702 x) keeps one more
     return VisionShape(family=family, tower=tower, projector=projector, hidden_size=hidden,
-                       intermediate_size=inter, num_layers=layers, image=image, gated_mlp=spec.gated_mlp,
-                       projector_saved=spec.projector_saved(config, v, image),
+                       intermediate_size=inter, num_layers=layers, image=image, saved_hidden=spec.saved_hidden,
+                       saved_mlp=(4 if spec.gated_mlp else 2) + quick_gelu, embedding_saved=spec.embedding_saved,
+                       projector_saved=saved, projector_input=shared,
                        projector_in_tower=spec.projector_in_tower)
 
 

@@ -80,17 +80,18 @@ def training_terms(v: VisionShape, s: RunSettings, prompts: int) -> list[Term]:
         terms.append(transient)
     else:
         patches = images * v.image.patches
+        embedding = patches * v.embedding_saved * v.hidden_size * a
         if s.gradient_checkpointing:
-            kept = v.num_layers * patches * v.hidden_size * a + patches * v.saved_elements * a
+            kept = v.num_layers * patches * v.hidden_size * a + patches * v.saved_elements * a + embedding
             note = "checkpointed: layer inputs + one layer recomputed"
         else:
-            kept = v.num_layers * patches * v.saved_elements * a
+            kept = v.num_layers * patches * v.saved_elements * a + embedding
             note = "every vision layer's saved tensors"
+        # no backward working set of its own: the tower's backward runs after the decoder's freed its activations
         terms.append(Term("vision activations", kept, ("training",), f"{patches} patches; {note}"))
-        terms.append(Term("vision backward working set", patches * v.backward_elements * a, ("training",),
-                          "one vision layer's gradients"))
     if parts:
-        terms.append(Term("projector activations", images * v.projector_saved * a, ("training",),
+        shared = 0 if "vision_tower" in parts else v.projector_input  # else the tower's last layer keeps it
+        terms.append(Term("projector activations", images * (v.projector_saved + shared) * a, ("training",),
                           f"{images} images x {v.image.projected} positions, kept for the backward"))
     return terms
 

@@ -17,6 +17,7 @@ from grpo_ascend.models.policy import default_lora_config
 from grpo_ascend.models.tiny_vlm import build_tiny_vlm
 from grpo_ascend.models.vision_language import VISION_PARTS
 from grpo_ascend.planning.memory_plan import RunSettings, load_model_shape, plan_memory, run_settings
+from grpo_ascend.planning.shape import vision_language_shape
 from grpo_ascend.planning.vision_terms import trained_vision_params
 from grpo_ascend.trainers.components import build_policy
 
@@ -88,17 +89,18 @@ def test_training_keeps_the_vision_activations_of_what_trains():
 
     patches = 2 * 1024  # one prompt's two images in an 8-row micro-batch
     tower = phases(train_vision_parts=("vision_tower",))
-    assert tower[("vision activations", ("training",))] == 32 * patches * (8 * 1280 + 4 * 3420) * 2
+    # per patch: 13 hidden widths + 4 MLP widths in each of 32 layers, 5 hidden widths before them
+    assert tower[("vision activations", ("training",))] == patches * (32 * (13 * 1280 + 4 * 3420) + 5 * 1280) * 2
     assert tower[("projector activations", ("training",))] == 2 * 4 * 1024 * 1280 * 2
     assert ("vision forward", ("training",)) not in tower
     checkpointed = phases(train_vision_parts=("vision_tower",), gradient_checkpointing=True)
     rows_patches = 8 * patches  # every row its own images under checkpointing
-    assert checkpointed[("vision activations", ("training",))] == (32 * 1280 + 8 * 1280 + 4 * 3420) * rows_patches * 2
+    assert checkpointed[("vision activations", ("training",))] == (32 * 1280 + 13 * 1280 + 4 * 3420 + 5 * 1280) * rows_patches * 2
     only_projector = phases(train_vision_parts=("projector",))
     assert ("vision activations", ("training",)) not in only_projector
     assert only_projector[("projector activations", ("training",))] == 2 * v.projector_saved * 2
     assert only_projector[("vision forward", ("training",))] == phases()[("vision forward", ("training",))]
-    kept = {"vision activations", "projector activations", "vision backward working set"}
+    kept = {"vision activations", "projector activations"}
     assert not kept & {name for name, _ in phases()}  # frozen parts: nothing kept for them
     assert {phase for name, phase in tower if name in kept} == {("training",)}
 
@@ -121,3 +123,72 @@ def test_plan_command_reads_train_vision_parts(capsys):
     # the recipe's r=32 on the projector's 32 -> 64 and 64 -> 64 linears: 32 x (96 + 128)
     assert "vision: trains projector (LoRA on their linear layers: 7,168 trainable elements" in out
     assert "projector activations" in out and "vision activations" not in out
+
+
+def _saved_bytes(model: torch.nn.Module, forward) -> int:
+    """Bytes of every activation storage autograd keeps for the backward of ``forward()`` (each storage once;
+    the weights it keeps a reference to are not activations)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(storages.values())
+
+
+TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "vocab_size": 128}
+QWEN_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+TOWERS = {  # hidden 96, MLP 384, 3 layers on 112x112 pictures of 7-pixel patches: 256 patches
+    "llava": ({"model_type": "clip_vision_model", "hidden_size": 96, "intermediate_size": 384, "num_hidden_layers": 3,
+               "num_attention_heads": 4, "image_size": 112, "patch_size": 7}, {"model_type": "llama", **TEXT}, {}),
+    "gemma3": ({"model_type": "siglip_vision_model", "hidden_size": 96, "intermediate_size": 384, "num_hidden_layers": 3,
+                "num_attention_heads": 4, "image_size": 112, "patch_size": 7, "vision_use_head": False},
+               {**TEXT, "head_dim": 16, "layer_types": ["full_attention"]}, {"mm_tokens_per_image": 64}),
+    "qwen2_vl": ({"depth": 3, "embed_dim": 96, "mlp_ratio": 4, "hidden_size": 64, "num_heads": 4, "patch_size": 7},
+                 {**TEXT, **QWEN_ROPE}, {}),
+    "qwen2_5_vl": ({"depth": 3, "hidden_size": 96, "intermediate_size": 384, "out_hidden_size": 64, "num_heads": 4,
+                    "patch_size": 7, "fullatt_block_indexes": [1]}, {**TEXT, **QWEN_ROPE}, {}),
+    "qwen3_vl": ({"depth": 3, "hidden_size": 96, "intermediate_size": 384, "out_hidden_size": 64, "num_heads": 4,
+                  "patch_size": 7, "num_position_embeddings": 256, "deepstack_visual_indexes": []},
+                 {**TEXT, **QWEN_ROPE}, {}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TOWERS))
+def test_trained_tower_and_projector_activations_are_what_autograd_keeps(family, tmp_path):
+    """One 112x112 picture (float32) through a trained tower and projector, then through a frozen tower and a
+    trained projector: the bytes autograd keeps are the plan's vision and projector activations within 5 %."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    vision, text, extra = TOWERS[family]
+    config = AutoConfig.for_model(family, vision_config=vision, text_config=text, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).float()
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 56 * 56, "max_pixels": 112 * 112}))
+    shape = vision_language_shape(config.to_dict(), family, tmp_path, image_size=(112, 112))
+    if family.startswith("qwen"):
+        pixels, grid = torch.randn(256, 3 * 2 * 7 * 7), torch.tensor([[1, 16, 16]])
+        def forward():
+            return model.model.get_image_features(pixel_values=pixels, image_grid_thw=grid)
+    else:
+        pixels = torch.randn(1, 3, 112, 112)
+        def forward():
+            return model.model.get_image_features(pixel_values=pixels)
+    s = RunSettings(activation_bytes=4, num_generations=1, micro_batch_rows=1, rows_per_step=1, images_per_prompt=1,
+                    prompt_length=8, completion_length=8, use_peft=False, train_vision_parts=None)
+    for parts in (None, ("projector",)):
+        for name, param in model.named_parameters():  # as build_policy leaves them
+            param.requires_grad_(parts is None or any(p in f".{name}." for p in VISION_PARTS["projector"]))
+        kept = _saved_bytes(model, forward)
+        planned = {t.name: t.nbytes for t in plan_memory(shape, dataclasses.replace(s, train_vision_parts=parts),
+                                                         plain_layout(1)).terms}
+        total = planned.get("vision activations", 0) + planned["projector activations"]
+        assert 0.95 * kept <= total <= 1.05 * kept, (family, parts, kept, total)

@@ -32,7 +32,7 @@ def is_vision(name: str) -> bool:
 
 
 @pytest.mark.parametrize("peft", [True, False], ids=["lora", "full"])
-@pytest.mark.parametrize("family", ["llava", "llava_next", "qwen2_5_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llava", "llava_next", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe"])
 def test_planned_trainable_elements_are_what_build_policy_leaves_trainable(tmp_path, family, peft):
     folder = str(build_tiny_vlm(family))
     shape = load_model_shape(folder)
@@ -45,7 +45,7 @@ def test_planned_trainable_elements_are_what_build_policy_leaves_trainable(tmp_p
                          weight_bytes=4, precision="fp32")
         assert s.train_vision_parts == (None if parts is None else tuple(parts))
         assert trained_vision_params(shape.vision, s) == vision, (family, peft, parts)
-        if family != "qwen3_5":  # the plan's decoder is a Llama / Qwen2 one; Qwen3.5's linear attention is not
+        if not family.startswith("qwen3_5"):  # the plan's decoder is a Llama / Qwen2 one; Qwen3.5's is hybrid
             decoder = shape.lora_params(4, None) if peft else shape.num_params
             assert sum(trained.values()) - vision == decoder, (family, peft, parts)
 

@@ -22,6 +22,7 @@ from grpo_ascend.planning.memory_plan import (
     suggest,
 )
 from grpo_ascend.planning.vision_shape import parse_image_size
+from grpo_ascend.planning.vision_terms import describe_training
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,7 +100,7 @@ def vision_images(shape: ModelShape, per_prompt: int | None, max_prompt_length: 
     count = 1 if per_prompt is None else per_prompt
     tokens = count * v.image.tokens
     lines = [f"vision: {v.family} tower {v.tower_params:,} + projector {v.projector_params:,} "
-             f"parameters (frozen); {count} image(s) per prompt, {v.image.tokens} tokens, {v.image.patches} patches "
+             f"parameters; {count} image(s) per prompt, {v.image.tokens} tokens, {v.image.patches} patches "
              f"each ({v.image.size_note})"]
     if text_length is not None:
         lines.append(f"prompt: {text_length} text tokens (--prompt-length) + {tokens} image tokens")
@@ -131,6 +132,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         f"+ completion {settings.completion_length} tokens",
     ]
     header.extend(images.lines)
+    if shape.vision is not None:
+        header.append(describe_training(shape.vision, settings))
     if args.max_tokens_per_micro_batch == "auto":
         if capacity is None:
             raise ConfigError("max_tokens_per_micro_batch: auto is resolved from the device's memory: pass "

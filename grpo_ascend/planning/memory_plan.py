@@ -19,6 +19,7 @@ from grpo_ascend import device as dev
 from grpo_ascend.distributed.memory_layout import MemoryLayout, sharding_alternatives
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.length_buckets import round_up
+from grpo_ascend.models.vision_language import check_vision_parts
 from grpo_ascend.planning.shape import (
     LINEARS,
     MODEL_CONFIGS,
@@ -190,6 +191,7 @@ def run_settings(args: Any, device: str, world_size: int, *, algorithm: str, use
         grouped_attention_bytes=dev.grouped_attention_max_bytes(device) if activation == 4 else 0,
         critic_shares_base=getattr(args, "critic_init", "policy") == "policy",
         rollout_process=rollout_process, ring_in_device_memory=rollout_process is not None and not dev.is_accelerator(device),
+        train_vision_parts=check_vision_parts(args.train_vision_parts),
     )
 
 

@@ -45,6 +45,9 @@ class RunSettings:
     ring_in_device_memory: bool = False
     #: Images in each prompt of a vision-language run (its image tokens are part of ``prompt_length``).
     images_per_prompt: int = 0
+    #: ``train_vision_parts``: vision parts trained besides the language model ('projector', 'vision_tower');
+    #: None = TRL's choice (every part in full fine-tuning, none under LoRA).
+    train_vision_parts: tuple[str, ...] | None = ()
 
 
 @dataclass(frozen=True)

@@ -160,8 +160,10 @@ def vision_language_shape(raw: Mapping[str, Any], source: str, folder: Path | No
                           image_size: tuple[int, int] | None = None) -> ModelShape:
     """A vision-language config's text decoder shape with its vision part (``folder``: the processor's settings)."""
     config = full_config(raw, source)
-    shape = ModelShape.from_config(text_config(config), source)
-    return dataclasses.replace(shape, vision=vision_shape(config, folder, image_size))
+    text = text_config(config)
+    shape = ModelShape.from_config(text, source)
+    return dataclasses.replace(shape, vision=vision_shape(config, folder, image_size),
+                               recurrent=recurrent_shape(text, source))  # Qwen3.5's hybrid decoder
 
 
 def lora_targets(target_modules: Any) -> tuple[str, ...] | None:

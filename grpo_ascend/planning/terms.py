@@ -16,7 +16,7 @@ from grpo_ascend.distributed.memory_layout import MemoryLayout
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.planning.settings import RunSettings, Term
 from grpo_ascend.planning.shape import ModelShape
-from grpo_ascend.planning.vision_terms import vision_terms
+from grpo_ascend.planning.vision_terms import adapted_vision_weights, trained_vision_params, vision_terms
 
 GiB = 2**30
 #: Phases in the order a round runs them; "rollout device" is a rollout process's own device (asynchronous
@@ -164,7 +164,9 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
     B = P * G
     if rows is None:
         rows = rows_under_budget(s, s.token_budget) if s.token_budget is not None else min(s.micro_batch_rows, s.rows_per_step)
-    trainable = m.lora_params(s.lora_r, s.lora_targets) if s.use_peft else m.num_params
+    # the decoder's trainable elements and the trained vision parts' (train_vision_parts), counted alike
+    vision = trained_vision_params(m.vision, s) if m.vision is not None else 0
+    trainable = (m.lora_params(s.lora_r, s.lora_targets) if s.use_peft else m.num_params) + vision
     train_bytes = 4 if s.use_peft else w  # peft keeps adapters in float32
     after_gen = ("old_logprobs", "reference", "values", "training")
     everywhere = ("generation", *after_gen)
@@ -172,7 +174,8 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
     terms = [Term("weights", m.num_params * w // shard, everywhere,
                   f"{m.num_params / 1e9:.2f}B params x {w} B" + (f" / {world} ranks" if shard > 1 else ""))]
     if s.use_peft:
-        terms.append(Term("LoRA parameters", trainable * 4, everywhere, f"r={s.lora_r}, {trainable / 1e6:.1f}M"))
+        terms.append(Term("LoRA parameters", trainable * 4, everywhere, f"r={s.lora_r}, {trainable / 1e6:.1f}M"
+                          + (f" ({vision / 1e6:.2f}M on vision parts)" if vision else "")))
     if layout.shards_weights:  # gathered into new buffers beside each rank's shard
         terms.append(Term("whole weights for rollout", m.num_params * w, ("generation",), "gathered once per round"))
     if layout.whole_head_in_training:
@@ -193,7 +196,7 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
         terms.append(Term("gradient reduce bucket", min(trainable, layout.reduce_bucket_elements) * 4, ("training",),
                           "reduce_bucket_size, fp32"))
     if not s.use_peft and w == 4 and a == 2:
-        terms.append(Term("autocast weight casts", m.num_params * 2 // shard, ("training",),
+        terms.append(Term("autocast weight casts", trainable * 2 // shard, ("training",),
                           "bf16 copies of trainable fp32 weights"))
     if s.reference:
         ref = 0 if s.use_peft else m.num_params * w
@@ -263,7 +266,7 @@ def _rollout_terms(m: ModelShape, s: RunSettings, layout: MemoryLayout, terms: l
                       f"logits + {sampling_units} float32 [rows, vocabulary]"))
     out.append(Term("prefill activations", P * lp * _layer_transient_elements(m) * a, ("generation",),
                       "one layer at a time"))
-    merged = m.adapted_linear_params(s.lora_targets) * w
+    merged = (m.adapted_linear_params(s.lora_targets) + (adapted_vision_weights(m.vision, s) if m.vision else 0)) * w
     if s.merge_lora is None and device_memory is not None:
         left = device_memory - sum(t.nbytes for t in [*terms, *out] if "generation" in t.phases)
         merge = merged <= left // 4

@@ -273,3 +273,22 @@ def test_a_rollout_process_moves_sampling_out_of_the_trainers_phases():
         t.nbytes for name, t in terms.items() if name.startswith(("rollout process", "weight ring")))
     assert own.phases[-1] == "rollout device" and own.phase_bytes("training") < same.phase_bytes("training")
     assert own.phase_bytes("rollout device") == sum(t.nbytes for t in own.terms if t.name.startswith("rollout process"))
+
+
+@pytest.mark.slow
+def test_vision_plan_is_within_tolerance_of_measured_peaks_when_the_tower_trains():
+    """bench/check_vision_memory_plan.py (about 75 s of CPU, one process per configuration): a tiny Qwen2.5-VL with
+    a 4-block tower on 224x224 pictures, LoRA with the tower frozen, trained, and trained under gradient
+    checkpointing. Every phase within the tolerance above; where the tower trains, the plan that counted it frozen
+    falls out of it (what the trained tower's terms add is what the run needed)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "check_vision_memory_plan.py"), "--json"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("VISION_MEMORY_PLAN_CHECK "))
+    results = json.loads(line.split(" ", 1)[1])
+    _assert_within_tolerance({row: {phase: values[:2] for phase, values in phases.items()}
+                              for row, phases in results.items()})
+    for row in ("lora-vision-tower", "lora-vision-tower-checkpointing"):
+        measured, _, frozen = results[row]["training"]
+        assert frozen < UNDER * measured - SLACK_MIB / 1024, (row, measured, frozen)

@@ -108,8 +108,8 @@ def test_vision_terms_are_the_spelled_out_arithmetic():
 
 
 def test_unplanned_families_and_bad_sizes_say_what_is_known(capsys):
-    with pytest.raises(ConfigError, match=r"model_type 'gemma3' cannot be planned yet; planned families"):
-        vision_language_shape({"model_type": "gemma3", "vision_config": {}}, "cfg")
+    with pytest.raises(ConfigError, match=r"model_type 'gemma4' cannot be planned yet; planned families: \['gemma3', "):
+        vision_language_shape({"model_type": "gemma4", "vision_config": {}}, "cfg")
     recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "default.yaml")
     assert main(["plan", recipe, "--model", "builtin:vlm-llava", "--image-size", "big"]) != 0
     assert "--image-size 'big' is not a size" in capsys.readouterr().err
@@ -124,7 +124,8 @@ def test_plan_command_on_a_built_vlm_folder(capsys):
                  "--prompt-length", "20", "--image-size", "28x28", "--images-per-prompt", "2"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "vision: qwen2_5_vl tower 30,592 + projector 24,800 parameters (frozen); 2 image(s) per prompt, 4 tokens" in out
+    assert "vision: qwen2_5_vl tower 30,592 + projector 24,800 parameters; 2 image(s) per prompt, 4 tokens" in out
+    assert "vision: tower and projector frozen (train_vision_parts: [])" in out
     assert "prompt: 20 text tokens (--prompt-length) + 8 image tokens" in out
     assert "prompt 28 + completion" in out and "vision tower + projector" in out and "pixel tensors" in out
 

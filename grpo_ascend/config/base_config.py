@@ -64,10 +64,10 @@ class BaseRLConfig(_Validated):
     repetition_penalty: float = _f(1.0, "Penalty > 1 discourages tokens already generated; 1 = off.")
     stop_strings: list[str] = _f([], "Extra strings that end a completion (EOS always does).")
     train_vision_parts: list[str] | None = _f(
-        [], "Vision-language models: parts trained besides the language model, from 'projector' and 'vision_tower' "
-        "(LoRA on their linear layers, or their whole weights without LoRA); none by default; null = TRL's choice "
-        "(what a trl.GRPOConfig converts to): the whole model in full fine-tuning, the language model under LoRA "
-        "(docs/vlm.md).")
+        None, "Vision-language models: what trains besides the language model. null (default, TRL's choice): every "
+        "weight in full fine-tuning (vision tower and projector included), the language model's adapters under LoRA; "
+        "a list from 'projector' and 'vision_tower': those parts too (LoRA on their linear layers, or their whole "
+        "weights without LoRA); [] the language model only (docs/vlm.md).")
     chat_template_kwargs: dict[str, Any] | None = _f(
         None, "Keyword arguments for the tokenizer's apply_chat_template when chat prompts are rendered, e.g. "
         "{enable_thinking: false} (TRL's meaning; tool rollouts too)."

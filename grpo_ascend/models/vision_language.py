@@ -3,10 +3,11 @@
 A model is vision-language when its config has a ``vision_config`` (every transformers image-text-to-text
 family). It loads with ``AutoModelForImageTextToText``; its processor renders chats with images and
 expands each image into image tokens (rollout and training take the token ids and pixel inputs it
-returns). LoRA's ``all-linear`` targets the language model's linear layers only, and full fine-tuning
-freezes the vision tower and projector: GRPO's reward rarely says anything about how to see, and the
-vision tower is where a small batch does the most damage. ``train_vision_parts`` adds parts; null is TRL's
-choice (the whole model in full fine-tuning, what a ``trl.GRPOConfig`` converts to).
+returns). What trains is ``train_vision_parts``: null (the default, TRL's choice) trains the whole model in full
+fine-tuning and the language model's adapters under LoRA (LoRA's ``all-linear`` targets the language model's
+linear layers only); ``[]`` the language model only (full fine-tuning freezes the vision tower and projector:
+GRPO's reward rarely says anything about how to see, and the tower is where a small batch does the most damage);
+``projector`` / ``vision_tower`` add those parts.
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ def check_vision_parts(parts: Sequence[str] | None) -> tuple[str, ...] | None:
         raise ConfigError(f"train_vision_parts {unknown} unknown: choose from {sorted(VISION_PARTS)} (or null for "
                           "TRL's choice)")
     return tuple(parts)
+
+
+def trains_whole_model(parts: Sequence[str] | None, lora: bool) -> bool:
+    """Whether a vision-language model trains every parameter: ``train_vision_parts`` null (TRL's choice) in full
+    fine-tuning, as TRL's ``GRPOTrainer`` does (under LoRA TRL's choice is the language model's adapters)."""
+    return parts is None and not lora
 
 
 def _in_parts(name: str, parts: Sequence[str]) -> bool:

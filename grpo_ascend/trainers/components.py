@@ -38,6 +38,7 @@ from grpo_ascend.models.vision_language import (
     is_vision_language,
     load_processor,
     takes_processor_images,
+    trains_whole_model,
 )
 from grpo_ascend.planning.memory_plan import (
     AUTO_FRACTION,
@@ -73,7 +74,7 @@ def build_policy(model: str | nn.Module, processing_class: Any, peft_config: Any
                           "leave it empty for a text model")
     vision_parts = chosen or ()  # null (TRL's choice) under LoRA: the language model's adapters only
     if peft_config is None and is_vision_language(policy.config):
-        if chosen is None:  # TRL's choice in full fine-tuning: the whole model, as TRL's GRPOTrainer
+        if trains_whole_model(chosen, lora=False):  # as TRL's GRPOTrainer
             logger.info("vision-language model: every part trains (train_vision_parts null, TRL's choice)")
         else:
             logger.info("vision-language model: %d vision tensors frozen", freeze_vision(policy, vision_parts))

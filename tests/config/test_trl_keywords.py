@@ -121,7 +121,7 @@ def test_all_trl_fields_at_trls_defaults_match_a_trl_config(tmp_path):
         converted = from_trl_config(trl.GRPOConfig(output_dir=str(tmp_path), bf16=False))
     differ = {k for k, v in ours.to_dict().items() if converted.to_dict()[k] != v}
     differ.discard("disable_tqdm")  # TRL resolves its None from the logging level, ours to False (bar shown)
-    assert differ == {"max_prompt_length", "train_vision_parts", "steps_per_generation",
+    assert differ == {"max_prompt_length", "steps_per_generation",  # train_vision_parts: null, TRL's, both
                       "importance_sampling_correction"}
     assert (ours.steps_per_generation, converted.steps_per_generation) == (None, 1)  # the same plan
     assert ours.batch_plan() == converted.batch_plan()

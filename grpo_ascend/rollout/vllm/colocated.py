@@ -241,11 +241,20 @@ class VLLMColocatedRollout(VLLMBackend):
             self._asleep = False
 
     def close(self) -> None:
-        """Delete the adapter folders this engine wrote."""
+        """Delete the adapter folders this engine wrote (the engine stays up for a later train or evaluate)."""
         if self._own_adapter_dir:
             shutil.rmtree(self._adapter_root, ignore_errors=True)
         elif self._lora is not None:
             remove_folder(Path(self._lora.lora_path))
+
+    def shutdown(self) -> None:
+        """:meth:`close`, and end the in-process engine now; it samples no more. vLLM tears down the process's
+        distributed state when an engine ends: a process that makes another engine later (a second trainer, a
+        test module) ends the old one first, or the garbage collector may end it under the new one."""
+        self.close()
+        client = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if client is not None:
+            client.shutdown()  # idempotent: it detaches vLLM's own finalizer
 
 
 def refresh_tied_head(worker: Any) -> None:

@@ -33,7 +33,7 @@ def full_engine(tiny_model_dir, tokenizer):
     engine = VLLMColocatedRollout(str(tiny_model_dir), tokenizer, sampling(), kv_cache_memory_bytes=32 * 2**20,
                                   max_model_length=1024)
     yield engine
-    engine.close()
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -157,4 +157,4 @@ def test_lora_adapter_sync_logprobs_match_the_trainer_before_and_after_training(
         engine.sync_weights(weights(policy))
         assert max_error(policy, engine.generate(prompts, params, gen), params.temperature) <= PARITY
     finally:
-        engine.close()
+        engine.shutdown()

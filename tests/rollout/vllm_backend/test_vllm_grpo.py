@@ -40,7 +40,7 @@ def test_grpo_with_colocated_vllm_learns(tmp_path, tiny_warm_model_dir):
     assert type(trainer.rollout.backend).__name__ == "VLLMColocatedRollout"
     # 16 held-out prompts × 8: vLLM's CPU LoRA kernels make large evaluation batches slow
     control, trained = rewards_before_and_after_training(trainer, arithmetic_dataset(16, seed=6))
-    trainer.rollout.backend.close()
+    trainer.rollout.backend.shutdown()
     assert trained > control + 0.3, (trained, control)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     ratios = [r[k] for r in rows for k in r if k.startswith("sampling/") and "mean" in k]
@@ -60,7 +60,7 @@ def test_tool_calling_run_through_vllm(tmp_path, tiny_tool_model_dir):
                           tools=["calculator"])
     assert type(trainer.rollout.backend).__name__ == "VLLMColocatedRollout"
     trainer.train()
-    trainer.rollout.backend.close()
+    trainer.rollout.backend.shutdown()
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert sum(r["tools/calls"] for r in rows) > 0
     assert max(r["sampling/sampling_logp_difference/max"] for r in rows) <= 1e-4

@@ -36,7 +36,7 @@ def colocated(tiny_vllm_llava_dir, processor):
     engine = VLLMColocatedRollout(str(tiny_vllm_llava_dir), load_tokenizer(None, processor), PARAMS, lora_rank=8,
                                   kv_cache_memory_bytes=32 * 2**20, max_model_length=512)
     yield engine
-    engine.close()
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")

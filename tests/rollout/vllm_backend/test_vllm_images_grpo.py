@@ -69,7 +69,7 @@ def test_grpo_with_images_on_colocated_vllm_trains_and_its_adapter_loads_in_vllm
                               VLLMSamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                               lora_request=request, use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == ours
-    engine.close()
+    engine.shutdown()
 
 
 def test_lora_on_the_vision_tower_is_refused_with_vllm(tmp_path, tiny_vllm_llava_dir):

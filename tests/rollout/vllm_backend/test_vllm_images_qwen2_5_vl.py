@@ -28,5 +28,5 @@ def test_colocated_qwen2_5_vl_logprobs_with_images_match_the_trainer():
     try:
         errors = run_rounds(engine, vlm_lora_policy(model_dir), processor)
     finally:
-        engine.close()
+        engine.shutdown()
     print("colocated Qwen2.5-VL LoRA, largest |sampler - trainer| per round:", errors)

@@ -50,6 +50,16 @@ _COMPACT_TOOLS_SYSTEM = (
     "{{- '</tools><|im_end|>\\n' }}"
     "{%- endif %}"
 )
+#: The Jinja that renders an assistant message's tool calls (one ``<tool_call>`` JSON block each).
+TOOL_CALLS = (
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if call.get('function') %}{%- set call = call['function'] %}{%- endif %}"
+    "{%- if not loop.first or message['content'] %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + call['name'] + '\\\", \\\"arguments\\\": ' }}"
+    "{%- if call['arguments'] is string %}{{- call['arguments'] }}{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+)
 _MESSAGES = (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'tool' %}"
@@ -58,13 +68,7 @@ _MESSAGES = (
     "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
     "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
-    "{%- for call in message['tool_calls'] %}"
-    "{%- if call.get('function') %}{%- set call = call['function'] %}{%- endif %}"
-    "{%- if not loop.first or message['content'] %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + call['name'] + '\\\", \\\"arguments\\\": ' }}"
-    "{%- if call['arguments'] is string %}{{- call['arguments'] }}{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
+) + TOOL_CALLS + (
     "{{- '<|im_end|>\\n' }}"
     "{%- elif not (tools and loop.first and message['role'] == 'system') %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"

@@ -14,17 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.models.tiny_tokenizer import EOS_TOKEN
+from grpo_ascend.models.tiny_tokenizer import EOS_TOKEN, TOOL_CALLS
 
-_CALLS = (
-    "{%- for call in message['tool_calls'] %}"
-    "{%- if call.get('function') %}{%- set call = call['function'] %}{%- endif %}"
-    "{%- if not loop.first or message['content'] %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\\\"name\\\": \\\"' + call['name'] + '\\\", \\\"arguments\\\": ' }}"
-    "{%- if call['arguments'] is string %}{{- call['arguments'] }}{%- else %}{{- call['arguments'] | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-)
 _TOOLS_SYSTEM = (
     "{%- if tools %}{{- SYSTEM_OPEN + '<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
@@ -44,7 +35,7 @@ QWEN2_5_VL_TOOLS_CHAT_TEMPLATE = (
     "{{- '\\n<tool_response>\\n' + render(message['content']) + '\\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
-    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}" + _CALLS + "{{- '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}" + TOOL_CALLS + "{{- '<|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + render(message['content']) + '<|im_end|>\\n' }}"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -60,7 +51,7 @@ LLAVA_TOOLS_CHAT_TEMPLATE = (
     + "{%- for message in messages %}"
     "{%- if message['role'] != 'system' %}{{- message['role'].upper() + ': ' }}{%- endif %}"
     "{{- render(message['content']) }}"
-    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}" + _CALLS + "{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') %}" + TOOL_CALLS + "{%- endif %}"
     "{%- if message['role'] == 'assistant' %}{{- '" + EOS_TOKEN + "' }}{%- endif %}"
     "{{- ' ' }}"
     "{%- endfor %}"

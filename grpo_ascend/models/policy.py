@@ -179,14 +179,21 @@ def _cache_kwarg(decoder_class: type) -> str:
     return "cache" if "cache" in inspect.signature(decoder_class.forward).parameters else "past_key_values"
 
 
+def image_prompt_positions(backbone: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
+                           vision: RowVision) -> tuple[Tensor, Tensor]:
+    """(prompt position ids, each row's next position) in the model's own numbering of the prompts' image tokens
+    (e.g. Qwen-VL's 3D positions)."""
+    grids = vision.forward_kwargs(None, prompt_mask, pixels=False)  # every row's: no copy of G rows' pixels
+    return prompt_positions(backbone, prompt_ids, prompt_mask, grids)
+
+
 def joined_positions(backbone: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_mask: Tensor,
                      vision: RowVision | None) -> Tensor:
     """Position ids of prompt + completion: from the mask, or with images the model's own numbering of the
-    prompt's image tokens (e.g. Qwen-VL's 3D positions), the completion continuing from the prompt's next."""
+    prompt's image tokens, the completion continuing from the prompt's next."""
     if vision is None:
         return position_ids_from_mask(torch.cat([prompt_mask, completion_mask], dim=1))
-    grids = vision.forward_kwargs(None, prompt_mask, pixels=False)  # every row's: no copy of G rows' pixels
-    prompt_pos, next_pos = prompt_positions(backbone, prompt_ids, prompt_mask, grids)
+    prompt_pos, next_pos = image_prompt_positions(backbone, prompt_ids, prompt_mask, vision)
     return joined(prompt_pos, completion_positions(next_pos, completion_mask))
 
 
@@ -236,8 +243,7 @@ def completion_hidden_states(
         vision = None
     completion_embeds = None  # the completions' embeddings when tools returned images (vision/completion_images.py)
     if vision is not None and vision.any_tool_images:
-        grids = vision.forward_kwargs(None, prompt_mask, pixels=False)  # every row's: no copy of G rows' pixels
-        prompt_pos, next_pos = prompt_positions(backbone, prompt_ids, prompt_mask, grids)
+        prompt_pos, next_pos = image_prompt_positions(backbone, prompt_ids, prompt_mask, vision)
         completion_embeds, completion_pos = completion_inputs(backbone, completion_ids, completion_mask, next_pos,
                                                               vision.tool)
         positions = joined(prompt_pos, completion_pos)

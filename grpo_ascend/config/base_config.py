@@ -17,6 +17,7 @@ from grpo_ascend.config.rollout_modes import check_async_settings
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.eval_metrics import check_eval_config
 from grpo_ascend.tracking.trackers import check_report_to, installed_trackers
+from grpo_ascend.weight_transfer.settings import check_weight_transfer
 
 
 @dataclass
@@ -159,6 +160,20 @@ class BaseRLConfig(_Validated):
     weight_sync_timeout: float = _f(
         1800.0, "Seconds one weight push to the sampler may take before the run stops with one clear line."
     )
+    weight_transfer: Literal["auto", "collective", "files"] = _f(
+        "auto", "How a full or LoRA weight sync reaches a sampler on other devices (a vLLM server, the rollout process "
+        "on a device of its own): collective = over a process group (the device's collective backend; gloo on the CPU) "
+        "built once per run, in buckets; files = written to vllm_sync_dir for the sampler to read; auto = collective "
+        "where the sampler can join a group, else files (said in one line). Not a TRL setting."
+    )
+    weight_transfer_bucket_bytes: int | None = _f(
+        None, "Bytes of one transfer bucket (two are in flight on each side); null = 2 % of free device memory within "
+        "64 MiB - 1 GiB, at least the largest tensor. Not a TRL setting."
+    )
+    weight_transfer_host: str | None = _f(
+        None, "The trainer's address the samplers' ranks connect to for a collective transfer; null = this machine's "
+        "address on the route to the first server (127.0.0.1 for a local one). Not a TRL setting."
+    )
     rollout_device: str | None = _f(
         None, "Where the rollout process samples: a torch device string (the second accelerator, say), or 'cpu'; null = the "
         "trainer's device (its own cores on the CPU). Not a TRL setting."
@@ -271,6 +286,7 @@ class BaseRLConfig(_Validated):
             self.rollout_backend = "vllm"
         _check_choice("vllm_mode", self.vllm_mode, ("colocate", "server"))
         check_async_settings(self)
+        check_weight_transfer(self.weight_transfer, self.weight_transfer_bucket_bytes)
         self.accelerator_config = accelerator_config(self.accelerator_config)
         if self.dataloader_num_workers < 0:
             raise ConfigError(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")

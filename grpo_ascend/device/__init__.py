@@ -7,6 +7,7 @@ Modules, one job each:
 
 - ``backends``: the lazy, cached torch_npu import; the torch.npu / torch.cuda namespace of a device.
 - ``core``: detecting and resolving the device, device counts, the collective backend.
+- ``collectives``: process groups of their own (a weight transfer's), HCCL / NCCL / gloo by device.
 - ``defaults``: settings chosen per device type (length buckets, decode layout and compilation, ...).
 - ``calibration``: start-up measurements choosing between equivalent layouts on the CPU at hand.
 - ``memory``: synchronising, allocator statistics, free memory (the process and host RAM on the CPU).
@@ -37,6 +38,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "ACCELERATOR_TYPES", "DEVICE_TYPES", "NpuImport", "device_type", "forget_torch_npu", "import_torch_npu",
         "is_accelerator", "load_torch_npu",
     ),
+    "collectives": ("GROUP_BACKENDS", "broadcast", "stateless_group", "transfer_backend"),
     "core": ("detect_device_type", "device_count", "dist_backend", "resolve_device", "tune_host_allocator"),
     "defaults": (
         "compile_for_decode", "decode_weights_transposed", "default_compile_decode", "default_length_bucket",

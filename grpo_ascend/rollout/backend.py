@@ -216,6 +216,11 @@ class PolicyWeights:
         config = self.model.peft_config[self.model.active_adapter]  # type: ignore[index]
         return config.to_dict()
 
+    def tensor_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(name, dtype, full shape)`` of every tensor :meth:`named_tensors` yields, in its order, read without
+        gathering or copying anything (what a collective transfer's manifest is planned from)."""
+        return [(name, t.dtype, tuple(t.shape)) for name, t in self.named_tensors()]
+
     def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """The tensors to sync, lazily (see the class docstring); consumers bucket them."""
         if self.adapter_only:

@@ -15,6 +15,8 @@ and then calls it; it never asks which engine runs. The calls, in the order a ru
 ``may_merge_lora``         whether rollouts may fold LoRA into the (engine-owned) weights
 ``may_fuse_lora``          whether LoRA layers may run the fused kernel, which reads their weights itself
 ``whole_weights``          context: the whole policy on every rank for a generation round
+``full_shape``             a tensor's whole shape, read without gathering (a transfer's manifest)
+``stream_whole``           the policy's tensors whole one at a time, for a sampler holding its own copy
 ``no_sync``                context: one micro-batch, gradient all-reduce only on the last
 ``backward``               backward of an already normalised micro-batch loss
 ``clip_and_step``          clip, NaN/inf check agreed by all ranks, step or skip; zero the grads
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -158,6 +161,19 @@ class Strategy(abc.ABC):
     def whole_weights(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """The whole policy on every rank for one generation round (all ranks must enter)."""
         return contextlib.nullcontext()
+
+    def full_shape(self, tensor: Tensor) -> tuple[int, ...]:
+        """``tensor``'s whole shape, read without gathering anything (an engine may hold only a slice of it)."""
+        return tuple(tensor.shape)
+
+    def stream_whole(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """``named`` (a state dict's items, as the live parameters) whole, one tensor at a time.
+
+        For a sampler that holds its own copy of the weights (a server, the rollout process): a sharded engine
+        gathers each tensor when it is asked for and frees it when the next one is, so no rank ever holds more
+        than one whole tensor beside its shards. Collective: every rank iterates to the end, in the same order."""
+        for name, tensor in named:
+            yield name, tensor.detach()
 
     # ------------------------------------------------------------------ one optimizer step
     @abc.abstractmethod

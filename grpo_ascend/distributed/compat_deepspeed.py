@@ -98,6 +98,11 @@ def full_numel(param: nn.Parameter) -> int:
     return int(getattr(param, "ds_numel", param.numel()))
 
 
+def full_shape(param: nn.Parameter) -> tuple[int, ...]:
+    """The whole parameter's shape, partitioned or not (ZeRO-3 leaves an empty tensor and keeps it in ``ds_shape``)."""
+    return tuple(int(d) for d in getattr(param, "ds_shape", param.shape))
+
+
 @contextlib.contextmanager
 def gathered(params: Iterable[nn.Parameter], modifier_rank: int | None = None) -> Iterator[None]:
     """ZeRO-3 partitioned ``params`` whole on every rank inside the block (all ranks must enter).

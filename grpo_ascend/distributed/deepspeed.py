@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,16 @@ class DeepSpeedStrategy(PlainStrategy):
         if not self.partitions_parameters:
             return contextlib.nullcontext()
         return compat.unwrapped_for_generation(model)
+
+    def full_shape(self, tensor: Tensor) -> tuple[int, ...]:
+        return compat.full_shape(tensor)
+
+    def stream_whole(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """ZeRO-3: each partitioned parameter gathered alone while the consumer reads it, partitioned again
+        when the next one is asked for (``named`` must hold the live parameters: ``state_dict(keep_vars=True)``)."""
+        for name, tensor in named:
+            with compat.gathered([tensor]):
+                yield name, tensor.detach()
 
     def no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
         """The engine decides when to reduce: mark whether this micro-batch ends the accumulation."""

@@ -29,7 +29,7 @@ import contextlib
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,6 +176,10 @@ class FSDPStrategy(PlainStrategy):
         """Every unit gathered once for generation and kept (no reshard after each layer's forward)."""
         return compat_fsdp2.units_stay_gathered(model)
 
+    def stream_whole(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """Each sharded parameter all-gathered alone (``DTensor.full_tensor``) as the consumer asks for it."""
+        return stream_full_tensors(named)
+
     def grad_norm(self, params: list[nn.Parameter]) -> Tensor:
         max_norm = self.args.max_grad_norm
         if max_norm and max_norm > 0:  # sharded gradients: the norm comes back as a DTensor
@@ -206,6 +210,13 @@ def full_value(value: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def stream_full_tensors(named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """``named`` whole one at a time: a DTensor is all-gathered when asked for (every rank must iterate in the same
+    order); the previous one is the caller's to drop."""
+    for name, tensor in named:
+        yield name, full_value(tensor.detach())
 
 
 def total_grad_norm(params: list[nn.Parameter]) -> Tensor:

@@ -28,9 +28,9 @@ import contextlib
 import importlib
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -189,21 +189,39 @@ class RolloutSession(ABC):
         self.close()
 
 
+class WholeTensors(Protocol):
+    """What a sharded training strategy gives :class:`PolicyWeights` to stream whole tensors (distributed/base.py's
+    Strategy has both): a tensor's whole shape without gathering, and named tensors gathered one at a time."""
+
+    def full_shape(self, tensor: Tensor) -> tuple[int, ...]: ...
+
+    def stream_whole(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]: ...
+
+
 @dataclass
 class PolicyWeights:
     """The policy's current weights, as a backend takes them at :meth:`RolloutBackend.sync_weights`.
 
-    Made inside the trainer's rollout context (where a sharded strategy holds the whole weights).
     ``version`` is the optimizer step the weights are from: a backend may skip a sync whose
     version it already holds, and must load a new version (a new LoRA adapter id, a reset prefix
     cache) otherwise. ``adapter_only``: the policy is a PEFT LoRA model, and only its adapter
     tensors change (:meth:`named_tensors` yields PEFT's adapter state-dict names,
     :meth:`adapter_config` its config); otherwise :meth:`named_tensors` yields every parameter
     and buffer of the (unwrapped) model under its transformers names, one at a time, never copied.
+
+    ``whole``: None when the caller made the weights whole for the round (the built-in engine in the trainer's
+    process); for a sampler holding its own copy, the training strategy, and :meth:`named_tensors` then gathers
+    each tensor alone as it is asked for (a sharded engine: never the whole model on one rank). That is a
+    collective: every training rank iterates it once, in lockstep, ``sends`` (rank 0) keeping what it sends and
+    the others dropping each tensor; the trainer calls :meth:`complete` after the backend, which iterates it on a
+    rank whose backend did not.
     """
 
     model: nn.Module
     version: int
+    whole: WholeTensors | None = None
+    sends: bool = True
+    _passes: int = field(default=0, init=False, repr=False, compare=False)
 
     @property
     def adapter_only(self) -> bool:
@@ -219,17 +237,33 @@ class PolicyWeights:
     def tensor_specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """``(name, dtype, full shape)`` of every tensor :meth:`named_tensors` yields, in its order, read without
         gathering or copying anything (what a collective transfer's manifest is planned from)."""
-        return [(name, t.dtype, tuple(t.shape)) for name, t in self.named_tensors()]
+        shape = self.whole.full_shape if self.whole is not None else (lambda t: tuple(t.shape))
+        return [(name, t.dtype, shape(t)) for name, t in self._live_tensors()]
 
     def named_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """The tensors to sync, lazily (see the class docstring); consumers bucket them."""
+        self._passes += 1  # counted when begun: a consumer that takes exactly every tensor never ends the loop
+        if self.whole is None:
+            yield from self._live_tensors()
+        else:
+            yield from self.whole.stream_whole(self._live_tensors())
+
+    def complete(self) -> None:
+        """After the backend took this version: iterate :meth:`named_tensors` once, dropping every tensor, if this
+        rank's backend did not (a streamed sync is a collective every training rank takes part in)."""
+        if self.whole is not None and self._passes == 0:
+            for _ in self.named_tensors():
+                pass
+
+    def _live_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        keep_vars = self.whole is not None  # a strategy gathers the live parameters themselves
         if self.adapter_only:
             from peft import get_peft_model_state_dict
 
-            yield from get_peft_model_state_dict(self.model).items()
+            yield from get_peft_model_state_dict(self.model, state_dict=self.model.state_dict(keep_vars=keep_vars)).items()
             return
         model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        yield from model.state_dict(keep_vars=False).items()
+        yield from model.state_dict(keep_vars=keep_vars).items()
 
 
 class RolloutBackend(ABC):
@@ -384,7 +418,9 @@ def serving(backend: RolloutBackend, weights: Callable[[], PolicyWeights]) -> It
     ``weights`` is called once, inside the caller's rollout context (whole weights when sharded).
     """
     backend.restore_memory()
-    backend.sync_weights(weights())
+    current = weights()
+    backend.sync_weights(current)
+    current.complete()
     try:
         yield
     finally:

@@ -223,16 +223,26 @@ class RLTrainerBase(TrainerCheckpoints, TrainerPublicAPI):
         return dev.autocast(self.device, self.precision)
 
     def _rollout_context(self) -> contextlib.AbstractContextManager:
-        """Around generation: eval mode, autocast, the whole weights (sharded engines), LoRA folded in, the
-        rollout backend serving the policy's current weights (rollout/backend.py: restore, sync, release)."""
+        """Around generation: eval mode, autocast, the whole weights (sharded engines) and LoRA folded in where the
+        backend samples with the policy module itself, the rollout backend serving the policy's current weights
+        (rollout/backend.py: restore, sync, release)."""
         self.policy.eval()
         stack = contextlib.ExitStack()
         stack.enter_context(self._autocast())
-        stack.enter_context(self.strategy.whole_weights(self.logprob_model))
+        if self.rollout.backend.samples_policy_module:
+            stack.enter_context(self.strategy.whole_weights(self.logprob_model))
         if self.merge_lora_for_rollout:
             stack.enter_context(lora_merged(self.policy, rows=self.plan.prompts_per_rank * self.plan.num_generations))
-        stack.enter_context(serving(self.rollout.backend, lambda: PolicyWeights(self.policy, self.step)))
+        stack.enter_context(serving(self.rollout.backend, lambda: self._policy_weights(self.step)))
         return stack
+
+    def _policy_weights(self, step: int) -> PolicyWeights:
+        """Version ``step`` of the policy for the rollout backend: as it stands (whole, inside the rollout context)
+        for a backend sampling with the policy module; streamed whole one tensor at a time through the strategy
+        (every rank in lockstep, rank 0 sending) for a sampler holding its own copy."""
+        if self.rollout.backend.samples_policy_module:
+            return PolicyWeights(self.policy, step)
+        return PolicyWeights(self.policy, step, whole=self.strategy, sends=self.is_main_process)
 
     def _make_experience_maker(self, mask_truncated_completions: bool = False,
                                importance_sampling: ImportanceSamplingSettings | None = None) -> ExperienceMaker:
@@ -252,8 +262,13 @@ class RLTrainerBase(TrainerCheckpoints, TrainerPublicAPI):
     def _push_weights(self, step: int) -> None:
         """The policy's weights to the rollout's sampler as version ``step`` (every rank together), for a producer
         sampling ahead: the trainer goes on while the sampler loads them."""
-        with self.strategy.whole_weights(self.logprob_model):
-            self.rollout.backend.publish_weights(PolicyWeights(self.policy, step))
+        weights = self._policy_weights(step)
+        if weights.whole is None:
+            with self.strategy.whole_weights(self.logprob_model):
+                self.rollout.backend.publish_weights(weights)
+            return
+        self.rollout.backend.publish_weights(weights)
+        weights.complete()
 
     def _trainer_state_for_rewards(self) -> dict[str, Any]:
         """``trainer_state`` as reward functions receive it."""

@@ -40,6 +40,7 @@ from grpo_ascend.planning.terms import (
     rows_under_budget,
     tokens_of,
 )
+from grpo_ascend.weight_transfer.settings import rollout_process_transfer
 
 __all__ = [
     "AUTO_FRACTION", "LINEARS", "MODEL_CONFIGS", "PHASES", "GiB", "MemoryPlan", "ModelShape", "RunSettings", "Term",
@@ -173,6 +174,7 @@ def run_settings(args: Any, device: str, world_size: int, *, algorithm: str, use
     budget = plan.max_tokens_per_micro_batch
     ahead = args.rollout_mode != "sync" and args.rollout_backend == "builtin"
     rollout_process = None if not ahead else "own" if args.rollout_device not in (None, device) else "same"
+    transfer_to = _collective_sync(args, device, rollout_process)
     # the sampler's log-probs are the training forward's: the in-process engine in fp32 (see ExperienceMaker)
     exact = activation == 4 and args.rollout_backend == "builtin" and not ahead
     return RunSettings(
@@ -190,9 +192,22 @@ def run_settings(args: Any, device: str, world_size: int, *, algorithm: str, use
         entropy_grad=bool(getattr(args, "entropy_coef", 0.0)),
         grouped_attention_bytes=dev.grouped_attention_max_bytes(device) if activation == 4 else 0,
         critic_shares_base=getattr(args, "critic_init", "policy") == "policy",
-        rollout_process=rollout_process, ring_in_device_memory=rollout_process is not None and not dev.is_accelerator(device),
+        rollout_process=rollout_process, transfer_to=transfer_to, transfer_bucket_bytes=args.weight_transfer_bucket_bytes,
+        ring_in_device_memory=rollout_process is not None and transfer_to is None and not dev.is_accelerator(device),
         train_vision_parts=check_vision_parts(args.train_vision_parts),
     )
+
+
+def _collective_sync(args: Any, device: str, rollout_process: str | None) -> str | None:
+    """Where a collective weight sync goes ("server", "rollout process"), as the run will decide; None: none.
+    A server under ``auto`` is planned as collective (the larger of the two: a server that cannot join falls back
+    to files)."""
+    if args.rollout_backend == "vllm" and args.vllm_mode == "server":
+        return "server" if args.weight_transfer != "files" else None
+    if rollout_process is None:
+        return None
+    kind, _ = rollout_process_transfer(args.weight_transfer, device, args.rollout_device or device)
+    return "rollout process" if kind == "collective" else None
 
 
 def parse_memory(text: str) -> int:

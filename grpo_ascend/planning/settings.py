@@ -43,6 +43,11 @@ class RunSettings:
     rollout_process: str | None = None
     #: The weight ring (two versions in host shared memory) counts on this device: a CPU run.
     ring_in_device_memory: bool = False
+    #: A collective weight sync (weight_transfer): its receiving end, "rollout process" or "server"; None: none
+    #: (shared memory, files, or the trainer samples). Its bucket: ``transfer_bucket_bytes`` (None: the default,
+    #: sized from the device's memory).
+    transfer_to: str | None = None
+    transfer_bucket_bytes: int | None = None
     #: Images in each prompt of a vision-language run (its image tokens are part of ``prompt_length``).
     images_per_prompt: int = 0
     #: ``train_vision_parts``: vision parts trained besides the language model ('projector', 'vision_tower');

@@ -17,6 +17,8 @@ from grpo_ascend.errors import ConfigError
 from grpo_ascend.planning.settings import RunSettings, Term
 from grpo_ascend.planning.shape import ModelShape
 from grpo_ascend.planning.vision_terms import adapted_vision_weights, trained_vision_params, vision_terms
+from grpo_ascend.weight_transfer.sender import planned_staging_bytes
+from grpo_ascend.weight_transfer.settings import bucket_bytes_for
 
 GiB = 2**30
 #: Phases in the order a round runs them; "rollout device" is a rollout process's own device (asynchronous
@@ -176,7 +178,10 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
     if s.use_peft:
         terms.append(Term("LoRA parameters", trainable * 4, everywhere, f"r={s.lora_r}, {trainable / 1e6:.1f}M"
                           + (f" ({vision / 1e6:.2f}M on vision parts)" if vision else "")))
-    if layout.shards_weights:  # gathered into new buffers beside each rank's shard
+    if layout.shards_weights and s.transfer_to == "server":  # streamed to the server one tensor at a time
+        terms.append(Term("whole tensors streamed to a sampler", 2 * _largest_tensor(m, s), ("generation",),
+                          "a sync gathers one tensor at a time (two alive at most)"))
+    elif layout.shards_weights:  # gathered into new buffers beside each rank's shard
         terms.append(Term("whole weights for rollout", m.num_params * w, ("generation",), "gathered once per round"))
     if layout.whole_head_in_training:
         others = min(m.num_params - m.embedding_params, layout.live_gathered_elements)
@@ -224,6 +229,7 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
         if s.ring_in_device_memory:
             terms.append(Term("weight ring", 2 * synced, everywhere,
                               "two versions in shared memory: " + ("adapted layers merged" if s.use_peft else "every weight")))
+    terms.extend(_transfer_terms(m, s, trainable, device_memory, everywhere))
     terms.append(Term("rollout / experience tensors", B * (16 * lp + 40 * lc), everywhere,
                       "ids, masks, log-probs per row"))
     # --- forwards over the experience ---
@@ -239,6 +245,40 @@ def plan_memory(shape: ModelShape, s: RunSettings, layout: MemoryLayout, device_
         terms.extend(vision_terms(m.vision, s, layout, rows))
     return MemoryPlan(terms=[t for t in terms if t.nbytes > 0], settings=s, layout=layout, shape=m,
                       device_memory=device_memory)
+
+
+def _largest_tensor(m: ModelShape, s: RunSettings) -> int:
+    """Bytes of the largest tensor a sync sends: the embedding (full), a merged MLP weight (LoRA, the rollout
+    process), an adapter matrix is far below any bucket (LoRA, a server)."""
+    if not s.use_peft:
+        return m.hidden_size * max(m.vocab_size, m.intermediate_size) * s.weight_bytes
+    return m.hidden_size * m.intermediate_size * s.weight_bytes if s.transfer_to == "rollout process" else 0
+
+
+def _transfer_terms(m: ModelShape, s: RunSettings, trainable: int, device_memory: int | None,
+                    everywhere: tuple[str, ...]) -> list[Term]:
+    """A collective sync's buckets: the sender's two on the trainer's device (kept between syncs), the receiver's
+    two on the sampler's; the rollout process also keeps the previous version for requests pinned to it."""
+    if s.transfer_to is None:
+        return []
+    if s.transfer_to == "server":
+        sent = trainable * 4 if s.use_peft else m.num_params * s.weight_bytes
+    else:
+        sent = (m.adapted_linear_params(s.lora_targets) if s.use_peft else m.num_params) * s.weight_bytes
+    bucket = s.transfer_bucket_bytes or bucket_bytes_for(device_memory or 0, _largest_tensor(m, s))
+    staging = planned_staging_bytes(sent, bucket)
+    how = f"two buckets of <= {bucket / 2**20:.0f} MiB" + ("" if s.transfer_bucket_bytes else
+                                                          " (null: sized from the device's memory)")
+    out = [Term("weight transfer: sender buckets", staging, everywhere, f"{how}, kept between syncs")]
+    if s.transfer_to == "server":
+        out.append(Term("weight transfer: receiver buckets", staging, (),
+                        "on each server's workers, beside vLLM's memory (not a device planned here)"))
+        return out
+    held = everywhere if s.rollout_process == "same" else ("rollout device",)
+    out.append(Term("weight transfer: receiver buckets", staging, held, f"{how}, in the rollout process"))
+    out.append(Term("rollout process: previous version", sent, held,
+                    "kept for requests pinned to it (one_step_off)"))
+    return out
 
 
 def _rollout_terms(m: ModelShape, s: RunSettings, layout: MemoryLayout, terms: list[Term], device_memory: int | None,

@@ -209,12 +209,10 @@ class PolicyWeights:
     :meth:`adapter_config` its config); otherwise :meth:`named_tensors` yields every parameter
     and buffer of the (unwrapped) model under its transformers names, one at a time, never copied.
 
-    ``whole``: None when the caller made the weights whole for the round (the built-in engine in the trainer's
-    process); for a sampler holding its own copy, the training strategy, and :meth:`named_tensors` then gathers
-    each tensor alone as it is asked for (a sharded engine: never the whole model on one rank). That is a
-    collective: every training rank iterates it once, in lockstep, ``sends`` (rank 0) keeping what it sends and
-    the others dropping each tensor; the trainer calls :meth:`complete` after the backend, which iterates it on a
-    rank whose backend did not.
+    ``whole``: None when the caller made the weights whole for the round; else the training strategy, and
+    :meth:`named_tensors` gathers each tensor alone as it is asked for (sharded: never the whole model on one
+    rank). A collective: every training rank iterates it once, in lockstep, ``sends`` (rank 0) keeping what it
+    sends, the others dropping it; the trainer's :meth:`complete` iterates it where the backend did not.
     """
 
     model: nn.Module
@@ -280,6 +278,9 @@ class RolloutBackend(ABC):
     #: the trainer's speed-ups of that module apply (LoRA folded into the weights while generating); a
     #: backend holding its own copy of the weights takes them through :meth:`sync_weights` instead.
     samples_policy_module: ClassVar[bool] = False
+    #: True when :meth:`sync_weights` reads only :meth:`PolicyWeights.named_tensors`, so a sharded strategy may
+    #: stream them one at a time; False when it reads the policy module whole (the trainer gathers it first).
+    streams_weights: ClassVar[bool] = True
     #: True when :meth:`generate_with_images` feeds prompts' images to the model.
     takes_images: ClassVar[bool] = False
     #: True when :meth:`start_image_session` works and its sessions take tool images

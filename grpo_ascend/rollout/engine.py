@@ -79,6 +79,7 @@ class RolloutEngine(RolloutBackend):
     """
 
     samples_policy_module = True
+    streams_weights = False
     takes_images = True
     takes_tool_images = True
 

@@ -223,13 +223,13 @@ class RLTrainerBase(TrainerCheckpoints, TrainerPublicAPI):
         return dev.autocast(self.device, self.precision)
 
     def _rollout_context(self) -> contextlib.AbstractContextManager:
-        """Around generation: eval mode, autocast, the whole weights (sharded engines) and LoRA folded in where the
-        backend samples with the policy module itself, the rollout backend serving the policy's current weights
+        """Around generation: eval mode, autocast, the whole weights (sharded engines) where the backend reads the
+        policy module, LoRA folded in where it samples with it, the rollout backend serving the policy's current weights
         (rollout/backend.py: restore, sync, release)."""
         self.policy.eval()
         stack = contextlib.ExitStack()
         stack.enter_context(self._autocast())
-        if self.rollout.backend.samples_policy_module:
+        if not self.rollout.backend.streams_weights:
             stack.enter_context(self.strategy.whole_weights(self.logprob_model))
         if self.merge_lora_for_rollout:
             stack.enter_context(lora_merged(self.policy, rows=self.plan.prompts_per_rank * self.plan.num_generations))
@@ -238,9 +238,9 @@ class RLTrainerBase(TrainerCheckpoints, TrainerPublicAPI):
 
     def _policy_weights(self, step: int) -> PolicyWeights:
         """Version ``step`` of the policy for the rollout backend: as it stands (whole, inside the rollout context)
-        for a backend sampling with the policy module; streamed whole one tensor at a time through the strategy
-        (every rank in lockstep, rank 0 sending) for a sampler holding its own copy."""
-        if self.rollout.backend.samples_policy_module:
+        for a backend reading the policy module; streamed whole one tensor at a time through the strategy (every
+        rank in lockstep, rank 0 sending) for one that reads only the named tensors (a server's own copy)."""
+        if not self.rollout.backend.streams_weights:
             return PolicyWeights(self.policy, step)
         return PolicyWeights(self.policy, step, whole=self.strategy, sends=self.is_main_process)
 

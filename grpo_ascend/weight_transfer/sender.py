@@ -23,6 +23,16 @@ from grpo_ascend.weight_transfer.manifest import Bucket, Manifest
 STAGING_BUFFERS = 2
 
 
+def planned_staging_bytes(total_bytes: int, bucket_bytes: int) -> int:
+    """What :meth:`WeightSender.staging_bytes` (and a receiver's two buffers) come to for ``total_bytes`` sent in
+    buckets of ``bucket_bytes``, planned from sizes alone: an upper bound within the alignment padding of a bucket
+    (a bucket rarely fills to the byte)."""
+    if total_bytes <= 0:
+        return 0
+    buckets = -(-int(total_bytes) // int(bucket_bytes))
+    return min(STAGING_BUFFERS, buckets) * min(int(bucket_bytes), int(total_bytes))
+
+
 @dataclass
 class SendReport:
     """What one transfer did: bytes per receiving group, seconds, and the groups that failed (with why)."""

@@ -32,5 +32,39 @@ def default_bucket_bytes(device: torch.device | str, largest_tensor: int = 0) ->
     """The bucket a transfer uses when none is set: a small share of ``device``'s free memory, within
     [MIN_BUCKET_BYTES, MAX_BUCKET_BYTES], and never smaller than the largest tensor sent."""
     free, _ = dev.free_memory(device)
-    share = int(free * FREE_MEMORY_SHARE) if free else MIN_BUCKET_BYTES
+    return bucket_bytes_for(free or 0, largest_tensor)
+
+
+def bucket_bytes_for(free_bytes: int, largest_tensor: int = 0) -> int:
+    """:func:`default_bucket_bytes` for a device with ``free_bytes`` free (0: unknown, the smallest default)."""
+    share = int(free_bytes * FREE_MEMORY_SHARE) if free_bytes else MIN_BUCKET_BYTES
     return max(min(max(share, MIN_BUCKET_BYTES), MAX_BUCKET_BYTES), int(largest_tensor))
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+def rollout_process_transfer(mode: str, trainer_device: torch.device | str,
+                             rollout_device: torch.device | str) -> tuple[str, str]:
+    """How policy versions reach the built-in rollout process: ``"collective"`` (a transfer group, device to
+    device) or ``"ring"`` (two slots in host shared memory), and why, in one line for the log.
+
+    ``auto``: collective when the process samples on another accelerator than the trainer's, else the ring (one
+    host's memory holds both ends: a copy through shared memory is the cheapest hop). ``files`` is refused: the
+    process never read its versions from files."""
+    check_weight_transfer(mode, None)
+    if mode == "files":
+        raise ConfigError("weight_transfer='files' does not apply to the built-in rollout process (its versions go "
+                          "through shared memory or a transfer group, never files); set weight_transfer: auto or "
+                          "collective")
+    trainer, rollout = torch.device(trainer_device), torch.device(rollout_device)
+    if mode == "collective":
+        return "collective", (f"weight_transfer=collective: versions go to the rollout process on {rollout} over a "
+                              f"{dev.transfer_backend(rollout)} transfer group")
+    if dev.is_accelerator(rollout) and not _same_device(trainer, rollout):
+        return "collective", (f"weight_transfer=auto: the rollout process samples on {rollout}, another accelerator "
+                              f"than the trainer's {trainer}: versions go device to device over a "
+                              f"{dev.transfer_backend(rollout)} transfer group")
+    return "ring", (f"weight_transfer=auto: the rollout process on {rollout} shares the trainer's host: versions go "
+                    "through the two-slot shared-memory ring")

@@ -69,6 +69,7 @@ class ProcessBackend(RolloutBackend):
     """
 
     takes_images = True
+    streams_weights = False  # a sync reads the policy module whole (LoRA merged into its weights)
 
     def __init__(self, policy: nn.Module, tokenizer: Any, params: SamplingParams, settings: ProcessSettings,
                  device: torch.device, version: int) -> None:

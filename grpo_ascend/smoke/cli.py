@@ -18,6 +18,7 @@ from grpo_ascend.smoke.ddp_check import check_ddp
 from grpo_ascend.smoke.report import CheckResult, write_report
 from grpo_ascend.smoke.rollout_check import check_rollout
 from grpo_ascend.smoke.training_check import check_builtin_training, check_user_training
+from grpo_ascend.smoke.transfer_check import check_transfer
 from grpo_ascend.smoke.vllm_check import check_vllm
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ CHECKS: dict[str, Callable[[SmokeContext], CheckResult]] = {
     "train_builtin": check_builtin_training,
     "train_model": check_user_training,
     "vllm": check_vllm,
+    "transfer": check_transfer,
     "ddp": check_ddp,
 }
 DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}

@@ -41,8 +41,12 @@ def bucket_bytes_for(free_bytes: int, largest_tensor: int = 0) -> int:
     return max(min(max(share, MIN_BUCKET_BYTES), MAX_BUCKET_BYTES), int(largest_tensor))
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index or 0) == (b.index or 0)
+def _same_device(a: str, b: str) -> bool:
+    """Whether two device strings name one device ('x' and 'x:0' do); read as text, so a device type whose torch
+    extension is not loaded here (a plan made on another machine) still compares."""
+    kind_a, _, index_a = a.partition(":")
+    kind_b, _, index_b = b.partition(":")
+    return kind_a == kind_b and int(index_a or 0) == int(index_b or 0)
 
 
 def rollout_process_transfer(mode: str, trainer_device: torch.device | str,
@@ -58,7 +62,7 @@ def rollout_process_transfer(mode: str, trainer_device: torch.device | str,
         raise ConfigError("weight_transfer='files' does not apply to the built-in rollout process (its versions go "
                           "through shared memory or a transfer group, never files); set weight_transfer: auto or "
                           "collective")
-    trainer, rollout = torch.device(trainer_device), torch.device(rollout_device)
+    trainer, rollout = str(trainer_device), str(rollout_device)
     if mode == "collective":
         return "collective", (f"weight_transfer=collective: versions go to the rollout process on {rollout} over a "
                               f"{dev.transfer_backend(rollout)} transfer group")

@@ -53,10 +53,22 @@ def test_smoke_on_the_cpu_writes_a_report_with_the_numbers(cpu_only, tiny_model_
         assert (out / name / "metrics.jsonl").is_file()
 
     assert checks["ddp"]["status"] == "skipped" and "1 cpu device" in checks["ddp"]["summary"]
+    transfer = checks["transfer"]["numbers"]
+    assert checks["transfer"]["status"] == "ok" and transfer["bit_for_bit"] is True
+    assert transfer["backend"] == "gloo" and transfer["bytes"] == 64 * 2**20 and transfer["receiver_exit_code"] == 0
+    assert transfer["bytes_per_s"] == pytest.approx(2 * transfer["bytes"] / transfer["round_trip_s"])
     if importlib.util.find_spec("vllm") is None:
         assert checks["vllm"]["status"] == "skipped" and checks["vllm"]["summary"] == "vLLM is not installed"
     md = (out / "smoke_report.md").read_text()
     assert md.startswith("# grpo-ascend smoke report") and md.count("\n| ") == 1 + len(smoke_cli.CHECKS)
+
+
+def test_transfer_round_trip_returns_the_bucket_and_says_where_it_ran():
+    from grpo_ascend.smoke.transfer_check import loopback_devices, round_trip
+
+    numbers = round_trip("cpu", "cpu", nbytes=3 * 2**20 + 5)
+    assert numbers["bit_for_bit"] is True and numbers["receiver_exit_code"] == 0 and numbers["bytes_per_s"] > 0
+    assert loopback_devices(torch.device("cpu"))[:2] == ("cpu", "cpu")
 
 
 def test_a_raising_check_fails_alone_and_the_budget_skips_the_rest(monkeypatch, tmp_path):

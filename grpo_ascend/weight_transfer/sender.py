@@ -94,9 +94,15 @@ class WeightSender:
                     report.failed[i] = _first_line(err)
             report.buckets += 1
             report.bytes_sent += bucket.nbytes
+        # run the tensors to their end: a lazy source closes what it opened (LoRA folded in, a gathered shard), and
+        # a sharded one gathers in lockstep with the other training ranks even when every group failed
+        extra = [name for name, _ in stream]
         for works in in_flight:
             self._settle(works, report)
         report.seconds = time.perf_counter() - started
+        if extra and report.buckets == len(manifest.buckets):
+            raise RolloutError(f"the weights hold {len(extra)} tensors more than the manifest ({extra[0]!r} first): "
+                               "the manifest and the tensors disagree")
         return report
 
     @staticmethod

@@ -63,10 +63,15 @@ def rollout_process_transfer(mode: str, trainer_device: torch.device | str,
                           "through shared memory or a transfer group, never files); set weight_transfer: auto or "
                           "collective")
     trainer, rollout = str(trainer_device), str(rollout_device)
+    same_kind = dev.transfer_backend(trainer) == dev.transfer_backend(rollout)
+    if mode == "collective" and not same_kind:
+        raise ConfigError(f"weight_transfer='collective' needs the trainer ({trainer}) and the rollout process "
+                          f"({rollout}) on one kind of device (one collective backend joins them); set rollout_device "
+                          "to a device of the trainer's kind, or weight_transfer: auto")
     if mode == "collective":
         return "collective", (f"weight_transfer=collective: versions go to the rollout process on {rollout} over a "
                               f"{dev.transfer_backend(rollout)} transfer group")
-    if dev.is_accelerator(rollout) and not _same_device(trainer, rollout):
+    if dev.is_accelerator(rollout) and same_kind and not _same_device(trainer, rollout):
         return "collective", (f"weight_transfer=auto: the rollout process samples on {rollout}, another accelerator "
                               f"than the trainer's {trainer}: versions go device to device over a "
                               f"{dev.transfer_backend(rollout)} transfer group")

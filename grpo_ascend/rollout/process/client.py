@@ -2,7 +2,8 @@
 
 :class:`ProcessBackend` starts the built-in engine in a fresh process (:mod:`.worker`) over a
 stand-alone copy of the policy handed over in shared memory, and pushes later policy versions
-through a :class:`~grpo_ascend.rollout.process.weight_ring.WeightRing`. Every request waits with
+through a :class:`~grpo_ascend.rollout.process.weight_ring.WeightRing`, or, on an accelerator of its own, over a
+transfer group (``receive_weights``; the group built at the first push after the process started, reused). Every request waits with
 three limits: the process is alive (a dead one is restarted, up to ``max_restarts`` times, and a
 grouped-completions request is sent again), its heartbeat is fresher than
 ``heartbeat_stale_after_s``, and the request finishes within ``request_timeout``; past them the run
@@ -17,7 +18,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,10 @@ from grpo_ascend.rollout.process.weight_ring import WeightRing, spawn_context
 from grpo_ascend.rollout.process.worker import WorkerSpec, serve, to_device
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.vision.inputs import PromptImages, RowVision
+from grpo_ascend.weight_transfer.group import TransferGroup
+from grpo_ascend.weight_transfer.manifest import Manifest, TensorSpec
+from grpo_ascend.weight_transfer.sender import SendReport, WeightSender
+from grpo_ascend.weight_transfer.settings import default_bucket_bytes
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.2
@@ -55,6 +60,9 @@ class ProcessSettings:
     request_timeout: float = 600.0
     weight_sync_timeout: float = 1800.0
     partial_rollouts: str = "continue"
+    #: "ring" (host shared memory) or "collective" (a transfer group; weight_transfer/settings.py decides).
+    transfer: str = "ring"
+    bucket_bytes: int | None = None
 
 
 class ProcessRestarted(RolloutInterrupted):
@@ -79,7 +87,17 @@ class ProcessBackend(RolloutBackend):
         self._device = device
         self._copy = sampler_copy(policy)
         self._context = spawn_context(type(self._copy).__module__, type(tokenizer).__module__)
-        self.ring = WeightRing(dict(synced_tensors(policy)), self._context)
+        self.ring: WeightRing | None = None
+        self._group: TransferGroup | None = None
+        self._published = version
+        if settings.transfer == "collective":
+            specs = [(name, t.dtype, tuple(t.shape)) for name, t in synced_tensors(policy)]
+            largest = max((TensorSpec(*spec).nbytes for spec in specs), default=0)
+            bucket = settings.bucket_bytes or default_bucket_bytes(device, largest)
+            self._manifest = Manifest.plan(specs, bucket)
+            self._sender = WeightSender(device)
+        else:
+            self.ring = WeightRing(dict(synced_tensors(policy)), self._context)
         self._initial_version = version
         self._lock = threading.RLock()
         self._local = threading.local()
@@ -95,7 +113,7 @@ class ProcessBackend(RolloutBackend):
         self._heartbeat = self._context.Value("d", 0.0)  # 0 until the process beats (its start-up: request_timeout)
         spec = WorkerSpec(self._copy, self.tokenizer, self.params, self.settings.device, self.settings.threads,
                           self.settings.precision, self._initial_version, self.settings.weight_sync_timeout,
-                          self.settings.partial_rollouts)
+                          self.settings.partial_rollouts, self.settings.transfer)
         self._process = self._context.Process(target=serve, args=(child, spec, self.ring, self._heartbeat),
                                               daemon=True, name="grpo-ascend-rollout")
         with _main_script_hidden():
@@ -120,11 +138,17 @@ class ProcessBackend(RolloutBackend):
                         raise ProcessRestarted(f"the rollout process died during a session ({died}); it was restarted "
                                                "and the session's rows are sampled again") from None
 
-    def _exchange(self, op: str, args: tuple[Any, ...]) -> Any:
+    def _exchange(self, op: str, args: tuple[Any, ...], during: Callable[[], None] | None = None,
+                  limit: tuple[str, float] | None = None) -> Any:
+        """``op`` answered; ``during``: what this side does while the process works on it (a weight push's
+        buckets); ``limit``: the setting and seconds it may take (default request_timeout)."""
         try:
             self._conn.send((op, args))
         except (BrokenPipeError, OSError) as exc:
             raise _Died(f"pipe closed: {exc}") from None
+        if during is not None:
+            during()
+        setting, seconds = limit or ("request_timeout", self.settings.request_timeout)
         started = time.monotonic()
         while not self._conn.poll(_POLL_S):
             if not self._process.is_alive():
@@ -135,10 +159,10 @@ class ProcessBackend(RolloutBackend):
                 raise RolloutError(f"the rollout process's heartbeat stopped {quiet:.0f} s ago "
                                    f"(heartbeat_stale_after_s={self.settings.heartbeat_stale_after_s:g}); ending the run "
                                    "instead of waiting on it")
-            if time.monotonic() - started > self.settings.request_timeout:
+            if time.monotonic() - started > seconds:
                 self._stop_process()
-                raise RolloutError(f"rollout request {op!r} took more than request_timeout="
-                                   f"{self.settings.request_timeout:g} s; raise request_timeout for longer rollouts")
+                raise RolloutError(f"rollout request {op!r} took more than {setting}={seconds:g} s; raise {setting} "
+                                   "if it is legitimately that slow")
         try:
             status, value = self._conn.recv()
         except (EOFError, OSError) as exc:
@@ -160,6 +184,9 @@ class ProcessBackend(RolloutBackend):
         self._start()
 
     def _stop_process(self) -> None:
+        if self._group is not None:  # the next process joins a new group
+            self._group.close()
+            self._group = None
         if self._process is not None:
             if self._process.is_alive():
                 self._process.kill()
@@ -190,8 +217,8 @@ class ProcessBackend(RolloutBackend):
 
     @property
     def published_version(self) -> int:
-        """The newest version pushed (-1 before the first)."""
-        return int(self.ring.latest.value)
+        """The newest version pushed (-1 before the first through the ring; the start's over a group)."""
+        return int(self.ring.latest.value) if self.ring is not None else self._published
 
     # ------------------------------------------------------------------ RolloutBackend
     @property
@@ -240,7 +267,44 @@ class ProcessBackend(RolloutBackend):
         """Push ``weights`` as a new version (skipped when that version was the last pushed)."""
         if weights.version == self.published_version:
             return
-        self.ring.write(weights.version, synced_tensors(weights.model), self.settings.weight_sync_timeout)
+        if self.ring is not None:
+            self.ring.write(weights.version, synced_tensors(weights.model), self.settings.weight_sync_timeout)
+            return
+        with self._lock:  # after the request in flight: each request samples with one version, loaded whole
+            if self._process is None:
+                self._start()
+            try:
+                self._push(weights)
+            except _Died as died:  # a restarted process starts from the run's first weights: push this one again
+                self._restart(str(died))
+                self._push(weights)
+        self._published = weights.version
+
+    def _push(self, weights: PolicyWeights) -> None:
+        """``weights`` over the transfer group (built on the first push after the process started), one line
+        within weight_sync_timeout when the process hangs, _Died when it died."""
+        timeout = self.settings.weight_sync_timeout
+        address = store = None
+        if self._group is None:
+            store, address = TransferGroup.listen(2, timeout)
+
+        def send() -> None:
+            try:
+                if self._group is None:
+                    self._group = TransferGroup.build(store, address, 0, self._device, timeout)
+                report = self._sender.send(self._manifest, synced_tensors(weights.model), [self._group])
+            except RolloutError as err:
+                report = SendReport(failed={0: str(err)})
+            if report.failed:
+                if not self._process.is_alive():
+                    raise _Died(f"exit code {self._process.exitcode}")
+                self._stop_process()
+                raise RolloutError(f"the weight push of version {weights.version} to the rollout process failed "
+                                   f"within weight_sync_timeout={timeout:g} s ({report.failed[0]}); it was stopped")
+
+        self._exchange("receive_weights", (None if address is None else address.to_json(), weights.version,
+                                           self._manifest.to_json()), during=send,
+                       limit=("weight_sync_timeout", timeout))
 
     def release_memory(self) -> None:
         return None

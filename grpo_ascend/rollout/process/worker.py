@@ -5,8 +5,9 @@ Requests arrive over a pipe, one at a time: grouped completions, and multi-turn 
 (start, advance, append, output, close) so that tool loops, environments and a ``rollout_func``
 keep running on the producer's side. Before each sampling request the process loads the
 requested policy version from the shared-memory :class:`~grpo_ascend.rollout.process.weight_ring.WeightRing`
-(None: the newest), and every sampled token is tagged with the version that sampled it.
-A daemon thread stamps a heartbeat twice a second.
+(None: the newest), or, on a device of its own, from the versions pushed over a transfer group into its
+model (:class:`~grpo_ascend.rollout.process.device_versions.DeviceVersions`, the ``receive_weights`` request),
+and every sampled token is tagged with the version that sampled it. A daemon thread stamps a heartbeat twice a second.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from grpo_ascend.errors import RolloutInterrupted
 from grpo_ascend.models.compat_transformers import register_unpickled
 from grpo_ascend.rollout.backend import RolloutBatch, RolloutSession, SessionOutput
 from grpo_ascend.rollout.engine import RolloutEngine
+from grpo_ascend.rollout.process.device_versions import DeviceVersions
 from grpo_ascend.rollout.process.weight_ring import VersionEvicted, WeightRing, named_tensors
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.vision.inputs import PromptImages
+from grpo_ascend.weight_transfer.manifest import Manifest
 
 HEARTBEAT_PERIOD_S = 0.5
 
@@ -49,6 +52,8 @@ class WorkerSpec:
     #: A newer version pushed while a single-turn request samples: "continue" swaps it in between two decode
     #: steps (later tokens tagged with it), "abort" starts the request again once with it (tokens thrown away).
     partial_rollouts: str = "continue"
+    #: How versions arrive: "ring" (host shared memory) or "collective" (a transfer group, docs/async.md).
+    transfer: str = "ring"
 
 
 def to_device(record: Any, device: torch.device | str) -> Any:
@@ -61,16 +66,17 @@ def to_device(record: Any, device: torch.device | str) -> Any:
 class RolloutServer:
     """The engine, its weights' version, and the open sessions of one rollout process."""
 
-    def __init__(self, spec: WorkerSpec, ring: WeightRing) -> None:
+    def __init__(self, spec: WorkerSpec, ring: WeightRing | None) -> None:
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.device = torch.device(spec.device)
         self.spec = spec
-        self.ring = ring
+        self.ring: WeightRing | DeviceVersions = ring if ring is not None else DeviceVersions(spec.initial_version,
+                                                                                                self.device)
         register_unpickled(spec.model)
         self.model = spec.model.to(self.device)
         self.engine = RolloutEngine(self.model, spec.tokenizer, spec.params)
-        self.targets = named_tensors(self.model, ring.names)
+        self.targets = named_tensors(self.model, self.ring.names)
         self.version = spec.initial_version
         self.sessions: dict[int, RolloutSession] = {}
         self.session_versions: dict[int, int] = {}  # the version each open session started with
@@ -79,12 +85,25 @@ class RolloutServer:
         self.ops: dict[str, Callable[..., Any]] = {
             "hello": self.hello, "generate": self.generate, "start_session": self.start_session,
             "advance": self.advance, "append": self.append, "output": self.output, "close_session": self.close_session,
+            "receive_weights": self.receive_weights,
         }
 
     def _load(self, version: int | None) -> int:
         wanted = self.ring.latest.value if version is None else version
         if wanted >= 0 and wanted != self.version:
             self.version = self.ring.read_into(self.targets, wanted, self.spec.weight_read_timeout)
+        return self.version
+
+    def receive_weights(self, address: dict[str, Any] | None, version: int, manifest: dict[str, Any]) -> int:
+        """A version pushed over the transfer group (``address``: the group to join first, on the first push after
+        the process started), received whole before the next request samples (requests come one at a time)."""
+        if not isinstance(self.ring, DeviceVersions):
+            raise RuntimeError("this rollout process takes its versions from the shared-memory ring")
+        if address is not None:
+            self.ring.connect(address, self.spec.weight_read_timeout)
+        plan = Manifest.from_json(manifest)
+        self.targets = named_tensors(self.model, [t.name for t in plan.tensors])
+        self.version = self.ring.receive(self.targets, version, plan)
         return self.version
 
     def _generator(self, seed: int | None) -> torch.Generator | None:
@@ -184,7 +203,7 @@ class _Superseded(Exception):
         self.steps = steps
 
 
-def serve(conn: Any, spec: WorkerSpec, ring: WeightRing, heartbeat: Any) -> None:
+def serve(conn: Any, spec: WorkerSpec, ring: WeightRing | None, heartbeat: Any) -> None:
     """The rollout process's main: answer requests until the pipe closes or ``stop`` arrives."""
     def beat() -> None:
         while True:
@@ -200,6 +219,8 @@ def serve(conn: Any, spec: WorkerSpec, ring: WeightRing, heartbeat: Any) -> None
         except EOFError:
             return
         if op == "stop":
+            if isinstance(server.ring, DeviceVersions):
+                server.ring.close()
             conn.send(("ok", None))
             return
         try:

@@ -109,6 +109,8 @@ class ProcessBackend(RolloutBackend):
 
     # ------------------------------------------------------------------ the process
     def _start(self) -> None:
+        if self.ring is None:  # a new process holds the weights it is started with until the next push
+            self._published = self._initial_version
         self._conn, child = self._context.Pipe()
         self._heartbeat = self._context.Value("d", 0.0)  # 0 until the process beats (its start-up: request_timeout)
         spec = WorkerSpec(self._copy, self.tokenizer, self.params, self.settings.device, self.settings.threads,
@@ -180,6 +182,9 @@ class ProcessBackend(RolloutBackend):
         self.restarts += 1
         logger.warning("the rollout process died (%s); restarting it (%d of %d)", why, self.restarts,
                        self.settings.max_restarts)
+        if self.ring is None:
+            logger.warning("the restarted rollout process samples with the run's first weights (version %d, tagged "
+                           "so) until the next weight push", self._initial_version)
         self._stop_process()
         self._start()
 

@@ -85,14 +85,15 @@ def test_received_values_are_the_sent_ones_bit_for_bit(tiny_model_dir, tied, lor
         assert torch.equal(live[name].contiguous().view(torch.uint8), tensor.contiguous().view(torch.uint8)), name
     if tied:
         assert server.model.lm_head.weight.data_ptr() == server.model.model.embed_tokens.weight.data_ptr()
-    # version 0 (all zeros) is kept for a pinned request, swapped in and back; an older one is gone
-    server._load(0)
+    # version 0 (all zeros) is kept for a request pinned to it, swapped in and back; an older one is gone
+    ids = [tok("hello").input_ids]
+    assert server.generate(ids, params, 0, None, 0).policy_versions.unique().tolist() == [0]
     assert all(float(live[n].abs().max()) == 0 for n in sent)
-    server._load(None)
+    assert server.generate(ids, params, 0, None, None).policy_versions.unique().tolist() == [1]
     assert all(torch.equal(live[n], t) for n, t in sent.items())
     _push_into(server, policy, 2)
     with pytest.raises(VersionEvicted, match="version 0 is no longer"):
-        server._load(0)
+        server.generate(ids, params, 0, None, 0)
     server.ring.close()
 
 

@@ -43,3 +43,36 @@ def test_fsdp2_never_holds_more_than_two_whole_tensors(sharded_sends, variant):
     sizes = sorted(t.numel() * t.element_size() for t in sent["received"].values())
     assert 0 < sent["most_alive"] <= sizes[-1] + sizes[-2] <= BUCKET_BYTES + sizes[-1]
     assert sent["most_alive"] < sum(sizes) / 4  # never the whole model
+
+
+class _CountingStrategy:
+    """Stands for a sharded strategy: counts the tensors it was asked to make whole."""
+
+    def __init__(self) -> None:
+        self.gathered = 0
+
+    def full_shape(self, tensor: torch.Tensor) -> tuple[int, ...]:
+        return tuple(tensor.shape)
+
+    def stream_whole(self, named):
+        for name, tensor in named:
+            self.gathered += 1
+            yield name, tensor.detach()
+
+
+def test_a_streamed_sync_is_one_pass_on_every_rank_and_planning_it_gathers_nothing():
+    model = stepped_model("untied", steps=0)
+    count = len(model.state_dict())
+    strategy = _CountingStrategy()
+    weights = PolicyWeights(model, 1, whole=strategy, sends=False)
+    assert [n for n, _, _ in weights.tensor_specs()] == list(model.state_dict()) and strategy.gathered == 0
+    weights.complete()  # a rank whose backend took nothing still takes part in every gather
+    assert strategy.gathered == count
+    weights.complete()
+    assert strategy.gathered == count  # once per sync
+    sent = PolicyWeights(model, 2, whole=strategy)
+    stream = sent.named_tensors()
+    for _ in range(count):  # a consumer that takes exactly every tensor (the sender) counts as the pass
+        next(stream)
+    sent.complete()
+    assert strategy.gathered == 2 * count

@@ -12,9 +12,11 @@ import time
 
 import pytest
 import torch
-from helpers import perturb_weights
+from helpers import SMALL_RUN, index_in_group, perturb_weights
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from grpo_ascend import GRPOConfig, GRPOTrainer
+from grpo_ascend.data.synthetic import arithmetic_dataset
 from grpo_ascend.errors import ConfigError, RolloutError
 from grpo_ascend.models.policy import default_lora_config
 from grpo_ascend.models.sampler_copy import sampler_copy, synced_tensors
@@ -164,3 +166,29 @@ def test_weight_transfer_for_the_rollout_process_resolves_with_one_line():
         rollout_process_transfer("files", "cpu", "cpu")
     with pytest.raises(ConfigError, match="weight_transfer must be one of"):
         rollout_process_transfer("socket", "cpu", "cpu")
+
+
+def test_one_step_off_over_a_group_keeps_the_versions_exact_and_builds_it_once(tmp_path, tiny_model_dir):
+    """The trainer's path: batch k sampled with version k - 1 exactly, the sampler's log-probs the trainer's on the
+    first batch (same weights), one group for the whole run, closed with the process at the end."""
+    cfg = GRPOConfig(**{**SMALL_RUN, "output_dir": str(tmp_path / "run"), "max_steps": 5},
+                     rollout_mode="one_step_off", weight_transfer="collective")
+    trainer = GRPOTrainer(str(tiny_model_dir), index_in_group(cfg.num_generations), cfg, arithmetic_dataset(40, seed=1),
+                          peft_config=default_lora_config(r=4))
+    seen = []
+    take = trainer.experience.source.next_scored
+
+    def recording(*a, **kw):
+        exp = take(*a, **kw)
+        seen.append((trainer.step, exp.policy_versions.min().item(), exp.policy_versions.max().item()))
+        return exp
+
+    trainer.experience.source.next_scored = recording
+    built = TransferGroup.built
+    trainer.train()
+    assert trainer.rollout.backend.ring is None
+    assert seen == [(0, 0, 0), (1, 0, 0), (2, 1, 1), (3, 2, 2), (4, 3, 3)]
+    assert TransferGroup.built == built + 1
+    gaps = [r["sampling/sampling_logp_difference/mean"] for r in trainer.state.log_history
+            if "sampling/sampling_logp_difference/mean" in r]
+    assert len(gaps) == 5 and gaps[0] < 1e-5 and min(gaps[1:]) > 100 * gaps[0]

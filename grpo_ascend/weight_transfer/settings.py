@@ -75,5 +75,6 @@ def rollout_process_transfer(mode: str, trainer_device: torch.device | str,
         return "collective", (f"weight_transfer=auto: the rollout process samples on {rollout}, another accelerator "
                               f"than the trainer's {trainer}: versions go device to device over a "
                               f"{dev.transfer_backend(rollout)} transfer group")
-    return "ring", (f"weight_transfer=auto: the rollout process on {rollout} shares the trainer's host: versions go "
-                    "through the two-slot shared-memory ring")
+    where = "the trainer's device" if _same_device(trainer, rollout) else "the trainer's host memory"
+    return "ring", (f"weight_transfer=auto: the rollout process on {rollout} shares {where}: versions go through the "
+                    "two-slot shared-memory ring (a transfer group pays off between two accelerators)")

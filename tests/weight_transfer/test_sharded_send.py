@@ -4,6 +4,7 @@ holds more than two whole tensors at once (the one being packed and the one befo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from sharded_send_model import BUCKET_BYTES, VARIANTS, stepped_model
 from grpo_ascend.rollout.backend import PolicyWeights
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "sharded_send_worker.py"
+ZERO3_WORKER = WORKER.with_name("zero3_send_worker.py")
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,24 @@ def test_fsdp2_never_holds_more_than_two_whole_tensors(sharded_sends, variant):
     sizes = sorted(t.numel() * t.element_size() for t in sent["received"].values())
     assert 0 < sent["most_alive"] <= sizes[-1] + sizes[-2] <= BUCKET_BYTES + sizes[-1]
     assert sent["most_alive"] < sum(sizes) / 4  # never the whole model
+
+
+def test_zero3_streams_each_partitioned_parameter_alone_with_the_whole_models_bytes(tmp_path):
+    pytest.importorskip("deepspeed")
+    config = tmp_path / "ds_zero3.json"  # every parameter partitioned (none kept whole as 'persistent')
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                                  "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}))
+    run_ranks([str(ZERO3_WORKER), str(tmp_path)], tmp_path, "log_zero3_send", timeout=240,
+              extra_env={"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(config)})
+    sent = torch.load(tmp_path / "zero3_sent.pt")
+    assert sent["partitioned"] > 0
+    streamed, whole = sent["streamed"], sent["whole"]
+    assert list(streamed) == list(whole) == [name for name, _, _ in sent["specs"]]
+    for name, tensor in whole.items():
+        assert tuple(tensor.shape) == next(shape for n, _, shape in sent["specs"] if n == name), name
+        assert torch.equal(streamed[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)), name
+    sizes = sorted(t.numel() * t.element_size() for t in whole.values())
+    assert 0 < sent["most_alive"] <= sizes[-1] + sizes[-2] and sent["most_alive"] < sum(sizes) / 4
 
 
 class _CountingStrategy:

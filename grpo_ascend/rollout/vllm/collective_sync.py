@@ -185,15 +185,22 @@ class CollectiveSync:
         for i, url in enumerate(live):
             call = calls[url]
             call.wait(max(deadline - time.monotonic(), 0.1))
-            if i in report.failed:
-                failed[url] = f"the weight broadcast failed: {report.failed[i]}"
-            elif call.error is not None:
+            if call.error is not None and call.error != _Call.NO_ANSWER:  # the server said why: the first cause
                 failed[url] = f"loading the weights failed: {call.error}"
+            elif i in report.failed:
+                failed[url] = (self._timed_out("took no weight bucket") if "timed out" in report.failed[i].lower()
+                               else f"the weight broadcast failed: {report.failed[i]}")
+            elif call.error is not None:
+                failed[url] = self._timed_out("did not finish loading the weights")
             else:
                 self.last_checksums[url] = list((call.result or {}).get("checksums") or [])
         for url in failed:
             self.forget(url)
         return failed
+
+    def _timed_out(self, what: str) -> str:
+        return (f"it {what} within {self.per_server_timeout:g} s (half of weight_sync_timeout={self.timeout_s:g} s; "
+                "raise weight_sync_timeout if the server is only slow)")
 
     def forget(self, url: str) -> None:
         """Close ``url``'s group (a dropped server; once restarted it joins a new one)."""
@@ -215,6 +222,8 @@ class CollectiveSync:
 class _Call:
     """``work()`` on a daemon thread; :meth:`wait` gives its result or its error's first line."""
 
+    NO_ANSWER = "no answer within half of weight_sync_timeout"
+
     def __init__(self, work: Callable[[], Any]) -> None:
         self.result: Any = None
         self.error: str | None = None
@@ -230,7 +239,7 @@ class _Call:
     def wait(self, timeout: float) -> None:
         self._thread.join(timeout)
         if self._thread.is_alive() and self.error is None:
-            self.error = "no answer within half of weight_sync_timeout"
+            self.error = self.NO_ANSWER
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -46,17 +46,22 @@ LEAVE_PATH = f"{PROBE_PATH}/leave"
 ENABLE_HINT = ("start the server with `python -m grpo_ascend.rollout.vllm.serve --model BASE ...` (vLLM's server "
                "with our weight-transfer engine)")
 
+#: The output head's name where it is tied to the embeddings: vLLM's loaders skip it then, so it is not sent.
+TIED_HEAD_NAMES = frozenset({"lm_head.weight"})
+
 #: ``request(url, method, path, body, timeout=..., retries=...)``: the client's JSON request.
 Request = Callable[..., Any]
 
 
 @dataclass(frozen=True)
 class ServerEnd:
-    """What a server that can join told the probe: its workers, their device type, the model's dtype."""
+    """What a server that can join told the probe: its workers, their device type, the model's dtype, whether its
+    head is tied to the embeddings."""
 
     workers: int
     device_type: str
     dtype: torch.dtype
+    tied_head: bool = False
 
 
 def probe(request: Request, url: str, device: torch.device | str) -> ServerEnd | str:
@@ -73,7 +78,8 @@ def probe(request: Request, url: str, device: torch.device | str) -> ServerEnd |
     if dev.transfer_backend(kind) != dev.transfer_backend(ours):
         return (f"its workers are on {kind} and the trainer on {ours}: no collective backend joins the two "
                 f"({dev.transfer_backend(kind)} vs {dev.transfer_backend(ours)})")
-    return ServerEnd(int(answer["workers"]), kind, dtype_of(str(answer.get("dtype", "float32"))))
+    return ServerEnd(int(answer["workers"]), kind, dtype_of(str(answer.get("dtype", "float32"))),
+                     bool(answer.get("tied_head", False)))
 
 
 def resolve_transfer(mode: str, request: Request, urls: Sequence[str],
@@ -127,10 +133,11 @@ class CollectiveSync:
     def per_server_timeout(self) -> float:
         return self.timeout_s / 2
 
-    def plan(self, weights: PolicyWeights, wire: torch.dtype | None) -> Manifest:
-        """The sync's manifest: floating tensors in ``wire`` (the servers' dtype; None: as trained)."""
+    def plan(self, weights: PolicyWeights, wire: torch.dtype | None, tied_head: bool = False) -> Manifest:
+        """The sync's manifest: floating tensors in ``wire`` (the servers' dtype; None: as trained), without the
+        output head when ``tied_head`` (the servers' loaders skip it; its values are the embeddings')."""
         specs = [(name, wire if wire is not None and dtype.is_floating_point else dtype, shape)
-                 for name, dtype, shape in weights.tensor_specs()]
+                 for name, dtype, shape in weights.tensor_specs() if not (tied_head and name in TIED_HEAD_NAMES)]
         size = self.bucket_bytes
         if size is None:
             largest = max((torch.empty((), dtype=d).element_size() * _numel(s) for _, d, s in specs), default=0)
@@ -173,13 +180,16 @@ class CollectiveSync:
         if not live:
             return failed
         wires = {self.ends[u].dtype for u in live}
-        manifest = self.plan(weights, wires.pop() if len(wires) == 1 else None)
+        manifest = self.plan(weights, wires.pop() if len(wires) == 1 else None,
+                             tied_head=all(self.ends[u].tied_head for u in live))
+        names = {t.name for t in manifest.tensors}
         body = {"update_info": {"manifest": manifest.to_json(), "checksums": self.checksums},
                 "version": None if weights.version is None else str(weights.version)}
         deadline = time.monotonic() + self.per_server_timeout + 1.0
         calls = {u: _Call(lambda u=u: self.request(u, "POST", RECEIVE_PATH, body, timeout=self.per_server_timeout,
                                                    retries=0)) for u in live}
-        report = self.sender.send(manifest, weights.named_tensors(), [self.groups[u] for u in live])
+        tensors = ((name, t) for name, t in weights.named_tensors() if name in names)
+        report = self.sender.send(manifest, tensors, [self.groups[u] for u in live])
         self.last_report = report
         self.last_checksums = {}
         for i, url in enumerate(live):

@@ -2,7 +2,8 @@
 vLLM's dev mode.
 
 * ``GET`` :data:`~.collective_sync.PROBE_PATH`: that this server receives over a group, its workers (the group
-  has ``1 + workers`` ranks), their device type and the model's dtype (the wire dtype of floating tensors).
+  has ``1 + workers`` ranks), their device type, the model's dtype (the wire dtype of floating tensors) and
+  whether its output head is tied to the embeddings (vLLM's loader then skips the head: it is not sent).
 * ``POST`` :data:`~.collective_sync.JOIN_PATH` ``{"init_info": {...}}``: every worker joins the trainer's group
   (answers once the group is built).
 * ``POST`` :data:`~.collective_sync.RECEIVE_PATH` ``{"update_info": {...}, "version": ...}``: start a weight
@@ -43,7 +44,8 @@ async def probe(raw_request: Request) -> JSONResponse:
     config = _engine(raw_request).vllm_config
     return JSONResponse({"engine": ENGINE_NAME, "workers": int(config.parallel_config.world_size),
                          "device_type": str(current_platform.device_type),
-                         "dtype": str(config.model_config.dtype).removeprefix("torch.")})
+                         "dtype": str(config.model_config.dtype).removeprefix("torch."),
+                         "tied_head": bool(getattr(config.model_config.hf_text_config, "tie_word_embeddings", False))})
 
 
 @router.post(JOIN_PATH)

@@ -9,7 +9,8 @@ the collective one (gloo over loopback on this machine) and the file one (safete
 server reloads it). Each sync is a new version, so each loads every tensor.
 
 Also measured in the same run: this machine's memory copy bandwidth (a ``--copy-mib`` MiB torch ``copy_``, best of
-3; bytes copied per second), and bytes/s of each path (the sync's tensor bytes over its seconds).
+3; bytes copied per second), and bytes/s of each path (the sync's tensor bytes, the policy's state dict, over its
+seconds; the collective path leaves out a head tied to the embeddings, ``collective_wire_bytes`` is what it sent).
 
 ``--async-steps N`` (default 3) then measures an asynchronous run's shape on the same server: a producer thread
 samples without pause (8-token completions) while the trainer thread pushes N versions, one per stand-in
@@ -205,6 +206,7 @@ def main() -> None:
                    "ratio": result["collective"] / result["files"], "bytes": nbytes,
                    "collective_bytes_per_s": nbytes / result["collective"],
                    "files_bytes_per_s": nbytes / result["files"], "memcpy_bytes_per_s": memcpy,
+                   "collective_wire_bytes": clients["collective"].collective.last_report.bytes_sent,
                    "dtype": args.dtype, "repeats": args.repeats, "all_s": times}
             if args.async_steps:
                 for mode, rollout in clients.items():

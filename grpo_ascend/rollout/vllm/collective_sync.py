@@ -243,6 +243,8 @@ class _Call:
     def _run(self, work: Callable[[], Any]) -> None:
         try:
             self.result = work()
+        except ServerGone as err:  # the request's own timeout is the server's silence, as a deadline passed is
+            self.error = self.NO_ANSWER if "timed out" in err.reason.lower() else err.reason
         except Exception as err:  # reported to the caller as one line
             self.error = _first_line(err)
 

@@ -2,7 +2,9 @@
 
 The receive of bucket k+1 is posted before bucket k is handed out, so loading one bucket overlaps the wire
 time of the next; the views of a bucket are valid until the caller asks for the next one (a loader copies
-them into its parameters).
+them into its parameters). A loader that keeps views longer (vLLM's layer-wise reload holds a layer's tensors
+until the layer's last one arrived, which may be in a later bucket) asks for a fresh buffer per bucket
+(``reuse_buffers=False``): a bucket's memory then lives as long as a view of it does.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from grpo_ascend.weight_transfer.sender import STAGING_BUFFERS
 class WeightReceiver:
     """Receives manifests' buckets over ``group`` (rank > 0) into buffers kept between transfers."""
 
-    def __init__(self, group: TransferGroup) -> None:
+    def __init__(self, group: TransferGroup, reuse_buffers: bool = True) -> None:
         self.group = group
+        self.reuse_buffers = reuse_buffers
         self._buffers: list[torch.Tensor] = []
 
     def _buffer(self, k: int, nbytes: int) -> torch.Tensor:
+        if not self.reuse_buffers:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
         slot = k % STAGING_BUFFERS
         while len(self._buffers) <= slot:
             self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.group.device))

@@ -23,13 +23,15 @@ OUR_SERVER = "grpo_ascend.rollout.vllm.serve"
 
 
 @contextlib.contextmanager
-def running_server(model_dir: str, log_dir, entry: str = VLLM_SERVER):
-    """A vLLM OpenAI server on ``model_dir`` at a free port of 127.0.0.1 (LoRA and dev mode on), started by the
-    module ``entry``: ``(process, url, model_dir)``; stopped, its engine core included, on leaving."""
-    port = free_port()
-    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_SERVER_DEV_MODE="1",
+def running_server(model_dir: str, log_dir, entry: str = VLLM_SERVER, port: int | None = None,
+                   dev_mode: bool = True):
+    """A vLLM OpenAI server on ``model_dir`` at ``port`` (None: a free one) of 127.0.0.1 (LoRA on, vLLM's dev mode
+    as ``dev_mode`` says), started by the module ``entry``: ``(process, url, model_dir)``; stopped, its engine core
+    included, on leaving."""
+    port = port or free_port()
+    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_SERVER_DEV_MODE="1" if dev_mode else "0",
                VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
-    log = open(log_dir / "server.log", "w")
+    log = open(log_dir / "server.log", "a")
     proc = subprocess.Popen(
         [sys.executable, "-m", entry, "--model", model_dir, "--host",
          "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes",

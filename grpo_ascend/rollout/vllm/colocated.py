@@ -265,7 +265,11 @@ def refresh_tied_head(worker: Any) -> None:
     copy stale, so every logit would still come from the old embeddings. Re-running the head's
     post-load step repacks it (it does nothing on other platforms).
     """
-    model = worker.model_runner.model
+    repack_tied_head(worker.model_runner.model)
+
+
+def repack_tied_head(model: Any) -> None:
+    """:func:`refresh_tied_head` on a vLLM model (what a worker-side loader that holds the model calls)."""
     head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
     method = getattr(head, "quant_method", None)
     if method is not None and embed is not None and getattr(head, "weight", None) is getattr(embed, "weight", None):

@@ -59,7 +59,10 @@ def build_vllm_backend(policy: nn.Module, tokenizer: Any, params: SamplingParams
         keep = 1 if getattr(args, "rollout_mode", "sync") == "sync" else 2
         return VLLMServerRollout(urls, path, tokenizer, params, adapter_dir=sync_dir, device=device,
                                  start_timeout=args.vllm_server_timeout, request_timeout=args.request_timeout,
-                                 sync_timeout=args.weight_sync_timeout, length_bucket=bucket, keep_versions=keep)
+                                 sync_timeout=args.weight_sync_timeout, length_bucket=bucket, keep_versions=keep,
+                                 weight_transfer=getattr(args, "weight_transfer", "auto"),
+                                 transfer_bucket_bytes=getattr(args, "weight_transfer_bucket_bytes", None),
+                                 transfer_host=getattr(args, "weight_transfer_host", None))
     peft_config = getattr(policy, "peft_config", None)
     rank = lora_rank(next(iter(peft_config.values())).to_dict()) if peft_config else None
     return VLLMColocatedRollout(

@@ -15,8 +15,10 @@ full fine-tuning ``VLLM_SERVER_DEV_MODE=1`` (docs/vllm.md).
 * **LoRA sync**: the adapter written atomically into ``adapter_dir`` (a folder the server must be
   able to read: the same machine or a shared file system) and loaded under a new name per version
   through ``/v1/load_lora_adapter``; older versions are unloaded once no request uses them.
-* **Full sync** (dev mode only): the weights written to ``adapter_dir`` as safetensors, then
-  ``/collective_rpc`` ``reload_weights`` from that folder; refused with a clear error otherwise.
+* **Full sync**: over one process group per server (``weight_transfer`` collective, or auto where every server
+  can join one: :mod:`.collective_sync`), or through files (dev mode only): the weights written to
+  ``adapter_dir`` as safetensors, then ``/collective_rpc`` ``reload_weights`` from that folder. Requests are held
+  while full weights are overwritten (:mod:`.request_gate`): each one samples with one version only.
 * The prefix cache is reset (``/reset_prefix_cache``) after every full sync; an adapter version has
   its own cache namespace.
 * **Several servers** (``base_url`` a list): each call's prompts are spread over the live servers,
@@ -53,7 +55,9 @@ from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm.base import VLLMBackend
+from grpo_ascend.rollout.vllm.collective_sync import CollectiveSync, resolve_transfer
 from grpo_ascend.rollout.vllm.pending_load import PendingLoad
+from grpo_ascend.rollout.vllm.request_gate import RequestGate
 from grpo_ascend.rollout.vllm.requests import LOGPROBS_MODE, Completion, ImagePrompt
 from grpo_ascend.rollout.vllm.server_http import ServerError, ServerGone, request_json
 from grpo_ascend.rollout.vllm.server_images import GENERATE_PATH, generate_body, generate_completions
@@ -75,7 +79,10 @@ class VLLMServerRollout(VLLMBackend):
     ``request_timeout``: seconds per request; ``retries``: further tries of a timed-out request;
     ``sync_timeout``: seconds a weight sync may take (``weight_sync_timeout``); ``keep_versions``:
     adapter versions kept loaded besides those requests still use (2 lets ``one_step_off`` pin the
-    previous one); ``max_concurrent_requests``: per server.
+    previous one); ``max_concurrent_requests``: per server. ``weight_transfer`` (auto / collective / files),
+    ``transfer_bucket_bytes`` (None: sized from free memory), ``transfer_host`` (None: this machine's address
+    towards each server): how full weights travel (:mod:`.collective_sync`); ``verify_transfer``: keep the
+    servers' checksums of what each collective sync delivered (``collective.last_checksums``).
     """
 
     def __init__(
@@ -95,6 +102,10 @@ class VLLMServerRollout(VLLMBackend):
         length_bucket: int = 1,
         max_concurrent_requests: int = 8,
         keep_versions: int = 1,
+        weight_transfer: str = "auto",
+        transfer_bucket_bytes: int | None = None,
+        transfer_host: str | None = None,
+        verify_transfer: bool = False,
     ) -> None:
         urls = server_urls(base_url)
         self.base_url = urls[0]
@@ -108,11 +119,15 @@ class VLLMServerRollout(VLLMBackend):
         self._version: int | None = None  # the version last started loading
         self._pending: PendingLoad | None = None  # that load
         self._sync_lock = threading.Lock()
+        self.gate = RequestGate()
         self._local = threading.local()
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         super().__init__(tokenizer, params, device=device, eos_token_ids=list(dict.fromkeys([*eos, *eos_token_ids])),
                          length_bucket=length_bucket)
         self.version = self._check_servers(float(start_timeout))
+        ends = resolve_transfer(weight_transfer, self.request, self.pool.live, self.device)
+        self.collective: CollectiveSync | None = None if ends is None else CollectiveSync(
+            self.request, ends, self.device, self.sync_timeout, transfer_bucket_bytes, transfer_host, verify_transfer)
         self.image_token = served_image_token(model)
 
     # ------------------------------------------------------------------ HTTP
@@ -170,7 +185,7 @@ class VLLMServerRollout(VLLMBackend):
         pictures = list(images) if images is not None else [None] * len(prompt_ids)
         self._await_load()  # a version published is served before any request goes out
         # a pinned adapter version must still be loaded (the keep_versions newest); full weights hold one version
-        with self._leased(self.pinned_version) as loaded:
+        with self.gate.request(), self._leased(self.pinned_version) as loaded:
             name = self.model if loaded is None else loaded.name
             jobs = [(GENERATE_PATH, generate_body(name, list(p), img, f)) if img is not None
                     else ("/v1/completions", self._completion_body(name, p, f))
@@ -254,8 +269,9 @@ class VLLMServerRollout(VLLMBackend):
         self._unload(self.ledger.add(self._load_adapter(version, config, tensors)))
 
     def _sync_full(self, weights: PolicyWeights) -> None:
-        self._readmit()
-        self._unload(self.ledger.add(self._reload_full(weights)))
+        with self.gate.exclusive():  # no request samples while the weights change in place
+            self._readmit()
+            self._unload(self.ledger.add(self._reload_full(weights)))
 
     def _readmit(self) -> None:
         """Take back, before a sync, each dropped server that answers again and serves the policy's model: the
@@ -297,6 +313,11 @@ class VLLMServerRollout(VLLMBackend):
             remove_folder(old.folder)
 
     def _reload_full(self, weights: PolicyWeights) -> Loaded:
+        if self.collective is not None:
+            for url, why in self.collective.send(self.pool.live, weights).items():
+                self.pool.drop(url, why)
+            self.pool.live  # noqa: B018 - raises when every server is gone
+            return Loaded(weights.version, self.model)
         folder = self.adapter_dir / "full-weights"
         with AtomicFolder(folder) as tmp:
             save_tensors(tmp / "model.safetensors", dict(weights.named_tensors()))
@@ -334,6 +355,8 @@ class VLLMServerRollout(VLLMBackend):
             self._pending = None
             self._version = None
             self._unload(self.ledger.clear())
+            if self.collective is not None:
+                self.collective.close()
 
 
 def _completions(answer: dict[str, Any], n: int) -> list[Completion]:

@@ -252,6 +252,23 @@ def test_full_sync_over_three_steps(server, tokenizer, untied_model_dir, tmp_pat
             train_steps(policy, batch, steps=1)
 
 
+def test_a_plain_vllm_server_cannot_join_a_transfer_group(server, tokenizer, tmp_path, caplog):
+    """vLLM's own entry point has no weight-transfer engine: collective is refused in one line naming the server and
+    the fix, auto falls back to files with one line (and still syncs full weights through them)."""
+    from grpo_ascend.errors import ConfigError
+
+    _, url, _ = server
+    with pytest.raises(ConfigError) as err:
+        client(server, tokenizer, tmp_path, weight_transfer="collective")
+    message = str(err.value)
+    assert "\n" not in message and url in message and "python -m grpo_ascend.rollout.vllm.serve" in message, message
+    with caplog.at_level(logging.WARNING, logger="grpo_ascend.rollout.vllm.collective_sync"):
+        rollout = client(server, tokenizer, tmp_path, weight_transfer="auto")
+    lines = [r.getMessage() for r in caplog.records if r.name == "grpo_ascend.rollout.vllm.collective_sync"]
+    assert rollout.collective is None and len(lines) == 1
+    assert url in lines[0] and "files" in lines[0] and "grpo_ascend.rollout.vllm.serve" in lines[0], lines
+
+
 def test_a_server_dying_mid_run_is_one_line_and_the_run_resumes(server, untied_model_dir, tmp_path):
     """Trainer in server mode: the server is killed after checkpoint-2; the next round stops the run with one
     line, the checkpoints stay intact, and the run resumes from checkpoint-2 (here with a colocated engine)
@@ -280,3 +297,4 @@ def test_a_server_dying_mid_run_is_one_line_and_the_run_resumes(server, untied_m
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     assert resumed.step == 4
     resumed.rollout.backend.close()
+

@@ -620,7 +620,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="tiny or small (built-in), qwen2.5-0.5b-<N>l (bench_real_shape.py's) or random-25m "
                         "(bench_random_model.py's)")
     parser.add_argument("--prompts-per-step", type=int, default=4,
-                        help="prompts per optimizer step (G=8 completions each, micro-batches of 8)")
+                        help="prompts per optimizer step (G=8 completions each)")
+    parser.add_argument("--micro-batch", type=int, default=Settings.micro_batch,
+                        help="completions per micro-batch on both (per_device_train_batch_size; default 8, TRL's)")
     parser.add_argument("--max-operand", type=int, default=10,
                         help="arithmetic operands below this: 10 gives 63-token prompts, 20 gives 63-65")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=0,
@@ -655,7 +657,7 @@ def main(argv: list[str] | None = None) -> None:
         model_config=args.model_config, new_tokens=args.new_tokens, loss_type=args.loss_type,
         warmup_steps=args.warmup_steps, steps=args.steps, lengths=args.lengths, length_bucket=args.length_bucket,
         max_operand=args.max_operand, prompts_per_step=args.prompts_per_step, host_malloc=args.host_malloc, isa=args.isa,
-        grad_accum=args.prompts_per_step * Settings.num_generations // Settings.micro_batch,
+        micro_batch=args.micro_batch, grad_accum=args.prompts_per_step * Settings.num_generations // args.micro_batch,
     )
     print(f"GRPO step, {s.model_config} model, {s.dtype} on {s.device}, {s.threads} thread(s): "
           f"{s.prompts_per_step} prompts × G={s.num_generations} = {s.micro_batch * s.grad_accum} completions per "

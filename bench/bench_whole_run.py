@@ -66,7 +66,8 @@ def user_script(GRPOConfig: Any, GRPOTrainer: Any, model_dir: str, out_dir: str,
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = arithmetic_dataset(n=256, seed=0)
     args = GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=8, gradient_accumulation_steps=opts["prompts"],
+        output_dir=out_dir, per_device_train_batch_size=opts["micro_batch"],
+        gradient_accumulation_steps=opts["prompts"] * 8 // opts["micro_batch"],
         num_generations=8, max_completion_length=opts["new_tokens"], beta=0.04, learning_rate=1e-5,
         max_steps=opts["steps"], logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
         seed=0, disable_tqdm=True,
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="pairs of runs (ours then TRL, alternating)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step (8 completions each)")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=8,
+                        help="completions per micro-batch (per_device_train_batch_size; TRL's default 8); 32 with 4 "
+                             "prompts is one micro-batch per step")
     parser.add_argument("--model", default="random-25m-v4k")
     parser.add_argument("--keep-logs", default=None)
     parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
@@ -140,7 +144,10 @@ def main(argv: list[str] | None = None) -> None:
     from machine import isa_environment
 
     model_dir = str(build_random_model(args.model))  # once, before the runs
-    opts = {"model_dir": model_dir, "steps": args.steps, "prompts": args.prompts, "new_tokens": args.new_tokens}
+    opts = {"model_dir": model_dir, "steps": args.steps, "prompts": args.prompts, "new_tokens": args.new_tokens,
+            "micro_batch": args.micro_batch}
+    if (args.prompts * 8) % args.micro_batch:
+        raise SystemExit(f"--micro-batch {args.micro_batch} must divide the step's {args.prompts * 8} completions")
     env = dict(os.environ, **isa_environment(args.isa))
     if args.threads:
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
@@ -155,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"(steps {', '.join(f'{t:.1f}' for t in r['step_s'])}) + save {r['save_s']:.2f}; peak RSS "
                   f"{r['peak_rss_mib']:.0f} MiB; completion length {r['completion_len']:.1f}", flush=True)
     print(f"machine: {runs['ours'][0]['machine']}")
-    print(f"{args.model}, {args.prompts} prompts × 8 × {args.new_tokens} tokens, {args.steps} steps, LoRA r16, β 0.04, fp32")
+    print(f"{args.model}, {args.prompts} prompts × 8 × {args.new_tokens} tokens, micro-batches of {args.micro_batch}, "
+          f"{args.steps} steps, LoRA r16, β 0.04, fp32")
     for key, label in (("whole_s", "whole run"), ("train_s", "train()")):
         pairs = [o[key] / t[key] for o, t in zip(runs["ours"], runs["trl"])]
         print(f"{label}: ours {', '.join(f'{r[key]:.1f}' for r in runs['ours'])} s, TRL "

@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-config", default="random-25m")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--micro-batch", type=int, default=8, help="completions per micro-batch (32: one per step)")
     parser.add_argument("--fused-lora", default="on", choices=["on", "off"])
     parser.add_argument("--host-malloc", default="tuned", choices=["tuned", "adaptive"])
     parser.add_argument("--top", type=int, default=10, help="operators listed per phase")
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     from machine import describe  # bench/machine.py: what the figures were measured on
 
     print(f"machine: {describe(args.threads)}", flush=True)
-    s = bt.Settings(threads=args.threads, model_config=args.model_config, host_malloc=args.host_malloc)
+    s = bt.Settings(threads=args.threads, model_config=args.model_config, host_malloc=args.host_malloc,
+                    micro_batch=args.micro_batch, grad_accum=4 * bt.Settings.num_generations // args.micro_batch)
     device, model_dir, _ = bt._setup(s, "ours")
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoTokenizer

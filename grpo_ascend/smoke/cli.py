@@ -18,7 +18,7 @@ from grpo_ascend.smoke.ddp_check import check_ddp
 from grpo_ascend.smoke.report import CheckResult, write_report
 from grpo_ascend.smoke.rollout_check import check_rollout
 from grpo_ascend.smoke.training_check import check_builtin_training, check_user_training
-from grpo_ascend.smoke.transfer_check import check_transfer
+from grpo_ascend.smoke.transfer_check import check_server_transfer, check_transfer
 from grpo_ascend.smoke.vllm_check import check_vllm
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ CHECKS: dict[str, Callable[[SmokeContext], CheckResult]] = {
     "train_model": check_user_training,
     "vllm": check_vllm,
     "transfer": check_transfer,
+    "transfer_server": check_server_transfer,
     "ddp": check_ddp,
 }
 DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}
@@ -46,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=24, help="tokens per completion in the rollout checks")
     parser.add_argument("--budget", type=float, default=300.0,
                         help="seconds for the whole run; checks not started by then are skipped (default 300)")
+    parser.add_argument("--vllm-server", default="",
+                        help="comma-separated vLLM server URLs (our entry point) to check a weight-transfer round trip with")
     parser.add_argument("--skip", default="", help=f"comma-separated checks to skip, of {', '.join(CHECKS)}")
 
 
@@ -66,7 +69,8 @@ def _context(args: argparse.Namespace) -> SmokeContext:
     if dtype == "bfloat16" and not dev.bf16_supported(device):
         raise ConfigError(f"--dtype bf16 is not supported on {device}; use --dtype fp32")
     return SmokeContext(device=device, dtype=dtype, out=Path(args.out), model=args.model, steps=args.steps,
-                        new_tokens=args.new_tokens, deadline=time.monotonic() + args.budget)
+                        new_tokens=args.new_tokens, deadline=time.monotonic() + args.budget,
+                        servers=[u.strip().rstrip("/") for u in args.vllm_server.split(",") if u.strip()])
 
 
 def run_checks(ctx: SmokeContext, skip: set[str] = frozenset()) -> list[CheckResult]:

@@ -41,6 +41,7 @@ class SmokeContext:
     new_tokens: int = 24
     generations: int = 8
     deadline: float = field(default_factory=lambda: time.monotonic() + 300)
+    servers: list[str] = field(default_factory=list)  # vLLM servers' URLs for the transfer_server check
 
     @property
     def device_type(self) -> str:

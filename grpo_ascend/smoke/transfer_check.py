@@ -4,7 +4,9 @@ The check hosts a transfer group (:mod:`grpo_ascend.weight_transfer`), starts a 
 broadcasts one bucket of random bytes to it and has it broadcast the bucket back; the bytes must come back bit for
 bit. The group's backend is the accelerator's own collective backend (the receiver on the second device: two
 processes cannot share one accelerator in such a group), or gloo over the host with one device or on the CPU.
-A round trip to a vLLM server's workers is not part of it yet (see docs/ascend.md).
+
+With ``--vllm-server`` URLs, :func:`check_server_transfer` does the same round trip with each server's workers over
+the group a run's weight syncs use (the server must run our entry point, ``python -m grpo_ascend.rollout.vllm.serve``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,29 @@ def round_trip(sender_device: str, receiver_device: str, nbytes: int = BUCKET_BY
     return {"bytes": nbytes, "round_trip_s": seconds, "bytes_per_s": 2 * nbytes / seconds,
             "bit_for_bit": bool(torch.equal(sent.cpu(), back.cpu())), "backend": dev.transfer_backend(sender_device),
             "sender": sender_device, "receiver": receiver_device, "receiver_exit_code": child.exitcode}
+
+
+def check_server_transfer(ctx: SmokeContext) -> CheckResult:
+    """One bucket round trip to each ``--vllm-server``'s workers over a transfer group (see the module docstring)."""
+    if not ctx.servers:
+        return CheckResult("transfer_server", "skipped", "no --vllm-server given",
+                           reason="pass --vllm-server URL to check the weight transfer to a server")
+    from grpo_ascend.rollout.vllm.collective_sync import CollectiveSync, resolve_transfer
+    from grpo_ascend.rollout.vllm.server_http import request_json
+
+    ends = resolve_transfer("collective", request_json, ctx.servers, ctx.device)  # a server that cannot join: raises
+    sync = CollectiveSync(request_json, ends, ctx.device, timeout_s=2 * TIMEOUT_S)  # type: ignore[arg-type]
+    try:
+        numbers = {url: sync.round_trip(url, BUCKET_BYTES) for url in ctx.servers}
+    finally:
+        sync.close()
+    summary = "; ".join(f"{url}: {n['bytes'] / 2**20:.0f} MiB to {n['workers']} worker(s) and back over {n['backend']} "
+                        f"in {n['round_trip_s']:.3f} s, {n['bytes_per_s'] / 1e9:.2f} GB/s" for url, n in numbers.items())
+    changed = [url for url, n in numbers.items() if not n["bit_for_bit"]]
+    if changed:
+        return CheckResult("transfer_server", "failed", summary, numbers,
+                           f"the bucket came back changed from {', '.join(changed)}")
+    return CheckResult("transfer_server", "ok", summary, numbers)
 
 
 def check_transfer(ctx: SmokeContext) -> CheckResult:

@@ -13,7 +13,9 @@ import torch
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.vllm.collective_sync import (
+    ADAPTER_PATH,
     ENGINE_NAME,
+    FORGET_ADAPTER_PATH,
     JOIN_PATH,
     PROBE_PATH,
     RECEIVE_PATH,
@@ -36,6 +38,7 @@ class FakeServers:
         self.ours, self.plain, self.broken = set(ours) | set(broken), set(plain), set(broken)
         self.groups: dict[str, TransferGroup] = {}
         self.received: dict[str, dict[str, torch.Tensor]] = {}
+        self.adapters: dict[str, dict[str, tuple[dict, dict[str, torch.Tensor]]]] = {}
         self.calls: list[tuple[str, str]] = []
 
     def __call__(self, url, method, path, body=None, timeout=None, retries=None):
@@ -49,15 +52,20 @@ class FakeServers:
             self.groups[url] = TransferGroup.join(GroupAddress.from_json(info["address"]), 1, "cpu",
                                                   info["timeout_s"])
             return {"joined": True}
-        if path == RECEIVE_PATH:
+        if path in (RECEIVE_PATH, ADAPTER_PATH):
             if url in self.broken:
                 raise ServerError(f"vLLM server {url} POST {path} answered 500: out of memory")
             manifest = Manifest.from_json(body["update_info"]["manifest"])
             got = {}
             for bucket in WeightReceiver(self.groups[url]).buckets(manifest):
                 got.update((name, view.clone()) for name, view in bucket)
-            self.received[url] = got
+            if path == ADAPTER_PATH:
+                self.adapters.setdefault(url, {})[body["lora_name"]] = (body["config"], got)
+            else:
+                self.received[url] = got
             return {"received": True, "checksums": []}
+        if path == FORGET_ADAPTER_PATH:
+            self.adapters.get(url, {}).pop(body["lora_name"], None)
         return {}
 
 
@@ -108,6 +116,34 @@ def test_servers_receive_every_tensor_bit_for_bit_over_groups_built_once_and_a_f
         for group in fake.groups.values():
             group.close()
     assert sync.groups == {}
+
+
+def test_an_adapter_goes_into_the_servers_memory_over_the_same_groups_as_json_config():
+    urls = ["http://a:1", "http://b:1"]
+    fake = FakeServers(ours=urls[:1], broken=urls[1:])
+    sync = CollectiveSync(fake, resolve_transfer("collective", fake, urls, "cpu"), "cpu", timeout_s=3.0,
+                          bucket_bytes=1024)
+    torch.manual_seed(0)
+    tensors = [(f"base_model.model.layers.{i}.q_proj.lora_{ab}.weight", torch.randn(8, 16, dtype=dtype))
+               for i in range(3) for ab, dtype in (("A", torch.float32), ("B", torch.bfloat16))]
+    config = {"r": 8, "lora_alpha": 16, "target_modules": {"q_proj", "v_proj"}}
+    built = TransferGroup.built
+    try:
+        failed = sync.send_adapter(urls, "policy-v1", config, tensors)
+        assert list(failed) == [urls[1]] and "receiving the adapter failed" in failed[urls[1]]
+        assert sync.send_adapter(urls[:1], "policy-v2", config, tensors[::-1]) == {}
+        assert TransferGroup.built - built == 4  # one group per server, reused by the second version
+        got_config, got = fake.adapters[urls[0]]["policy-v1"]
+        assert got_config["target_modules"] == ["q_proj", "v_proj"]  # JSON, as an adapter folder's config
+        assert list(got) == [n for n, _ in tensors]
+        for name, tensor in tensors:  # every tensor in its own dtype, every bit
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+        sync.forget_adapter(urls[:1], "policy-v1")
+        assert list(fake.adapters[urls[0]]) == ["policy-v2"]
+    finally:
+        sync.close()
+        for group in fake.groups.values():
+            group.close()
 
 
 def test_a_full_weight_load_waits_for_requests_in_flight_and_holds_new_ones():

@@ -71,6 +71,18 @@ def test_transfer_round_trip_returns_the_bucket_and_says_where_it_ran():
     assert loopback_devices(torch.device("cpu"))[:2] == ("cpu", "cpu")
 
 
+def test_the_server_transfer_check_is_skipped_without_a_server_and_names_one_that_cannot_join(tmp_path):
+    from grpo_ascend.smoke.transfer_check import check_server_transfer
+
+    ctx = SmokeContext(device=torch.device("cpu"), dtype="float32", out=tmp_path, model=None)
+    assert check_server_transfer(ctx).status == "skipped"
+    ctx.servers = ["http://127.0.0.1:9"]  # nothing listens there
+    [result] = [r for r in smoke_cli.run_checks(ctx, skip=set(smoke_cli.CHECKS) - {"transfer_server"})
+                if r.name == "transfer_server"]
+    assert result.status == "failed" and "\n" not in result.reason, result.reason
+    assert "http://127.0.0.1:9" in result.reason and "grpo_ascend.rollout.vllm.serve" in result.reason, result.reason
+
+
 def test_a_raising_check_fails_alone_and_the_budget_skips_the_rest(monkeypatch, tmp_path):
     def broken(ctx):
         raise RuntimeError("aclnnFoo failed\nstack trace")

@@ -1,4 +1,5 @@
-"""Full weights to vLLM servers over a process group per server, not through files (``weight_transfer``).
+"""Weights to vLLM servers over a process group per server, not through files (``weight_transfer``): full weights
+and LoRA adapter versions alike.
 
 At start, :func:`resolve_transfer` asks every server whether it can join a transfer group (our entry point
 ``python -m grpo_ascend.rollout.vllm.serve`` can; vLLM's own cannot): ``collective`` refuses a server that cannot
@@ -11,6 +12,9 @@ receive it (an HTTP call on a thread per server: the server's workers receive wh
 broadcasts the buckets. A server whose call or broadcast fails (it died, or did not answer within half of the
 sync's timeout) is reported back to be dropped while the others finish; its group is closed, so a restarted
 server joins a new one. The server resets its prefix cache after each load (transfer_routes.py).
+
+An adapter version (:meth:`CollectiveSync.send_adapter`) travels the same way into the workers' memory, where vLLM's
+LoRA manager loads it by the name :func:`adapter_path` gives (adapter_memory.py): no adapter folder is written.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +46,11 @@ PROBE_PATH = "/grpo/weight_transfer"
 JOIN_PATH = f"{PROBE_PATH}/join"
 RECEIVE_PATH = f"{PROBE_PATH}/receive"
 LEAVE_PATH = f"{PROBE_PATH}/leave"
+ADAPTER_PATH = f"{PROBE_PATH}/adapter"
+FORGET_ADAPTER_PATH = f"{PROBE_PATH}/forget_adapter"
+ECHO_PATH = f"{PROBE_PATH}/echo"
+#: The ``lora_path`` of an adapter a server's workers received over their group (not a folder).
+ADAPTER_SCHEME = "grpo-transfer://"
 #: How to start a server that can join.
 ENABLE_HINT = ("start the server with `python -m grpo_ascend.rollout.vllm.serve --model BASE ...` (vLLM's server "
                "with our weight-transfer engine)")
@@ -107,6 +116,11 @@ def resolve_transfer(mode: str, request: Request, urls: Sequence[str],
     return None
 
 
+def adapter_path(name: str) -> str:
+    """The ``lora_path`` vLLM's ``/v1/load_lora_adapter`` is given for the adapter received as ``name``."""
+    return ADAPTER_SCHEME + name
+
+
 class CollectiveSync:
     """One transfer group per server, built at its first sync; see the module docstring.
 
@@ -169,13 +183,7 @@ class CollectiveSync:
     def send(self, urls: Sequence[str], weights: PolicyWeights) -> dict[str, str]:
         """Load ``weights`` into the servers at ``urls``; the servers that failed, each with why (their groups
         closed: the caller drops them)."""
-        failed: dict[str, str] = {}
-        for url in urls:
-            if url not in self.groups:
-                try:
-                    self.join(url)
-                except (RolloutError, ServerError) as err:
-                    failed[url] = f"could not join the weight-transfer group: {_first_line(err)}"
+        failed = self._join_all(urls)
         live = [u for u in urls if u in self.groups]
         if not live:
             return failed
@@ -183,12 +191,85 @@ class CollectiveSync:
         manifest = self.plan(weights, wires.pop() if len(wires) == 1 else None,
                              tied_head=all(self.ends[u].tied_head for u in live))
         names = {t.name for t in manifest.tensors}
-        body = {"update_info": {"manifest": manifest.to_json(), "checksums": self.checksums},
-                "version": None if weights.version is None else str(weights.version)}
-        deadline = time.monotonic() + self.per_server_timeout + 1.0
-        calls = {u: _Call(lambda u=u: self.request(u, "POST", RECEIVE_PATH, body, timeout=self.per_server_timeout,
-                                                   retries=0)) for u in live}
+        body = {"version": None if weights.version is None else str(weights.version)}
         tensors = ((name, t) for name, t in weights.named_tensors() if name in names)
+        failed.update(self._broadcast(live, RECEIVE_PATH, body, manifest, tensors, "loading the weights"))
+        return failed
+
+    def send_adapter(self, urls: Sequence[str], name: str, config: dict[str, Any],
+                     tensors: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str]:
+        """Put the adapter ``name`` (PEFT ``config``, PEFT-named ``tensors`` as trained) into the workers' memory on
+        the servers at ``urls``; vLLM then loads it from :func:`adapter_path` ``(name)``. The servers that failed,
+        each with why (their groups closed)."""
+        failed = self._join_all(urls)
+        live = [u for u in urls if u in self.groups]
+        if not live:
+            return failed
+        specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+        size = self.bucket_bytes or default_bucket_bytes(
+            self.device, max((t.numel() * t.element_size() for _, t in tensors), default=0))
+        manifest = Manifest.plan(specs, size)
+        body = {"lora_name": name, "config": _json_config(config)}
+        failed.update(self._broadcast(live, ADAPTER_PATH, body, manifest, iter(tensors), "receiving the adapter"))
+        return failed
+
+    def forget_adapter(self, urls: Sequence[str], name: str) -> None:
+        """The workers at ``urls`` drop the adapter ``name`` from memory (vLLM unloaded it); a server that cannot
+        answer has lost it already."""
+        for url in urls:
+            try:
+                self.request(url, "POST", FORGET_ADAPTER_PATH, {"lora_name": name}, timeout=30.0, retries=0)
+            except (ServerError, ServerGone) as err:
+                logger.info("vLLM server %s did not drop the adapter %s: %s", url, name, _first_line(err))
+
+    def round_trip(self, url: str, nbytes: int) -> dict[str, Any]:
+        """One bucket of ``nbytes`` random bytes to the server's workers over its group and back (its first worker
+        broadcasts what it received): seconds, bytes/s over both ways, whether it came back bit for bit."""
+        if url not in self.groups:
+            self.join(url)
+        group = self.groups[url]
+        sent = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        sent = sent.to(self.device)
+        back = torch.empty_like(sent)
+        call = _Call(lambda: self.request(url, "POST", ECHO_PATH, {"nbytes": nbytes}, timeout=self.per_server_timeout,
+                                          retries=0))
+        started = time.perf_counter()
+        try:
+            group.broadcast(sent).wait()
+            dev.broadcast(group.group, back, 1).wait()
+            dev.synchronize(self.device)
+        except RuntimeError as err:
+            call.wait(1.0)
+            self.forget(url)
+            raise RolloutError(f"the round trip to {url} failed: {call.error or _first_line(err)}") from None
+        seconds = time.perf_counter() - started
+        call.wait(self.per_server_timeout)
+        if call.error is not None:
+            raise RolloutError(f"the round trip to {url} failed: {call.error}")
+        return {"bytes": nbytes, "round_trip_s": seconds, "bytes_per_s": 2 * nbytes / seconds,
+                "bit_for_bit": bool(torch.equal(sent.cpu(), back.cpu())), "workers": self.ends[url].workers,
+                "backend": dev.transfer_backend(self.device)}
+
+    def _join_all(self, urls: Sequence[str]) -> dict[str, str]:
+        """Join every server at ``urls`` without a group yet; those that could not, each with why."""
+        failed: dict[str, str] = {}
+        for url in urls:
+            if url not in self.groups:
+                try:
+                    self.join(url)
+                except (RolloutError, ServerError) as err:
+                    failed[url] = f"could not join the weight-transfer group: {_first_line(err)}"
+        return failed
+
+    def _broadcast(self, live: Sequence[str], path: str, body: dict[str, Any], manifest: Manifest,
+                   tensors: Iterator[tuple[str, torch.Tensor]], what: str) -> dict[str, str]:
+        """Ask each server at ``live`` to receive ``manifest`` through ``path`` (``body`` besides the manifest) while
+        this rank broadcasts ``tensors``; the servers that failed, each with why (their groups closed)."""
+        failed: dict[str, str] = {}
+        body = {**body, "update_info": {"manifest": manifest.to_json(), "checksums": self.checksums}}
+        deadline = time.monotonic() + self.per_server_timeout + 1.0
+        calls = {u: _Call(lambda u=u: self.request(u, "POST", path, body, timeout=self.per_server_timeout,
+                                                   retries=0)) for u in live}
         report = self.sender.send(manifest, tensors, [self.groups[u] for u in live])
         self.last_report = report
         self.last_checksums = {}
@@ -196,12 +277,12 @@ class CollectiveSync:
             call = calls[url]
             call.wait(max(deadline - time.monotonic(), 0.1))
             if call.error is not None and call.error != _Call.NO_ANSWER:  # the server said why: the first cause
-                failed[url] = f"loading the weights failed: {call.error}"
+                failed[url] = f"{what} failed: {call.error}"
             elif i in report.failed:
                 failed[url] = (self._timed_out("took no weight bucket") if "timed out" in report.failed[i].lower()
                                else f"the weight broadcast failed: {report.failed[i]}")
             elif call.error is not None:
-                failed[url] = self._timed_out("did not finish loading the weights")
+                failed[url] = self._timed_out(f"did not finish {what}")
             else:
                 self.last_checksums[url] = list((call.result or {}).get("checksums") or [])
         for url in failed:
@@ -252,6 +333,11 @@ class _Call:
         self._thread.join(timeout)
         if self._thread.is_alive() and self.error is None:
             self.error = self.NO_ANSWER
+
+
+def _json_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A PEFT adapter config as JSON (sets become sorted lists), as an adapter folder's config file has it."""
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -12,11 +12,13 @@ full fine-tuning ``VLLM_SERVER_DEV_MODE=1`` (docs/vllm.md).
   per prompt with a seed per prompt, the sampled tokens' log-probs (``logprobs=0``). A prompt with images goes
   to ``/inference/v1/generate`` with its pictures as PNG data URLs (server_images.py); the server must run
   ``python -m grpo_ascend.rollout.vllm.serve`` (vLLM's server, prepared for the served family, that endpoint on).
-* **LoRA sync**: the adapter written atomically into ``adapter_dir`` (a folder the server must be
-  able to read: the same machine or a shared file system) and loaded under a new name per version
-  through ``/v1/load_lora_adapter``; older versions are unloaded once no request uses them.
-* **Full sync**: over one process group per server (``weight_transfer`` collective, or auto where every server
-  can join one: :mod:`.collective_sync`), or through files (dev mode only): the weights written to
+* **How weights travel**: over one process group per server (``weight_transfer`` collective, or auto where every
+  server can join one: :mod:`.collective_sync`), or through files in ``adapter_dir`` (a folder the servers must be
+  able to read: the same machine or a shared file system).
+* **LoRA sync**: each version loaded under a new name through ``/v1/load_lora_adapter``: over a group its tensors go
+  into the workers' memory first and it loads from there (adapter_memory.py); through files it is written
+  atomically as a PEFT folder. Older versions are unloaded once no request uses them.
+* **Full sync**: over the groups (no dev mode needed), or through files (dev mode only): the weights written to
   ``adapter_dir`` as safetensors, then ``/collective_rpc`` ``reload_weights`` from that folder. Requests are held
   while full weights are overwritten (:mod:`.request_gate`): each one samples with one version only.
 * The prefix cache is reset (``/reset_prefix_cache``) after every full sync; an adapter version has
@@ -55,7 +57,7 @@ from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm.base import VLLMBackend
-from grpo_ascend.rollout.vllm.collective_sync import CollectiveSync, resolve_transfer
+from grpo_ascend.rollout.vllm.collective_sync import CollectiveSync, adapter_path, resolve_transfer
 from grpo_ascend.rollout.vllm.pending_load import PendingLoad
 from grpo_ascend.rollout.vllm.request_gate import RequestGate
 from grpo_ascend.rollout.vllm.requests import LOGPROBS_MODE, Completion, ImagePrompt
@@ -283,21 +285,38 @@ class VLLMServerRollout(VLLMBackend):
                 served = [m.get("id") for m in (self.request(url, "GET", "/v1/models", retries=0) or {}).get("data", [])]
                 if self.model not in served:
                     continue
+                if self.collective is not None:  # a server back from the dead joins a new group
+                    self.collective.forget(url)
                 for held in self.ledger.held:
+                    if held.sent is not None:
+                        failed = self.collective.send_adapter([url], held.name, *held.sent)  # type: ignore[union-attr]
+                        if failed:
+                            raise ServerError(failed[url])
                     if held.adapter:
-                        body = {"lora_name": held.name, "lora_path": str(held.folder.resolve()), "load_inplace": True}
-                        self.request(url, "POST", "/v1/load_lora_adapter", body, timeout=self.sync_timeout, retries=0)
+                        self.request(url, "POST", "/v1/load_lora_adapter", self._load_body(held),
+                                     timeout=self.sync_timeout, retries=0)
             except (ServerGone, ServerError):
                 continue
             self.pool.readmit(url)
 
     def _load_adapter(self, version: int, config: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> Loaded:
         name = f"policy-v{version}"
-        folder = write_adapter(config, tensors, self.adapter_dir / name)
-        body = {"lora_name": name, "lora_path": str(folder.resolve()), "load_inplace": True}
+        if self.collective is not None:
+            for url, why in self.collective.send_adapter(self.pool.live, name, config, tensors).items():
+                self.pool.drop(url, why)
+            loaded = Loaded(version, name, sent=(config, tensors))
+        else:
+            loaded = Loaded(version, name, write_adapter(config, tensors, self.adapter_dir / name))
+        body = self._load_body(loaded)
         self.pool.broadcast(lambda url: self.request(url, "POST", "/v1/load_lora_adapter", body,
                                                       timeout=self.sync_timeout))
-        return Loaded(version, name, folder)
+        return loaded
+
+    @staticmethod
+    def _load_body(loaded: Loaded) -> dict[str, Any]:
+        """``/v1/load_lora_adapter``'s body for the adapter version ``loaded`` (from memory or from its folder)."""
+        path = adapter_path(loaded.name) if loaded.folder is None else str(loaded.folder.resolve())
+        return {"lora_name": loaded.name, "lora_path": path, "load_inplace": True}
 
     def _unload(self, versions: Sequence[Loaded]) -> None:
         """Unload adapter versions no request uses any more, on every live server, and delete their folders."""
@@ -310,6 +329,8 @@ class VLLMServerRollout(VLLMBackend):
 
             with contextlib.suppress(ServerGone):  # no server left: the next request says so
                 self.pool.broadcast(unload)
+                if old.sent is not None and self.collective is not None:
+                    self.collective.forget_adapter(self.pool.live, old.name)
             remove_folder(old.folder)
 
     def _reload_full(self, weights: PolicyWeights) -> Loaded:

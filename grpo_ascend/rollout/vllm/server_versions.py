@@ -12,23 +12,29 @@ from __future__ import annotations
 
 import collections
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from grpo_ascend.errors import RolloutError
 
 
 @dataclass(frozen=True)
 class Loaded:
-    """One version on the servers: the model name requests use, its adapter folder (None: full weights)."""
+    """One version on the servers: the model name requests use, and for an adapter either its folder or, sent over
+    transfer groups, ``sent`` (its PEFT config and a host copy of its tensors, sent again to a restarted server).
+    Neither: full weights."""
 
     version: int
     name: str
     folder: Path | None = None
+    sent: tuple[dict[str, Any], list[tuple[str, torch.Tensor]]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def adapter(self) -> bool:
-        return self.folder is not None
+        return self.folder is not None or self.sent is not None
 
 
 class VersionLedger:

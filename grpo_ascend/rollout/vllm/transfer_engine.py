@@ -9,8 +9,10 @@ slices what this worker's tensor-parallel rank holds. vLLM's layer-wise reload r
 post-load processing, repacking for the CPU's kernels included), and a head tied to the embeddings is repacked
 after it (vLLM's CPU build keeps a stale packed head otherwise).
 
-:class:`TransferWorkerExtension` adds one method to vLLM's worker: the checksums of the tensors the last sync
-received, when the client asked for them (a check that what arrived is bit for bit what was sent).
+:class:`TransferWorkerExtension` adds vLLM's worker the methods the routes call through ``collective_rpc``: the
+checksums of the tensors the last sync received, when the client asked for them (a check that what arrived is bit
+for bit what was sent), and receiving / dropping a LoRA adapter version into the worker's memory over the same
+group (adapter_memory.py: vLLM's LoRA manager loads it from there, no folder).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from grpo_ascend.rollout.vllm.adapter_memory import AdapterMemory
 from grpo_ascend.rollout.vllm.collective_sync import ENGINE_NAME
 from grpo_ascend.rollout.vllm.colocated import repack_tied_head
 from grpo_ascend.weight_transfer.group import GroupAddress, TransferGroup
@@ -124,6 +127,37 @@ class TransferWorkerExtension:
         """The checksums the last sync kept (empty unless it asked for them)."""
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "checksums", {}) or {})
+
+    def grpo_receive_adapter(self, name: str, manifest: dict[str, Any], config: dict[str, Any],
+                             checksums: bool = False) -> dict[str, str]:
+        """Receive the adapter ``name`` (PEFT ``config``) over this worker's transfer group and hold it in memory for
+        vLLM's LoRA manager; its tensors' checksums when ``checksums``."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if getattr(engine, "group", None) is None:
+            raise RuntimeError("this vLLM worker has not joined a weight-transfer group; the client joins it first")
+        memory = AdapterMemory.of(self)
+        tensors: dict[str, torch.Tensor] = {}
+        for bucket in WeightReceiver(engine.group, reuse_buffers=False).buckets(Manifest.from_json(manifest)):
+            tensors.update(bucket)
+        memory.put(name, tensors, config)
+        return {n: tensor_checksum(t) for n, t in tensors.items()} if checksums else {}
+
+    def grpo_echo_bucket(self, nbytes: int) -> None:
+        """Receive one bucket of ``nbytes`` over the group and send it back (the first worker does; every rank takes
+        part in both broadcasts): ``grpo-ascend smoke --vllm-server``'s round trip."""
+        from grpo_ascend import device as dev
+
+        engine = getattr(self, "weight_transfer_engine", None)
+        if getattr(engine, "group", None) is None:
+            raise RuntimeError("this vLLM worker has not joined a weight-transfer group; the client joins it first")
+        bucket = torch.empty(int(nbytes), dtype=torch.uint8, device=engine.group.device)
+        engine.group.broadcast(bucket).wait()
+        dev.broadcast(engine.group.group, bucket, 1).wait()
+        dev.synchronize(engine.group.device)
+
+    def grpo_forget_adapter(self, name: str) -> None:
+        """Drop the adapter ``name`` from memory (the client unloaded it)."""
+        AdapterMemory.of(self).forget(name)
 
 
 def register_transfer_engine() -> None:

@@ -9,6 +9,13 @@ vLLM's dev mode.
 * ``POST`` :data:`~.collective_sync.RECEIVE_PATH` ``{"update_info": {...}, "version": ...}``: start a weight
   update, receive the buckets while the trainer broadcasts them, finish it, reset the prefix cache; answers with
   the workers' checksums when ``update_info.checksums`` asked for them.
+* ``POST`` :data:`~.collective_sync.ADAPTER_PATH` ``{"update_info": {...}, "lora_name": ..., "config": {...}}``: the
+  workers receive a LoRA adapter's buckets into memory under ``lora_name`` (the client then loads it through vLLM's
+  ``/v1/load_lora_adapter`` with ``lora_path`` :func:`~.collective_sync.adapter_path`); answers with checksums as
+  above.
+* ``POST`` :data:`~.collective_sync.FORGET_ADAPTER_PATH` ``{"lora_name": ...}``: the workers drop that adapter.
+* ``POST`` :data:`~.collective_sync.ECHO_PATH` ``{"nbytes": n}``: the workers receive one bucket of ``n`` bytes and
+  the first sends it back (``grpo-ascend smoke --vllm-server``'s round trip).
 * ``POST`` :data:`~.collective_sync.LEAVE_PATH`: the workers leave the group (the client closes).
 
 Each call goes through vLLM's engine client (``init_weight_transfer_engine``, ``start_weight_update``, ...), so the
@@ -23,7 +30,10 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse
 
 from grpo_ascend.rollout.vllm.collective_sync import (
+    ADAPTER_PATH,
+    ECHO_PATH,
     ENGINE_NAME,
+    FORGET_ADAPTER_PATH,
     JOIN_PATH,
     LEAVE_PATH,
     PROBE_PATH,
@@ -68,6 +78,28 @@ async def receive(raw_request: Request, update_info: dict[str, Any] = Body(embed
     await engine.reset_prefix_cache()
     checksums = await engine.collective_rpc("grpo_received_checksums") if update_info.get("checksums") else []
     return JSONResponse({"received": True, "checksums": checksums})
+
+
+@router.post(ADAPTER_PATH)
+async def receive_adapter(raw_request: Request, update_info: dict[str, Any] = Body(embed=True),  # noqa: B008
+                          lora_name: str = Body(embed=True), config: dict[str, Any] = Body(embed=True)  # noqa: B008
+                          ) -> JSONResponse:
+    checksums = await _engine(raw_request).collective_rpc(
+        "grpo_receive_adapter", kwargs={"name": lora_name, "manifest": update_info["manifest"], "config": config,
+                                        "checksums": bool(update_info.get("checksums"))})
+    return JSONResponse({"received": True, "checksums": checksums if update_info.get("checksums") else []})
+
+
+@router.post(FORGET_ADAPTER_PATH)
+async def forget_adapter(raw_request: Request, lora_name: str = Body(embed=True)) -> JSONResponse:  # noqa: B008
+    await _engine(raw_request).collective_rpc("grpo_forget_adapter", kwargs={"name": lora_name})
+    return JSONResponse({"forgotten": True})
+
+
+@router.post(ECHO_PATH)
+async def echo(raw_request: Request, nbytes: int = Body(embed=True)) -> JSONResponse:  # noqa: B008
+    await _engine(raw_request).collective_rpc("grpo_echo_bucket", kwargs={"nbytes": int(nbytes)})
+    return JSONResponse({"echoed": int(nbytes)})
 
 
 @router.post(LEAVE_PATH)

@@ -1,6 +1,7 @@
-"""Full weights to vLLM servers over a process group (weight_transfer: collective), against servers started from our
-entry point without vLLM's dev mode: a tied-head and an untied-head copy of the tiny model, and a second server of
-the untied one that is killed mid-transfer, restarted, and stopped (hung) mid-sync."""
+"""Weights to vLLM servers over a process group (weight_transfer: collective), against servers started from our
+entry point without vLLM's dev mode: full weights and LoRA adapters into a tied-head and an untied-head copy of the
+tiny model, and a second server of the untied one that is killed mid-transfer, restarted, and stopped (hung)
+mid-sync."""
 
 from __future__ import annotations
 
@@ -121,6 +122,50 @@ def test_full_weights_arrive_bit_for_bit_over_one_group(servers, tiny_model_dir,
     finally:
         rollout.close()
     assert rollout.collective.groups == {}
+
+
+@pytest.mark.parametrize("head", ["tied", "untied"])
+def test_lora_adapters_arrive_bit_for_bit_over_one_group_and_no_folder_is_written(servers, tmp_path, head):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from grpo_ascend.models.policy import apply_peft
+
+    _, url, model_dir = servers[head]
+    policy = apply_peft(AutoModelForCausalLM.from_pretrained(model_dir),
+                        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)).eval()
+    rollout = collective_client(url, model_dir, tmp_path)
+    built = TransferGroup.built
+    prompts, params, gen = long_prompts(2), sampling(), torch.Generator().manual_seed(0)
+    try:
+        for step in range(3):
+            weights = PolicyWeights(policy, step)
+            assert weights.adapter_only
+            sent = {name: tensor_checksum(t) for name, t in weights.named_tensors()}
+            rollout.sync_weights(weights)
+            assert rollout.collective.last_checksums[url] == [sent], step  # every adapter tensor, every bit
+            batch = rollout.generate(prompts, params, gen)
+            assert max_error(policy, batch, params.temperature) <= EXACT, step
+            train_steps(policy, batch, steps=1)  # a real optimizer step moves every adapter weight
+        assert max_error(policy, rollout.generate(prompts, params, gen), 1.0) > STALE  # not synced: the old adapter
+        served = [m["id"] for m in rollout.request(url, "GET", "/v1/models")["data"]]
+        assert "policy-v2" in served and not {"policy-v0", "policy-v1"} & set(served)  # older versions unloaded
+        assert TransferGroup.built - built == 1  # one group for the whole run
+        assert list(tmp_path.iterdir()) == []  # no adapter folder
+    finally:
+        rollout.close()
+
+
+def test_smoke_checks_a_bucket_round_trip_with_a_server(servers, tmp_path):
+    from grpo_ascend.smoke.context import SmokeContext
+    from grpo_ascend.smoke.transfer_check import BUCKET_BYTES, check_server_transfer
+
+    _, url, _ = servers["tied"]
+    result = check_server_transfer(SmokeContext(device=torch.device("cpu"), dtype="float32", out=tmp_path, model=None,
+                                                servers=[url]))
+    numbers = result.numbers[url]
+    assert result.status == "ok" and numbers["bit_for_bit"] is True and numbers["bytes"] == BUCKET_BYTES, result
+    assert numbers["backend"] == "gloo" and numbers["workers"] == 1 and numbers["bytes_per_s"] > 0
 
 
 class KillingWeights(PolicyWeights):

@@ -20,20 +20,16 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from local_vllm_server import local_server  # noqa: E402
 from machine import describe  # noqa: E402
 
 from grpo_ascend import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -57,41 +53,12 @@ def first_digit_is_one(completions, **kwargs):
     return [1.0 if t.strip().removeprefix("<answer>").startswith("1") else 0.0 for t in texts]
 
 
-@contextlib.contextmanager
-def vllm_server(model_dir: str, log_path: str) -> Iterator[str]:
+def vllm_server(model_dir: str, log_path: str) -> contextlib.AbstractContextManager[str]:
     """A vLLM OpenAI server of ``model_dir`` (LoRA on, float32, one OpenMP thread) at a free local port, started by
     our entry point (its processes do not spin-wait on the CPU: compat_polling.py): its URL. Stopped with its whole
     process group (the engine core too) on leaving."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", VLLM_SERVER_DEV_MODE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "grpo_ascend.rollout.vllm.serve", "--model", model_dir, "--host", "127.0.0.1",
-             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(32 * 2**20),
-             "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs", "--enable-lora", "--max-lora-rank",
-             "8", "--max-loras", "2", "--seed", "0", "--no-enable-chunked-prefill"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 600
-            while True:
-                with contextlib.suppress(OSError):
-                    urllib.request.urlopen(f"{url}/health", timeout=5)
-                    break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the vLLM server did not start; its log: {log_path}")
-                time.sleep(2)
-            yield url
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=30)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+    return local_server(model_dir, log_path, extra_args=("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"),
+                        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "OMP_NUM_THREADS": "1"})
 
 
 def run(seed: int, settings: dict, steps: int = 100, learning_rate: float = 3e-4) -> dict[str, float]:

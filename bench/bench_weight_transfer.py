@@ -32,19 +32,17 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from local_vllm_server import local_server  # noqa: E402
 
 #: Qwen2.5-0.5B's published configuration (every field that sets a shape or the numerics).
 QWEN2_5_0_5B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -68,39 +66,10 @@ def build_model(dtype: torch.dtype, folder: Path) -> torch.nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def server(model_dir: Path, dtype: str, log_path: Path) -> Iterator[str]:
+def server(model_dir: Path, dtype: str, log_path: Path) -> contextlib.AbstractContextManager[str]:
     """One vLLM CPU server of ``model_dir`` from our entry point at a free local port; its URL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "grpo_ascend.rollout.vllm.serve", "--model", str(model_dir), "--host", "127.0.0.1",
-             "--port", str(port), "--dtype", dtype, "--enforce-eager", "--kv-cache-memory-bytes", str(64 * 2**20),
-             "--max-model-len", "512", "--logprobs-mode", "processed_logprobs", "--seed", "0",
-             "--no-enable-chunked-prefill"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 900
-            while True:
-                with contextlib.suppress(OSError):
-                    urllib.request.urlopen(f"{url}/health", timeout=5)
-                    break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the vLLM server did not start; its log: {log_path}")
-                time.sleep(2)
-            yield url
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=30)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+    return local_server(model_dir, log_path, dtype=dtype, max_model_len=512, kv_cache_bytes=64 * 2**20,
+                        env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}, start_timeout=900)
 
 
 def memcpy_bytes_per_s(mib: int) -> float:

@@ -28,26 +28,13 @@ EXACT = 1e-5
 
 
 @pytest.fixture(scope="module")
-def untied_dir(tiny_model_dir, tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    out = tmp_path_factory.mktemp("untied")
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def servers(tiny_model_dir, untied_dir, tmp_path_factory):
+def servers(tiny_model_dir, untied_model_dir, tmp_path_factory):
     """The three servers, started at once (their start-up overlaps)."""
     with running_server(str(tiny_model_dir), tmp_path_factory.mktemp("tied-log"), entry=OUR_SERVER,
                         dev_mode=False) as tied, \
-            running_server(untied_dir, tmp_path_factory.mktemp("untied-log"), entry=OUR_SERVER,
+            running_server(untied_model_dir, tmp_path_factory.mktemp("untied-log"), entry=OUR_SERVER,
                            dev_mode=False) as untied:
-        spare = Spare(untied_dir, tmp_path_factory.mktemp("spare-log"))
+        spare = Spare(untied_model_dir, tmp_path_factory.mktemp("spare-log"))
         try:
             yield {"tied": tied, "untied": untied, "spare": spare}
         finally:
@@ -99,7 +86,7 @@ def sent_checksums(policy, dtype=torch.float32) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("head", ["tied", "untied"])
-def test_full_weights_arrive_bit_for_bit_over_one_group(servers, tiny_model_dir, untied_dir, tmp_path, head):
+def test_full_weights_arrive_bit_for_bit_over_one_group(servers, tiny_model_dir, untied_model_dir, tmp_path, head):
     from transformers import AutoModelForCausalLM
 
     _, url, model_dir = servers[head]
@@ -184,13 +171,13 @@ class KillingWeights(PolicyWeights):
             yield item
 
 
-def test_a_server_killed_mid_transfer_is_dropped_and_rejoins_with_a_new_group(servers, untied_dir, tmp_path,
+def test_a_server_killed_mid_transfer_is_dropped_and_rejoins_with_a_new_group(servers, untied_model_dir, tmp_path,
                                                                               caplog):
     from transformers import AutoModelForCausalLM
 
     (_, url, _), spare = servers["untied"], servers["spare"]
-    policy = AutoModelForCausalLM.from_pretrained(untied_dir).eval()
-    rollout = collective_client([url, spare.url], untied_dir, tmp_path, transfer_bucket_bytes=2**20)
+    policy = AutoModelForCausalLM.from_pretrained(untied_model_dir).eval()
+    rollout = collective_client([url, spare.url], untied_model_dir, tmp_path, transfer_bucket_bytes=2**20)
     prompts, params, gen = long_prompts(4), sampling(), torch.Generator().manual_seed(0)
     try:
         rollout.sync_weights(PolicyWeights(policy, 0))
@@ -225,12 +212,12 @@ def test_a_server_killed_mid_transfer_is_dropped_and_rejoins_with_a_new_group(se
         rollout.close()
 
 
-def test_a_hung_server_hits_weight_sync_timeout_in_one_line(servers, untied_dir, tmp_path):
+def test_a_hung_server_hits_weight_sync_timeout_in_one_line(servers, untied_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     spare = servers["spare"]
-    policy = AutoModelForCausalLM.from_pretrained(untied_dir).eval()
-    rollout = collective_client(spare.url, untied_dir, tmp_path, sync_timeout=8)
+    policy = AutoModelForCausalLM.from_pretrained(untied_model_dir).eval()
+    rollout = collective_client(spare.url, untied_model_dir, tmp_path, sync_timeout=8)
     rollout.sync_weights(PolicyWeights(policy, 0))
     spare.signal(signal.SIGSTOP)  # the server hangs: it neither answers nor receives
     try:

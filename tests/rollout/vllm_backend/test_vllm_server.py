@@ -30,19 +30,6 @@ from grpo_ascend.rollout.vllm.server import ServerGone  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def untied_model_dir(tiny_model_dir, tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    out = tmp_path_factory.mktemp("untied")
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
 def server(untied_model_dir, tmp_path_factory):
     with running_server(untied_model_dir, tmp_path_factory.mktemp("server")) as started:
         yield started

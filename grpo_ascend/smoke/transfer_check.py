@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from grpo_ascend import device as dev
+from grpo_ascend.rollout.vllm.collective_sync import CollectiveSync, resolve_transfer
+from grpo_ascend.rollout.vllm.server_http import request_json
 from grpo_ascend.smoke.context import SmokeContext
 from grpo_ascend.smoke.report import CheckResult
 from grpo_ascend.weight_transfer.group import GroupAddress, TransferGroup
@@ -79,9 +81,6 @@ def check_server_transfer(ctx: SmokeContext) -> CheckResult:
     if not ctx.servers:
         return CheckResult("transfer_server", "skipped", "no --vllm-server given",
                            reason="pass --vllm-server URL to check the weight transfer to a server")
-    from grpo_ascend.rollout.vllm.collective_sync import CollectiveSync, resolve_transfer
-    from grpo_ascend.rollout.vllm.server_http import request_json
-
     ends = resolve_transfer("collective", request_json, ctx.servers, ctx.device)  # a server that cannot join: raises
     sync = CollectiveSync(request_json, ends, ctx.device, timeout_s=2 * TIMEOUT_S)  # type: ignore[arg-type]
     try:

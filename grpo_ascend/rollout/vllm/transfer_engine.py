@@ -28,6 +28,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from grpo_ascend import device as dev
 from grpo_ascend.rollout.vllm.adapter_memory import AdapterMemory
 from grpo_ascend.rollout.vllm.collective_sync import ENGINE_NAME
 from grpo_ascend.rollout.vllm.colocated import repack_tied_head
@@ -145,8 +146,6 @@ class TransferWorkerExtension:
     def grpo_echo_bucket(self, nbytes: int) -> None:
         """Receive one bucket of ``nbytes`` over the group and send it back (the first worker does; every rank takes
         part in both broadcasts): ``grpo-ascend smoke --vllm-server``'s round trip."""
-        from grpo_ascend import device as dev
-
         engine = getattr(self, "weight_transfer_engine", None)
         if getattr(engine, "group", None) is None:
             raise RuntimeError("this vLLM worker has not joined a weight-transfer group; the client joins it first")

@@ -62,7 +62,8 @@ class AdapterMemory:
         model = m._adapter_manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         lora = m._lora_model_cls.from_lora_tensors(
-            lora_model_id=lora_request.lora_int_id, tensors=dict(tensors), peft_helper=helper, device="cpu",
+            lora_model_id=lora_request.lora_int_id, peft_helper=helper, device="cpu",
+            tensors={n: t.clone() for n, t in tensors.items()},  # vLLM scales lora_B in place: keep ours intact
             dtype=m.lora_config.lora_dtype, model_vocab_size=m.vocab_size,
             weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
             skip_prefixes=getattr(model, "lora_skip_prefixes", None))

@@ -119,8 +119,12 @@ def test_lora_adapters_arrive_bit_for_bit_over_one_group_and_no_folder_is_writte
     from grpo_ascend.models.policy import apply_peft
 
     _, url, model_dir = servers[head]
-    policy = apply_peft(AutoModelForCausalLM.from_pretrained(model_dir),
-                        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    reset = collective_client(url, model_dir, tmp_path)  # the server's base back to the model's own weights
+    reset.sync_weights(PolicyWeights(base, 0))
+    reset.close()
+    policy = apply_peft(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                         lora_dropout=0.0)).eval()
     rollout = collective_client(url, model_dir, tmp_path)
     built = TransferGroup.built
     prompts, params, gen = long_prompts(2), sampling(), torch.Generator().manual_seed(0)

@@ -3,7 +3,7 @@ the trainer computes. A check, not a timed test (a TP server's start takes minut
 
 Starts our entry point with ``--tensor-parallel-size`` (default 2) on an untied copy of the built-in tiny model,
 then over one transfer group (the trainer and the server's TP workers): three full-weight syncs, each after a real
-optimizer step, then three LoRA adapter versions the same way. For each sync it checks that each worker's checksums
+optimizer step, and three LoRA adapter versions (first, while the base is the model's own) the same way. For each sync it checks that each worker's checksums
 equal the sent tensors' (vLLM's loader then slices each worker's shard) and that the sampler's log-probs equal the
 trainer's within ``--tolerance``; prints one JSON line last.
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             params = SamplingParams(num_generations=2, max_completion_length=12, max_prompt_length=None)
             results = {}
-            for kind in ("full", "lora"):
+            for kind in ("lora", "full"):  # adapters first: the full syncs change the server's base weights
                 policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
                 if kind == "lora":
                     policy = apply_peft(policy, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],

@@ -24,7 +24,7 @@ def local_server(model_dir: str | Path, log_path: str | Path, *, dtype: str = "f
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    environment = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", **(env or {}))
+    environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "grpo_ascend.rollout.vllm.serve", "--model", str(model_dir), "--host", "127.0.0.1",

@@ -364,6 +364,11 @@ class RolloutBackend(ABC):
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Sample from ``weights`` from now on (a no-op when the backend runs the policy module itself)."""
 
+    def set_training_rank(self, rank: int) -> None:
+        """Which training process this backend serves (0: the first). A sampler every rank shares (a server) lets
+        the first rank load new weights and has the others wait until it serves them; default: nothing."""
+        return None
+
     def publish_weights(self, weights: PolicyWeights) -> None:
         """Hand ``weights`` over as the next version without waiting for the sampler to serve them, where the
         backend can (rollouts ahead of training push from the trainer's thread while a producer samples): the

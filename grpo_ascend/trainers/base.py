@@ -164,6 +164,7 @@ class RLTrainerBase(TrainerCheckpoints, TrainerPublicAPI):
         #: What the trainer samples through (rollout/protocol.py); GRPO may wrap it in a tool loop or a rollout_func.
         self.rollout: Rollout = PromptRollout(build_rollout_backend(self.policy, self.tokenizer, args, self.device),
                                               processor=self.processor)
+        self.rollout.backend.set_training_rank(self.accelerator.process_index)
         # Folding LoRA into the weights speeds up a backend that samples with the policy module itself.
         self.merge_lora_for_rollout = self.rollout.backend.samples_policy_module and merge_lora_for_rollout(
             self.policy, args.rollout_merge_lora, self.strategy.may_merge_lora(args.rollout_merge_lora, self.is_peft),

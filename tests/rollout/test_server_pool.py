@@ -129,6 +129,7 @@ class FakeServer:
     running: Counter = field(default_factory=Counter)
     served: Counter = field(default_factory=Counter)
     violations: list = field(default_factory=list)
+    loads: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self, port: int = 0):
@@ -146,8 +147,9 @@ class FakeServer:
                 self.wfile.write(raw)
 
             def do_GET(self):  # noqa: N802
-                self._answer({"/v1/models": {"data": [{"id": "base"}]}, "/version": {"version": "fake"}}.get(
-                    self.path, {}))
+                with state.lock:
+                    models = [{"id": "base"}] + [{"id": name} for name in sorted(state.loaded)]
+                self._answer({"/v1/models": {"data": models}, "/version": {"version": "fake"}}.get(self.path, {}))
 
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -155,6 +157,7 @@ class FakeServer:
                     time.sleep(state.load_delay)
                     with state.lock:
                         state.loaded.add(body["lora_name"])
+                        state.loads += 1
                 elif self.path == "/v1/unload_lora_adapter":
                     with state.lock:
                         if state.running[body["lora_name"]]:
@@ -205,6 +208,9 @@ class Adapter:
 
     def named_tensors(self):
         yield "base_model.model.q_proj.lora_A.weight", torch.zeros(2, 4)
+
+    def complete(self):
+        """Nothing to gather: the policy is not sharded."""
 
 
 def dead_url():
@@ -383,6 +389,40 @@ def test_a_restarted_server_is_taken_back_at_the_next_sync_with_the_versions_in_
     client.generate_ids(ids)
     assert fakes[1].served["policy-v2"] == 2 and not fakes[1].violations
     client.close()
+
+
+def test_training_ranks_after_the_first_wait_for_its_load_and_load_nothing(servers, tmp_path):
+    """Two training ranks share the servers: rank 1's sync returns only once rank 0 loaded the version on every
+    server, loads and unloads nothing itself, and samples with that version; alone it stops within its timeout."""
+    fakes, urls = servers
+    for f in fakes:
+        f.load_delay = 0.3
+    first, second = make_client(urls, tmp_path / "r0"), make_client(urls, tmp_path / "r1")
+    first.set_training_rank(0)
+    second.set_training_rank(1)
+    for version in (1, 2):
+        waited: dict[str, float] = {}
+        follower = threading.Thread(target=_timed, args=(waited, second.sync_weights, Adapter(version)))
+        follower.start()
+        time.sleep(0.1)  # rank 1 waits before rank 0 has even begun
+        first.sync_weights(Adapter(version))
+        follower.join(5)
+        assert waited["s"] >= 0.3 and all(f.loaded == {f"policy-v{version}"} for f in fakes)  # v1 unloaded by rank 0
+        batch = second.generate_ids([[5, 5], [5, 5, 5]])
+        assert batch.policy_versions.unique().tolist() == [version] and not any(f.violations for f in fakes)
+    assert [f.loads for f in fakes] == [2, 2]  # one load per version per server: rank 0's
+    assert not (tmp_path / "r1").exists()  # rank 1 wrote no adapter
+    alone = make_client(urls, tmp_path / "r2", sync_timeout=0.5)
+    alone.set_training_rank(1)
+    with pytest.raises(RolloutError, match="weight_sync_timeout=0.5 s") as err:
+        alone.sync_weights(Adapter(9))
+    assert "\n" not in str(err.value)
+
+
+def _timed(into: dict, call, *args) -> None:
+    started = time.perf_counter()
+    call(*args)
+    into["s"] = time.perf_counter() - started
 
 
 def test_a_server_backend_refuses_a_vision_language_run_when_it_is_made(servers, tmp_path):

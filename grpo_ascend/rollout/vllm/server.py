@@ -21,6 +21,10 @@ full fine-tuning ``VLLM_SERVER_DEV_MODE=1`` (docs/vllm.md).
 * **Full sync**: over the groups (no dev mode needed), or through files (dev mode only): the weights written to
   ``adapter_dir`` as safetensors, then ``/collective_rpc`` ``reload_weights`` from that folder. Requests are held
   while full weights are overwritten (:mod:`.request_gate`): each one samples with one version only.
+* **Several training ranks** share the servers: the first rank (:meth:`set_training_rank`) loads each version;
+  the others send nothing and wait, within ``sync_timeout``, until every live server serves it (the adapter's
+  name listed in ``/v1/models``; full weights: the version our entry point's probe reports), then sample with it.
+  Only the first rank unloads old versions.
 * The prefix cache is reset (``/reset_prefix_cache``) after every full sync; an adapter version has
   its own cache namespace.
 * **Several servers** (``base_url`` a list): each call's prompts are spread over the live servers,
@@ -57,7 +61,12 @@ from grpo_ascend.errors import ConfigError
 from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm.base import VLLMBackend
-from grpo_ascend.rollout.vllm.collective_sync import CollectiveSync, adapter_path, resolve_transfer
+from grpo_ascend.rollout.vllm.collective_sync import (
+    PROBE_PATH,
+    CollectiveSync,
+    adapter_path,
+    resolve_transfer,
+)
 from grpo_ascend.rollout.vllm.pending_load import PendingLoad
 from grpo_ascend.rollout.vllm.request_gate import RequestGate
 from grpo_ascend.rollout.vllm.requests import LOGPROBS_MODE, Completion, ImagePrompt
@@ -71,6 +80,9 @@ from grpo_ascend.rollout.vllm.weights import remove_folder, write_adapter
 __all__ = ["ServerError", "ServerGone", "VLLMServerRollout"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between a follower's checks that the servers serve the version the first rank loads.
+FOLLOW_POLL_S = 0.2
 
 
 class VLLMServerRollout(VLLMBackend):
@@ -131,6 +143,8 @@ class VLLMServerRollout(VLLMBackend):
         self.collective: CollectiveSync | None = None if ends is None else CollectiveSync(
             self.request, ends, self.device, self.sync_timeout, transfer_bucket_bytes, transfer_host, verify_transfer)
         self.image_token = served_image_token(model)
+        self.follows = False  # a training rank other than the first: it waits for the first rank's loads
+        self._reports_version = ends is not None  # the servers' probe says which full-weight version they hold
 
     # ------------------------------------------------------------------ HTTP
 
@@ -225,6 +239,13 @@ class VLLMServerRollout(VLLMBackend):
 
     # ------------------------------------------------------------------ weight sync
 
+    def set_training_rank(self, rank: int) -> None:
+        """Rank 0 loads every version on the servers; any other rank follows (see the module docstring)."""
+        self.follows = rank != 0
+        if self.follows and self.collective is not None:
+            self.collective.close()  # a follower never joins a transfer group
+            self.collective = None
+
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Load ``weights`` into every live server (an adapter version, or the full weights in dev mode), within
         ``sync_timeout`` seconds: past it the run stops with one RolloutError line instead of hanging."""
@@ -248,7 +269,10 @@ class VLLMServerRollout(VLLMBackend):
         self._await_load()
         if weights.version == self._version and weights.version is not None:
             return
-        if weights.adapter_only:  # a copy, taken on the caller's thread: the trainer steps on meanwhile
+        if self.follows:  # its part of a sharded gather first: the first rank's send needs every rank's
+            weights.complete()
+            work = functools.partial(self._follow, weights.version, weights.adapter_only)
+        elif weights.adapter_only:  # a copy, taken on the caller's thread: the trainer steps on meanwhile
             config = weights.adapter_config()
             tensors = [(name, t.detach().to("cpu", copy=True)) for name, t in weights.named_tensors()]
             work = functools.partial(self._sync_adapter, weights.version, config, tensors)
@@ -265,6 +289,31 @@ class VLLMServerRollout(VLLMBackend):
         pending = self._pending
         if pending is not None:
             pending.wait()
+
+    def _follow(self, version: int, adapter: bool) -> None:
+        """A follower's load: wait until every live server serves ``version`` (the first rank loads it), within
+        ``sync_timeout``; the first rank unloads what it replaces."""
+        name = f"policy-v{version}" if adapter else self.model
+        deadline = time.monotonic() + self.sync_timeout
+        while not all(self._serves(url, version, name, adapter) for url in self.pool.live):
+            if time.monotonic() > deadline:
+                return  # PendingLoad raises the timeout's line
+            time.sleep(FOLLOW_POLL_S)
+        self.ledger.add(Loaded(version, name))
+
+    def _serves(self, url: str, version: int, name: str, adapter: bool) -> bool:
+        """Whether the server at ``url`` serves ``version`` (a server whose probe reports no full-weight version,
+        vLLM's own, is taken at its word: the ranks step in lockstep)."""
+        try:
+            if adapter:
+                served = self.request(url, "GET", "/v1/models", timeout=10.0, retries=0) or {}
+                return name in {m.get("id") for m in served.get("data", [])}
+            if not self._reports_version:
+                return True
+            answer = self.request(url, "GET", PROBE_PATH, timeout=10.0, retries=0) or {}
+            return answer.get("version") == str(version)
+        except (ServerGone, ServerError):
+            return False
 
     def _sync_adapter(self, version: int, config: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> None:
         self._readmit()
@@ -287,7 +336,7 @@ class VLLMServerRollout(VLLMBackend):
                     continue
                 if self.collective is not None:  # a server back from the dead joins a new group
                     self.collective.forget(url)
-                for held in self.ledger.held:
+                for held in [] if self.follows else self.ledger.held:  # a follower loads nothing
                     if held.sent is not None:
                         failed = self.collective.send_adapter([url], held.name, *held.sent)  # type: ignore[union-attr]
                         if failed:
@@ -319,8 +368,9 @@ class VLLMServerRollout(VLLMBackend):
         return {"lora_name": loaded.name, "lora_path": path, "load_inplace": True}
 
     def _unload(self, versions: Sequence[Loaded]) -> None:
-        """Unload adapter versions no request uses any more, on every live server, and delete their folders."""
-        for old in versions:
+        """Unload adapter versions no request uses any more, on every live server, and delete their folders (the
+        first rank does; a follower's are the first rank's to unload)."""
+        for old in [] if self.follows else versions:
             def unload(url: str, name: str = old.name) -> None:
                 try:
                     self.request(url, "POST", "/v1/unload_lora_adapter", {"lora_name": name})

@@ -3,7 +3,8 @@ vLLM's dev mode.
 
 * ``GET`` :data:`~.collective_sync.PROBE_PATH`: that this server receives over a group, its workers (the group
   has ``1 + workers`` ranks), their device type, the model's dtype (the wire dtype of floating tensors) and
-  whether its output head is tied to the embeddings (vLLM's loader then skips the head: it is not sent).
+  whether its output head is tied to the embeddings (vLLM's loader then skips the head: it is not sent), and the
+  version of the full weights it last received (the training ranks that do not send wait for it).
 * ``POST`` :data:`~.collective_sync.JOIN_PATH` ``{"init_info": {...}}``: every worker joins the trainer's group
   (answers once the group is built).
 * ``POST`` :data:`~.collective_sync.RECEIVE_PATH` ``{"update_info": {...}, "version": ...}``: start a weight
@@ -55,7 +56,8 @@ async def probe(raw_request: Request) -> JSONResponse:
     return JSONResponse({"engine": ENGINE_NAME, "workers": int(config.parallel_config.world_size),
                          "device_type": str(current_platform.device_type),
                          "dtype": str(config.model_config.dtype).removeprefix("torch."),
-                         "tied_head": bool(getattr(config.model_config.hf_text_config, "tie_word_embeddings", False))})
+                         "tied_head": bool(getattr(config.model_config.hf_text_config, "tie_word_embeddings", False)),
+                         "version": getattr(raw_request.app.state, "grpo_weights_version", None)})
 
 
 @router.post(JOIN_PATH)
@@ -76,6 +78,7 @@ async def receive(raw_request: Request, update_info: dict[str, Any] = Body(embed
     await engine.update_weights(request=WeightTransferUpdateRequest(update_info=update_info))
     await engine.finish_weight_update(version)
     await engine.reset_prefix_cache()
+    raw_request.app.state.grpo_weights_version = version
     checksums = await engine.collective_rpc("grpo_received_checksums") if update_info.get("checksums") else []
     return JSONResponse({"received": True, "checksums": checksums})
 

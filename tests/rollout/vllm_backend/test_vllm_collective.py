@@ -6,6 +6,7 @@ mid-sync."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import pytest
@@ -94,13 +95,21 @@ def test_full_weights_arrive_bit_for_bit_over_one_group(servers, tiny_model_dir,
     assert (policy.lm_head.weight is policy.get_input_embeddings().weight) == (head == "tied")
     rollout = collective_client(url, model_dir, tmp_path)
     assert rollout.collective is not None
+    follower = collective_client(url, model_dir, tmp_path / "rank1")  # a second training rank: it waits, sends nothing
+    follower.set_training_rank(1)
+    assert follower.collective is None
     built = TransferGroup.built
     prompts, params, gen = long_prompts(2), sampling(), torch.Generator().manual_seed(0)
     try:
         for step in range(3):
+            waiting = threading.Thread(target=follower.sync_weights, args=(PolicyWeights(policy, step),))
+            waiting.start()
             rollout.sync_weights(PolicyWeights(policy, step))
+            waiting.join(60)
+            assert not waiting.is_alive()
             received = rollout.collective.last_checksums[url]
             assert len(received) == 1 and received[0] == sent_checksums(policy), step  # every tensor, every bit
+            assert max_error(policy, follower.generate(prompts, params, gen), params.temperature) <= EXACT, step
             batch = rollout.generate(prompts, params, gen)
             assert max_error(policy, batch, params.temperature) <= EXACT, step
             train_steps(policy, batch, steps=1)  # a real optimizer step moves every weight
@@ -108,6 +117,7 @@ def test_full_weights_arrive_bit_for_bit_over_one_group(servers, tiny_model_dir,
         assert TransferGroup.built - built == 1  # one group for the whole run
     finally:
         rollout.close()
+        follower.close()
     assert rollout.collective.groups == {}
 
 

@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=8,
                         help="completions per micro-batch (per_device_train_batch_size; TRL's default 8); 32 with 4 "
                              "prompts is one micro-batch per step")
-    parser.add_argument("--model", default="random-25m-v4k")
+    parser.add_argument("--model", default="random-25m-v4k",
+                        help="a random-weight model of bench_random_model.py, or the built-in tiny / small")
     parser.add_argument("--keep-logs", default=None)
     parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--opts", help=argparse.SUPPRESS)
@@ -143,7 +144,12 @@ def main(argv: list[str] | None = None) -> None:
     from bench_random_model import build_random_model
     from machine import isa_environment
 
-    model_dir = str(build_random_model(args.model))  # once, before the runs
+    if args.model in ("tiny", "small"):
+        from grpo_ascend.models.tiny_model import build_tiny_model
+
+        model_dir = str(build_tiny_model(args.model))
+    else:
+        model_dir = str(build_random_model(args.model))  # once, before the runs
     opts = {"model_dir": model_dir, "steps": args.steps, "prompts": args.prompts, "new_tokens": args.new_tokens,
             "micro_batch": args.micro_batch}
     if (args.prompts * 8) % args.micro_batch:

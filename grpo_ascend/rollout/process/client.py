@@ -46,6 +46,8 @@ from grpo_ascend.weight_transfer.settings import default_bucket_bytes
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.2
+#: Seconds a push that failed waits for the rollout process to be reaped before taking it for hung, not dead.
+EXIT_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -301,6 +303,7 @@ class ProcessBackend(RolloutBackend):
             except RolloutError as err:
                 report = SendReport(failed={0: str(err)})
             if report.failed:
+                self._process.join(EXIT_GRACE_S)  # a killed process breaks the group before it is reaped
                 if not self._process.is_alive():
                     raise _Died(f"exit code {self._process.exitcode}")
                 self._stop_process()

@@ -95,7 +95,7 @@ class VLLMServerRollout(VLLMBackend):
     adapter versions kept loaded besides those requests still use (2 lets ``one_step_off`` pin the
     previous one); ``max_concurrent_requests``: per server. ``weight_transfer`` (auto / collective / files),
     ``transfer_bucket_bytes`` (None: sized from free memory), ``transfer_host`` (None: this machine's address
-    towards each server): how full weights travel (:mod:`.collective_sync`); ``verify_transfer``: keep the
+    towards each server): how weights travel (:mod:`.collective_sync`); ``verify_transfer``: keep the
     servers' checksums of what each collective sync delivered (``collective.last_checksums``).
     """
 
@@ -247,7 +247,7 @@ class VLLMServerRollout(VLLMBackend):
             self.collective = None
 
     def sync_weights(self, weights: PolicyWeights) -> None:
-        """Load ``weights`` into every live server (an adapter version, or the full weights in dev mode), within
+        """Load ``weights`` into every live server (an adapter version, or the full weights), within
         ``sync_timeout`` seconds: past it the run stops with one RolloutError line instead of hanging."""
         with self._sync_lock:
             self._start_load(weights)

@@ -109,17 +109,20 @@ def resolve_device(requested: str = "auto", local_rank: int | None = None) -> to
     return torch.device(f"{kind}:{position}")
 
 
-def tune_host_allocator(device: torch.device | str, env: Mapping[str, str] = os.environ) -> int | None:
+def tune_host_allocator(device: torch.device | str, env: Mapping[str, str] = os.environ,
+                        tensor_bytes: int | None = None) -> int | None:
     """On the CPU, fix glibc's mmap threshold (unless the user set one) so freed tensors return to the OS.
 
     Otherwise glibc serves tensors from its heap, whose freed space stays resident: peak RSS 1.00-1.03 GiB
     instead of 0.88 GiB on bench/bench_random_model.py (see grpo_ascend/device/host_allocator.py).
+    ``tensor_bytes``: the largest activation of a training micro-batch, which the threshold then keeps in the
+    heap (a fresh mapping per such tensor is faulted in page by page); None keeps the size set before.
     Returns the threshold set, or None (another device, not glibc, or the user's own setting).
-    Called by :func:`resolve_device` for the CPU.
+    Called by :func:`resolve_device` for the CPU and by the trainer once it knows its micro-batch.
     """
     if device_type(device) != "cpu":
         return None
-    return host_allocator.fix_mmap_threshold(env)  # looked up per call: a benchmark may switch it off
+    return host_allocator.fix_mmap_threshold(env, tensor_bytes=tensor_bytes)  # looked up per call: a benchmark may switch it off
 
 
 def device_count(kind: str | None = None) -> int:

@@ -63,6 +63,7 @@ from grpo_ascend.trainers.components import (
     merge_lora_for_rollout,
     policy_processor,
     total_steps,
+    training_activation_bytes,
 )
 from grpo_ascend.trainers.evaluating import EvalLoss, EvalSets, Evaluator
 from grpo_ascend.trainers.micro_batches import round_row_order
@@ -171,6 +172,9 @@ class RLTrainerBase(TrainerCheckpoints, TrainerPublicAPI):
             self.is_peft, self.device)
         self.micro_batcher = build_micro_batcher(self.policy, args, plan, self.algorithm, self.strategy, self.ranks,
                                                  self.precision, self.merge_lora_for_rollout)
+        # The CPU heap keeps tensors as large as a training micro-batch's activations (device/host_allocator.py).
+        dev.tune_host_allocator(self.device, tensor_bytes=training_activation_bytes(self.policy, args, plan,
+                                                                                    self.precision))
         self.rewards = build_rewards(reward_funcs, args, self.device, self.tokenizer, reward_processing_classes)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(args.seed + 1000 * self.accelerator.process_index)

@@ -228,6 +228,19 @@ def build_micro_batcher(policy: nn.Module, args: BaseRLConfig, plan: BatchPlan, 
                         widest_over_ranks=strategy.fixed_calls)
 
 
+def training_activation_bytes(policy: nn.Module, args: BaseRLConfig, plan: BatchPlan, precision: str) -> int:
+    """The largest activation one decoder layer makes in a training micro-batch: its completion tokens (the token
+    budget, or micro-batch rows × ``max_completion_length``) × the MLP's width × the activation's bytes. The
+    device layer keeps tensors of that size in the CPU heap (``dev.tune_host_allocator``)."""
+    config = hf_model(policy).config.get_text_config(decoder=True)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    width = max(int(getattr(config, "intermediate_size", 0) or 0), hidden)
+    budget = plan.max_tokens_per_micro_batch
+    tokens = budget if isinstance(budget, int) else plan.micro_batch * args.max_completion_length
+    element = 2 if precision in ("bf16", "fp16") else next(policy.parameters()).element_size()
+    return tokens * width * element
+
+
 def build_reference(logprob_model: nn.Module, unsharded: nn.Module | None, args: BaseRLConfig, accelerator: Any,
                     policy_is_peft: bool) -> CompletionLogprobs | None:
     """The reference policy's log-prob model: None for LoRA (the base with adapters disabled is the

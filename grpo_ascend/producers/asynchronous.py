@@ -83,6 +83,9 @@ class _RoundStats:
     producer_idle_s: float = 0.0
     producer_busy_s: float = 0.0
     trainer_wait_s: float = 0.0
+    push_s: float = 0.0
+    pushes: int = 0
+    sampler_weight_wait_s: float | None = None  # None: the sampler reports no such wait
 
 
 class AsyncSource:
@@ -143,7 +146,10 @@ class AsyncSource:
         self._step = step
         due = (step - self._first_step) % self.settings.steps_per_version == 0
         if force or due:
+            began = time.perf_counter()
             self.push(step)
+            self._stats.push_s += time.perf_counter() - began
+            self._stats.pushes += 1
             with self._cv:
                 self._published = step
                 self._cv.notify_all()
@@ -182,7 +188,12 @@ class AsyncSource:
         span, self._metrics_at = now - self._metrics_at, now
         stale = stats.staleness or [0.0]
         busy = stats.producer_busy_s + stats.producer_idle_s
+        weight_wait = {} if stats.sampler_weight_wait_s is None else {
+            "async/sampler_weight_wait_s": stats.sampler_weight_wait_s}
         return {
+            **weight_wait,
+            "async/weight_push_s": stats.push_s,
+            "async/weight_pushes": float(stats.pushes),
             "async/staleness_mean": sum(stale) / len(stale),
             "async/staleness_max": max(stale),
             "async/dropped_groups": float(stats.dropped),
@@ -251,6 +262,8 @@ class AsyncSource:
                 batch.completion_ids, version if version is not None else self._published)
         sampled = int(batch.policy_versions.min())
         self._stats.aborted_tokens += batch.timing.get("aborted_tokens", 0.0)
+        if "weight_wait_s" in batch.timing:
+            self._stats.sampler_weight_wait_s = (self._stats.sampler_weight_wait_s or 0.0) + batch.timing["weight_wait_s"]
         exp = self.parts.score(chunk.rows, chunk.group_ids, batch, self._trainer_state(),
                                PhaseTimer(batch.completion_ids.device))
         self._stats.producer_busy_s += time.perf_counter() - began

@@ -67,8 +67,9 @@ class RolloutBatch:
     any top-k/top-p/min-p/repetition-penalty filtering (T = 1 for greedy); see
     :mod:`grpo_ascend.rollout.sampling`. ``prompt_texts`` are the rendered prompts (chat template
     applied), one per row like ``completion_texts``. Extras: ``completion_lengths`` [N] (tokens
-    counted by the mask), ``timing`` (seconds per phase, steps, tokens) and ``decode_batch_sizes``
-    (the batch size after each compaction, starting with N).
+    counted by the mask), ``timing`` (seconds per phase, steps, tokens; ``weight_wait_s``: seconds the request
+    waited for a weight load, where the sampler reports it) and ``decode_batch_sizes`` (the batch size after each
+    compaction, starting with N).
 
     What some rollouts add (defaults: none): ``tool_mask`` [N, Lc], 1 on tokens the policy
     generated and 0 on tokens it did not (tool responses, a ``rollout_func``'s ``env_mask``; the

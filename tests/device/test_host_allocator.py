@@ -26,8 +26,15 @@ class FakeLibc:
         return self.result
 
 
-def test_fixes_threshold_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ha, "_current", None)
+@pytest.fixture(autouse=True)
+def floor_threshold():
+    """Each test starts at the floor (what an unsized call sets), whatever a trainer in this worker sized before."""
+    ha.fix_mmap_threshold({}, FakeLibc(), tensor_bytes=0)
+    yield
+    ha.fix_mmap_threshold({}, FakeLibc(), tensor_bytes=0)
+
+
+def test_fixes_threshold_when_unset() -> None:
     libc = FakeLibc()
     assert ha.fix_mmap_threshold({}, libc) == ha.MMAP_THRESHOLD_BYTES
     assert libc.calls == [(ha.M_MMAP_THRESHOLD, ha.MMAP_THRESHOLD_BYTES), (ha.M_TRIM_THRESHOLD, ha.TRIM_THRESHOLD_BYTES)]
@@ -46,8 +53,7 @@ def test_user_setting_is_left_alone(env: dict[str, str]) -> None:
     assert libc.calls == []
 
 
-def test_other_tunables_do_not_count_as_a_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ha, "_current", None)
+def test_other_tunables_do_not_count_as_a_threshold() -> None:
     libc = FakeLibc()
     assert ha.fix_mmap_threshold({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, libc) == ha.MMAP_THRESHOLD_BYTES
     assert libc.calls
@@ -62,8 +68,7 @@ def test_threshold_is_the_power_of_two_above_the_tensor_within_bounds(tensor_byt
     assert ha.threshold_for(tensor_bytes) == threshold_mib * 2**20
 
 
-def test_a_sized_call_sets_both_thresholds_and_a_plain_call_keeps_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ha, "_current", None)
+def test_a_sized_call_sets_both_thresholds_and_a_plain_call_keeps_them() -> None:
     libc = FakeLibc()
     assert ha.fix_mmap_threshold({}, libc, tensor_bytes=11 * 2**20) == 16 * 2**20
     assert libc.calls == [(ha.M_MMAP_THRESHOLD, 16 * 2**20), (ha.M_TRIM_THRESHOLD, 64 * 2**20)]
@@ -84,7 +89,6 @@ def test_refused_mallopt_reports_nothing_set() -> None:
 
 
 def test_only_the_cpu_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ha, "_current", None)
     libc = FakeLibc()
     monkeypatch.setattr(ha, "glibc", lambda: libc)
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)

@@ -137,6 +137,9 @@ def test_one_step_off_samples_each_batch_with_the_weights_one_round_old(tmp_path
     assert [g for _, groups, _, _ in seen for g in groups] == list(range(10))
     staleness = [r["async/staleness_max"] for r in trainer.state.log_history if "async/staleness_max" in r]
     assert staleness == [0.0, 1.0, 1.0, 1.0, 1.0]
+    pushes = [(r["async/weight_pushes"], r["async/weight_push_s"]) for r in trainer.state.log_history
+              if "async/weight_pushes" in r]  # each round's: the start's push, then one after every step
+    assert [n for n, _ in pushes] == [1.0] * 5 and all(0 < s < 30 for _, s in pushes)
     gaps = [r["sampling/sampling_logp_difference/mean"] for r in trainer.state.log_history
             if "sampling/sampling_logp_difference/mean" in r]
     after = trainer.rollout.generate_rows([{"prompt": "1+1="}])  # train() closed the process: a new one starts

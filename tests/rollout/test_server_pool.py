@@ -331,8 +331,11 @@ def test_a_published_version_loads_while_the_trainer_goes_on_and_serves_the_next
     client.publish_weights(LiveAdapter(2, tensor=live))
     assert time.monotonic() - started < 0.2 and all(f.loaded == {"policy-v1"} for f in fakes)
     live.add_(1.0)  # the trainer's next optimizer step
-    assert client.generate_ids([[5, 6]]).policy_versions.unique().tolist() == [2]
-    assert time.monotonic() - started >= 0.4  # the request waited for the load
+    batch = client.generate_ids([[5, 6]])
+    assert batch.policy_versions.unique().tolist() == [2]
+    assert time.monotonic() - started >= 0.4  # the request waited for the load, and says how long
+    assert 0.2 <= batch.timing["weight_wait_s"] <= batch.timing["total_s"]
+    assert client.generate_ids([[5, 6]]).timing["weight_wait_s"] < 0.1  # nothing loading: no wait
     assert all(f.loaded == {"policy-v2"} for f in fakes) and all(not f.violations for f in fakes)
     saved = load_file(str(tmp_path / "policy-v2" / ADAPTER_WEIGHTS))
     assert torch.equal(saved["base_model.model.q_proj.lora_A.weight"], torch.full((2, 4), 7.0))

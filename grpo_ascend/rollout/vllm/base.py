@@ -85,6 +85,10 @@ class VLLMBackend(RolloutBackend):
         """The policy version the calling thread's last :meth:`complete` sampled with (None: not tracked)."""
         return None
 
+    def weight_wait_s(self) -> float:
+        """Seconds the calling thread's last :meth:`complete` waited for a weight load before sampling."""
+        return 0.0
+
     def generate_ids(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,
                      generator: torch.Generator | None = None,
                      prompt_texts: Sequence[str] | None = None) -> RolloutBatch:
@@ -134,6 +138,7 @@ class VLLMBackend(RolloutBackend):
         if version is not None:
             batch.policy_versions = torch.full_like(batch.completion_ids, version)
         batch.timing["total_s"] = time.perf_counter() - started
+        batch.timing["weight_wait_s"] = self.weight_wait_s()
         return batch
 
     def start_session(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams | None = None,

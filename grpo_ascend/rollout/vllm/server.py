@@ -195,13 +195,18 @@ class VLLMServerRollout(VLLMBackend):
     def sampled_version(self) -> int | None:
         return getattr(self._local, "used", None)
 
+    def weight_wait_s(self) -> float:
+        return getattr(self._local, "weight_wait_s", 0.0)
+
     def complete(self, prompt_ids: Sequence[Sequence[int]], fields: Sequence[dict[str, Any]],
                  keys: Sequence[int] | None = None,
                  images: Sequence[ImagePrompt | None] | None = None) -> list[list[Completion]]:
         pictures = list(images) if images is not None else [None] * len(prompt_ids)
+        waiting = time.perf_counter()
         self._await_load()  # a version published is served before any request goes out
         # a pinned adapter version must still be loaded (the keep_versions newest); full weights hold one version
         with self.gate.request(), self._leased(self.pinned_version) as loaded:
+            self._local.weight_wait_s = time.perf_counter() - waiting
             name = self.model if loaded is None else loaded.name
             jobs = [(GENERATE_PATH, generate_body(name, list(p), img, f)) if img is not None
                     else ("/v1/completions", self._completion_body(name, p, f))

@@ -17,6 +17,17 @@ samples without pause (8-token completions) while the trainer thread pushes N ve
 optimizer step of ``--step-s`` seconds, with each path: the trainer-side push time per step, and the sampler's
 stall per sync (the longest generate call that overlapped a sync, less the median call outside syncs).
 
+``--trainer-steps N`` (0: off) then runs the real thing on the same server for each path: ``GRPOTrainer`` in
+``rollout_mode: async`` (max_staleness 2, so the sampler may run two versions ahead), full fine-tuning of the same
+model (AdamW, no reference model), N optimizer steps of ``--trainer-prompts`` (2) prompts x
+``--trainer-generations`` (4) completions x ``--trainer-tokens`` (8) tokens (random weights over 151,936 tokens all
+but never sample EOS), and reads what the trainer logged for the steps after the first (the first builds the group
+and warms up): ``async/weight_push_s`` (the trainer's side of each push), ``async/sampler_weight_wait_s`` (the
+seconds the sampler's requests were held for a load) and ``time/step``. On this CPU a full-fine-tuning run is bound
+by training unless a step has few rows of long completions (training's cost grows with rows x tokens, decoding's
+mostly with tokens): with the defaults the sampler is idle when a push comes; with ``--trainer-prompts 1
+--trainer-generations 2 --trainer-tokens 64`` it samples without pause and a push holds its requests.
+
 The last line printed is one JSON object: ``collective_s``, ``files_s`` (medians), ``ratio`` (collective / files),
 ``bytes``, ``collective_bytes_per_s``, ``files_bytes_per_s``, ``memcpy_bytes_per_s``, and the async figures.
 
@@ -24,12 +35,14 @@ Examples::
 
     python bench/bench_weight_transfer.py                     # float32, 3 repeats
     python bench/bench_weight_transfer.py --dtype bfloat16 --repeats 5
+    python bench/bench_weight_transfer.py --repeats 1 --async-steps 0 --trainer-steps 5   # the async trainer run
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -136,6 +149,42 @@ def async_run(rollout, model, first_version: int, steps: int, step_s: float) -> 
             "generate_call_s": typical}
 
 
+def trainer_run(url: str, model_dir: Path, mode: str, out_dir: Path, steps: int, prompts: int, generations: int,
+                tokens: int) -> dict[str, float]:
+    """An asynchronous full-fine-tuning GRPO run of ``steps`` steps of ``prompts`` x ``generations`` completions x
+    ``tokens`` tokens sampling on the server at ``url``, weights pushed through ``mode``: the medians of what the trainer
+    logged over the steps after the first."""
+    from datasets import Dataset
+
+    from grpo_ascend import GRPOConfig, GRPOTrainer
+
+    cfg = GRPOConfig(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=generations * prompts,
+                     num_generations=generations, learning_rate=1e-6, max_completion_length=tokens, max_prompt_length=64, temperature=1.0, beta=0.0,
+                     save_steps=0, logging_steps=1, disable_tqdm=True, log_completions_steps=0, report_to=[],
+                     use_vllm=True, vllm_mode="server", vllm_server_base_url=[url], vllm_server_timeout=900,
+                     vllm_sync_dir=str(out_dir / "sync"), weight_transfer=mode, weight_sync_timeout=1800,
+                     rollout_mode="async", max_staleness=2)
+    prompts = Dataset.from_list([{"prompt": f"Count to {i}:"} for i in range(64)])
+    trainer = GRPOTrainer(str(model_dir), token_sum, cfg, prompts)
+    trainer.train()
+    trainer.rollout.close()
+    logged = [r for r in trainer.state.log_history if "async/weight_push_s" in r][1:]
+    del trainer
+    gc.collect()  # the next path's run holds a second model, its gradients and AdamW's moments
+    if not logged:
+        raise SystemExit(f"--trainer-steps {steps}: no step after the first was logged; give at least 2")
+    return {key: statistics.median(r.get(name, 0.0) for r in logged) for key, name in (
+        ("push_s", "async/weight_push_s"), ("sampler_wait_s", "async/sampler_weight_wait_s"),
+        ("step_s", "time/step"), ("trainer_wait_s", "async/trainer_wait_s"),
+        ("producer_idle_fraction", "async/producer_idle_fraction"))}
+
+
+def token_sum(completions: list, completion_ids: list, **_: object) -> list[float]:
+    """A reward with a spread inside each group, from the sampled ids (most ids of a 151,936-token vocabulary are
+    past the built-in tokenizer's and decode to nothing), so every step has advantages to train on."""
+    return [float(sum(ids) % 1000) / 1000 for ids in completion_ids]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -143,6 +192,11 @@ def main() -> None:
     parser.add_argument("--copy-mib", type=int, default=1024)
     parser.add_argument("--async-steps", type=int, default=3)
     parser.add_argument("--step-s", type=float, default=2.0)
+    parser.add_argument("--trainer-steps", type=int, default=0,
+                        help="an asynchronous full-fine-tuning GRPOTrainer run of this many steps per path (0: none)")
+    parser.add_argument("--trainer-prompts", type=int, default=2, help="prompts per step of that run")
+    parser.add_argument("--trainer-generations", type=int, default=4, help="completions per prompt in that run")
+    parser.add_argument("--trainer-tokens", type=int, default=8, help="tokens per completion in that run")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from machine import describe
@@ -187,6 +241,17 @@ def main() -> None:
                           "s)", flush=True)
             for rollout in clients.values():
                 rollout.close()
+            model = clients = None  # the trainer runs below load their own copies
+            gc.collect()
+            if args.trainer_steps:
+                for mode in ("files", "collective"):
+                    figures = trainer_run(url, tmp / "model", mode, tmp / f"trainer-{mode}", args.trainer_steps,
+                                          args.trainer_prompts, args.trainer_generations, args.trainer_tokens)
+                    out.update({f"trainer_{mode}_{k}": v for k, v in figures.items()})
+                    print(f"trainer {mode:10s} push {figures['push_s']:.2f} s/step, sampler held "
+                          f"{figures['sampler_wait_s']:.2f} s/step, step {figures['step_s']:.2f} s (waiting on "
+                          f"the sampler {figures['trainer_wait_s']:.2f} s), sampler idle "
+                          f"{figures['producer_idle_fraction']:.0%}", flush=True)
     print(f"collective {out['collective_s']:.2f} s ({out['collective_bytes_per_s'] / 2**30:.2f} GiB/s), files "
           f"{out['files_s']:.2f} s ({out['files_bytes_per_s'] / 2**30:.2f} GiB/s), ratio {out['ratio']:.2f}; memory "
           f"copy {memcpy / 2**30:.2f} GiB/s")

@@ -31,8 +31,11 @@ MLP's activations 11.5 MB (32 × 64 positions × 1,408 features in float32) and 
 each a fresh mapping, faulted in page by page, every time. The element-wise passes over them then ran at 5 GB/s
 and ``fill_`` at under 1 GB/s; the training phase took 2.5-2.8 s instead of 1.8-1.9 s (built-in ``small`` model,
 2 threads). So a trainer sizes the threshold to its training micro-batch (:func:`threshold_for`): the power of two
-at or above the largest activation a decoder layer makes, within 4 MiB and glibc's own 32 MiB ceiling, and
-the trim threshold four times that. At micro-batches of 8 this stays 4 MiB / 16 MiB.
+at or above the largest activation a decoder layer makes, at least 4 MiB, and the trim threshold four times that.
+At micro-batches of 8 this stays 4 MiB / 16 MiB. Activations past glibc's own 32 MiB ceiling are mapped whatever
+the threshold, so there it stays 4 MiB / 16 MiB too: at Qwen2.5-0.5B's shapes (bench/bench_real_shape.py, micro-
+batches of 8 x 256 tokens through a 4,864-wide MLP, 40 MB) a 32 MiB / 128 MiB setting peaked at 2,192 MiB against
+2,015 MiB, with the same step time (62.0 vs 62.4 s).
 
 The floor setting is what ``MALLOC_MMAP_THRESHOLD_=4194304 MALLOC_TRIM_THRESHOLD_=16777216`` would give,
 applied at run time, and only when the user has chosen neither (those variables, or
@@ -94,11 +97,14 @@ def user_set_threshold(env: Mapping[str, str]) -> bool:
 
 def threshold_for(tensor_bytes: int) -> int:
     """The mmap threshold that serves tensors of ``tensor_bytes`` from the heap: the power of two at or above it,
-    within :data:`MMAP_THRESHOLD_BYTES` and :data:`MAX_MMAP_THRESHOLD_BYTES`."""
+    at least :data:`MMAP_THRESHOLD_BYTES`. Past :data:`MAX_MMAP_THRESHOLD_BYTES` no threshold keeps them in the heap,
+    so the floor stays: raising it would only keep more freed heap resident (see the module docstring)."""
     if tensor_bytes < 0:
         raise ValueError(f"tensor_bytes must be >= 0, got {tensor_bytes!r}")
+    if tensor_bytes > MAX_MMAP_THRESHOLD_BYTES:
+        return MMAP_THRESHOLD_BYTES
     wanted = 1 << max(int(tensor_bytes) - 1, 0).bit_length()
-    return min(max(wanted, MMAP_THRESHOLD_BYTES), MAX_MMAP_THRESHOLD_BYTES)
+    return max(wanted, MMAP_THRESHOLD_BYTES)
 
 
 #: The mmap threshold this module last set (None: none yet); only :func:`fix_mmap_threshold` writes it.

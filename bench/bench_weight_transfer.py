@@ -23,19 +23,21 @@ model (AdamW, no reference model), N optimizer steps of ``--trainer-prompts`` (2
 ``--trainer-generations`` (4) completions x ``--trainer-tokens`` (8) tokens (random weights over 151,936 tokens all
 but never sample EOS), and reads what the trainer logged for the steps after the first (the first builds the group
 and warms up): ``async/weight_push_s`` (the trainer's side of each push), ``async/sampler_weight_wait_s`` (the
-seconds the sampler's requests were held for a load) and ``time/step``. On this CPU a full-fine-tuning run is bound
-by training unless a step has few rows of long completions (training's cost grows with rows x tokens, decoding's
-mostly with tokens): with the defaults the sampler is idle when a push comes; with ``--trainer-prompts 1
---trainer-generations 2 --trainer-tokens 64`` it samples without pause and a push holds its requests.
+seconds the sampler's requests were held for a load) and ``time/step``. On this CPU a full-fine-tuning run of this
+model is bound by training in every shape tried (the defaults; 1 prompt x 2 completions x 64 tokens): the sampler
+has sampled what it may ahead and is idle when a push comes, so the push shows on the trainer's side and
+``--async-steps`` is the sampler-bound case.
 
 The last line printed is one JSON object: ``collective_s``, ``files_s`` (medians), ``ratio`` (collective / files),
-``bytes``, ``collective_bytes_per_s``, ``files_bytes_per_s``, ``memcpy_bytes_per_s``, and the async figures.
+``bytes``, ``collective_bytes_per_s``, ``files_bytes_per_s``, ``memcpy_bytes_per_s``, and the async and trainer figures.
 
 Examples::
 
     python bench/bench_weight_transfer.py                     # float32, 3 repeats
     python bench/bench_weight_transfer.py --dtype bfloat16 --repeats 5
     python bench/bench_weight_transfer.py --repeats 1 --async-steps 0 --trainer-steps 5   # the async trainer run
+    python bench/bench_weight_transfer.py --repeats 1 --async-steps 0 --trainer-steps 6 --trainer-prompts 1 \
+        --trainer-generations 2 --trainer-tokens 64
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ benchmarks that sample on a server (bench_weight_transfer.py, bench_async_learni
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -31,7 +32,7 @@ def local_server(model_dir: str | Path, log_path: str | Path, *, dtype: str = "f
              "--port", str(port), "--dtype", dtype, "--enforce-eager", "--kv-cache-memory-bytes", str(kv_cache_bytes),
              "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs", "--seed", "0",
              "--no-enable-chunked-prefill", *extra_args],
-            env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + start_timeout
@@ -50,3 +51,10 @@ def local_server(model_dir: str | Path, log_path: str | Path, *, dtype: str = "f
                 proc.wait(timeout=30)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it starts: SIGTERM when the benchmark that started it dies, even killed (an
+    out-of-memory kill skips the ``finally`` above and would leave a server of gigabytes running)."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)

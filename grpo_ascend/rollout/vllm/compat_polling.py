@@ -7,6 +7,13 @@ second after: a CPU server beside the trainer takes the trainer's core (on 2 cor
 0.64 s beside a sampling server, docs/async.md). Without the spin a reader wakes on a socket message instead,
 tens of microseconds per engine step.
 
+A sleeping reader can miss its wake-up message (a socket message the writer sends after each write); vLLM
+then finds the data at its next re-check, 5 s later (``SHM_READER_RECHECK_INTERVAL_MS``). Under vLLM's
+1-second spin that is rare, as only the first step after a pause sleeps; without the spin every step sleeps, and
+a tiny model's generate call took 5-20 s instead of 0.1-3 s. So wherever the window is ours, readers re-check
+every :data:`RECHECK_MS` milliseconds: a lost message costs that, and an idle server wakes its two readers that
+often (well under 1 % of a core).
+
 The window is ``GRPO_ASCEND_VLLM_BUSY_LOOP_S`` seconds when set; otherwise 0 on vLLM's CPU platform (whose cores
 are the trainer's too) and vLLM's own elsewhere (an accelerator node has host cores to spare). Our server entry
 point (serve.py) applies it in the server and in each process vLLM spawns.
@@ -22,10 +29,13 @@ from grpo_ascend.errors import ConfigError
 
 #: The environment variable that sets the window (seconds); the server's spawned processes inherit it.
 BUSY_LOOP_ENV = "GRPO_ASCEND_VLLM_BUSY_LOOP_S"
+#: How often a sleeping reader looks at the queue again when the window is ours (vLLM's own: 5,000).
+RECHECK_MS = 10
 
 _lock = threading.Lock()
 _patched = False
 _window: float | None = None  # what readers made from now on use (None: vLLM's own)
+_vllm_recheck_ms = 5000  # vLLM's own re-check interval, read when the module is first patched
 
 
 def busy_loop_window() -> float | None:
@@ -47,13 +57,14 @@ def busy_loop_window() -> float | None:
 
 def prepare_vllm_polling() -> float | None:
     """Make the shared-memory queue readers this process creates from now on spin for :func:`busy_loop_window`
-    seconds; returns that window (None: vLLM's own). Safe to call again (after the variable changed)."""
-    global _patched, _window
+    seconds (and re-check every :data:`RECHECK_MS` ms when asleep, where the window is ours); returns that window
+    (None: vLLM's own). Safe to call again (after the variable changed)."""
+    global _patched, _window, _vllm_recheck_ms
+    from vllm.distributed.device_communicators import shm_broadcast
+
     with _lock:
         _window = busy_loop_window()
         if not _patched:
-            from vllm.distributed.device_communicators import shm_broadcast
-
             original = shm_broadcast.SpinCondition.__init__
 
             @functools.wraps(original)
@@ -63,5 +74,7 @@ def prepare_vllm_polling() -> float | None:
                 original(self, is_reader, context, notify_address, busy_loop_s=busy_loop_s)
 
             shm_broadcast.SpinCondition.__init__ = init
+            _vllm_recheck_ms = shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS
             _patched = True
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = _vllm_recheck_ms if _window is None else RECHECK_MS
         return _window

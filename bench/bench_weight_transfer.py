@@ -116,7 +116,7 @@ def client(url: str, model_dir: Path, mode: str, sync_dir: Path):
 
 def async_run(rollout, model, first_version: int, steps: int, step_s: float) -> dict[str, float]:
     """A producer thread samples while this thread pushes ``steps`` versions (see the module docstring)."""
-    from grpo_ascend.rollout.backend import PolicyWeights
+    from grpo_ascend.rollout.policy_weights import PolicyWeights
 
     calls: list[tuple[float, float]] = []
     stop = threading.Event()
@@ -203,7 +203,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from machine import describe
 
-    from grpo_ascend.rollout.backend import PolicyWeights
+    from grpo_ascend.rollout.policy_weights import PolicyWeights
 
     print(describe(), flush=True)
     dtype = getattr(torch, args.dtype)

@@ -65,7 +65,7 @@ def step(policy: torch.nn.Module, batch) -> None:
 
 
 def syncs(rollout, policy, url: str, workers: int, tolerance: float, versions: range) -> list[dict]:
-    from grpo_ascend.rollout.backend import PolicyWeights
+    from grpo_ascend.rollout.policy_weights import PolicyWeights
     from grpo_ascend.rollout.sampling import SamplingParams
     from grpo_ascend.rollout.vllm.collective_sync import TIED_HEAD_NAMES
     from grpo_ascend.rollout.vllm.transfer_engine import tensor_checksum

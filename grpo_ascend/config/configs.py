@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 from grpo_ascend.algorithms.reward_aggregation import REWARD_AGGREGATIONS
 from grpo_ascend.algorithms.token_selection import check_quantile
-from grpo_ascend.config.base_config import BaseRLConfig, BatchPlan  # noqa: F401  (BatchPlan re-exported)
+from grpo_ascend.config.base_config import BaseRLConfig
+from grpo_ascend.config.batch_plan import BatchPlan  # noqa: F401  (re-exported)
 from grpo_ascend.config.fields import _check_choice, _f, _positive
 from grpo_ascend.config.trl_keywords import own_keywords
 from grpo_ascend.errors import ConfigError, closest

@@ -54,9 +54,10 @@ from grpo_ascend.errors import ConfigError
 from grpo_ascend.length_buckets import round_up
 from grpo_ascend.models.layer_kinds import layer_kinds, text_decoder_config
 from grpo_ascend.models.recurrent_state import states_per_layer
-from grpo_ascend.rollout.backend import PolicyWeights, RolloutBackend, RolloutBatch
+from grpo_ascend.rollout.backend import RolloutBackend, RolloutBatch
 from grpo_ascend.rollout.decoding import Completions, DecodeBatch, PromptBatch, stop_token_list
 from grpo_ascend.rollout.kv_cache import BucketedKVCache
+from grpo_ascend.rollout.policy_weights import PolicyWeights
 from grpo_ascend.rollout.prompts import Prompt, left_pad
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.session import BuiltinSession

@@ -46,7 +46,8 @@ from grpo_ascend.models.policy import CompletionLogprobs, is_peft
 from grpo_ascend.models.router_aux import RouterAux
 from grpo_ascend.producers.factory import build_source
 from grpo_ascend.producers.lockstep import SourceParts
-from grpo_ascend.rollout.backend import PolicyWeights, serving
+from grpo_ascend.rollout.backend import serving
+from grpo_ascend.rollout.policy_weights import PolicyWeights
 from grpo_ascend.rollout.protocol import PromptRollout, Rollout
 from grpo_ascend.trainers.best_tracking import BestCheckpointTracker
 from grpo_ascend.trainers.checkpoint_api import TrainerCheckpoints

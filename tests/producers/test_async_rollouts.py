@@ -24,8 +24,8 @@ from grpo_ascend.data.synthetic import arithmetic_dataset
 from grpo_ascend.errors import ConfigError, RolloutError, RolloutInterrupted
 from grpo_ascend.models.policy import default_lora_config
 from grpo_ascend.models.sampler_copy import sampler_copy, synced_tensors
-from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.engine import RolloutEngine
+from grpo_ascend.rollout.policy_weights import PolicyWeights
 from grpo_ascend.rollout.process.client import ProcessBackend, ProcessSettings
 from grpo_ascend.rollout.process.weight_ring import WeightRing, spawn_context
 from grpo_ascend.rollout.process.worker import RolloutServer, WorkerSpec

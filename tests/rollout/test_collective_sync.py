@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.rollout.backend import PolicyWeights
+from grpo_ascend.rollout.policy_weights import PolicyWeights
 from grpo_ascend.rollout.vllm.collective_sync import (
     ADAPTER_PATH,
     ENGINE_NAME,

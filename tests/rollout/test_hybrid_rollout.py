@@ -17,9 +17,9 @@ from transformers import AutoTokenizer
 
 from grpo_ascend.models.policy import CompletionLogprobs
 from grpo_ascend.models.recurrent_state import RecurrentStateLayer
-from grpo_ascend.rollout.backend import PolicyWeights
 from grpo_ascend.rollout.engine import RolloutEngine
 from grpo_ascend.rollout.kv_cache import BucketedKVCache
+from grpo_ascend.rollout.policy_weights import PolicyWeights
 from grpo_ascend.rollout.process.client import ProcessBackend, ProcessSettings
 from grpo_ascend.rollout.sampling import SamplingParams
 

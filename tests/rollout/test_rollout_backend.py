@@ -14,8 +14,9 @@ from helpers import SMALL_RUN
 from grpo_ascend import GRPOConfig, GRPOTrainer
 from grpo_ascend.errors import ConfigError
 from grpo_ascend.models.policy import default_lora_config
-from grpo_ascend.rollout.backend import PolicyWeights, build_backend, register_backend
+from grpo_ascend.rollout.backend import build_backend, register_backend
 from grpo_ascend.rollout.engine import RolloutEngine
+from grpo_ascend.rollout.policy_weights import PolicyWeights
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.trainers.components import build_rollout_backend
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sharded_send_model import BUCKET_BYTES, VARIANTS, stepped_model  # noqa: E402
 
 from grpo_ascend.distributed.fsdp import FSDPStrategy  # noqa: E402
-from grpo_ascend.rollout.backend import PolicyWeights  # noqa: E402
+from grpo_ascend.rollout.policy_weights import PolicyWeights  # noqa: E402
 from grpo_ascend.weight_transfer.group import TransferGroup  # noqa: E402
 from grpo_ascend.weight_transfer.manifest import Manifest  # noqa: E402
 from grpo_ascend.weight_transfer.receiver import WeightReceiver  # noqa: E402

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from grpo_ascend.models.policy import CompletionLogprobs
-from grpo_ascend.rollout.backend import PolicyWeights
+from grpo_ascend.rollout.policy_weights import PolicyWeights
 from grpo_ascend.rollout.protocol import PromptRollout
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.vision.inputs import RowVision

@@ -19,7 +19,7 @@ from sharded_send_worker import AliveWholeTensors  # noqa: E402
 
 from grpo_ascend.distributed import compat_deepspeed  # noqa: E402
 from grpo_ascend.distributed.deepspeed import DeepSpeedStrategy  # noqa: E402
-from grpo_ascend.rollout.backend import PolicyWeights  # noqa: E402
+from grpo_ascend.rollout.policy_weights import PolicyWeights  # noqa: E402
 
 
 def main(out: Path) -> None:

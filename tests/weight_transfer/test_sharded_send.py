@@ -12,7 +12,7 @@ import torch
 from distributed_runs import run_ranks
 from sharded_send_model import BUCKET_BYTES, VARIANTS, stepped_model
 
-from grpo_ascend.rollout.backend import PolicyWeights
+from grpo_ascend.rollout.policy_weights import PolicyWeights
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "sharded_send_worker.py"
 ZERO3_WORKER = WORKER.with_name("zero3_send_worker.py")

@@ -28,13 +28,13 @@ from torch import nn
 from grpo_ascend.errors import RolloutError, RolloutInterrupted
 from grpo_ascend.models.sampler_copy import sampler_copy, synced_tensors
 from grpo_ascend.rollout.backend import (
-    PolicyWeights,
     RolloutBackend,
     RolloutBatch,
     RolloutSession,
     SessionOutput,
     TurnEnd,
 )
+from grpo_ascend.rollout.policy_weights import PolicyWeights
 from grpo_ascend.rollout.process.weight_ring import WeightRing, spawn_context
 from grpo_ascend.rollout.process.worker import WorkerSpec, serve, to_device
 from grpo_ascend.rollout.sampling import SamplingParams

@@ -30,7 +30,7 @@ import torch
 
 from grpo_ascend import device as dev
 from grpo_ascend.errors import ConfigError, RolloutError
-from grpo_ascend.rollout.backend import PolicyWeights
+from grpo_ascend.rollout.policy_weights import PolicyWeights
 from grpo_ascend.rollout.vllm.server_http import ServerError, ServerGone
 from grpo_ascend.weight_transfer.group import TransferGroup, address_towards
 from grpo_ascend.weight_transfer.manifest import Manifest, dtype_of

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.rollout.backend import PolicyWeights
+from grpo_ascend.rollout.policy_weights import PolicyWeights
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm import import_vllm
 from grpo_ascend.rollout.vllm.base import VLLMBackend

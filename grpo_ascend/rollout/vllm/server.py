@@ -58,7 +58,7 @@ import torch
 
 from grpo_ascend.checkpoints.files import AtomicFolder, save_tensors
 from grpo_ascend.errors import ConfigError
-from grpo_ascend.rollout.backend import PolicyWeights
+from grpo_ascend.rollout.policy_weights import PolicyWeights
 from grpo_ascend.rollout.sampling import SamplingParams
 from grpo_ascend.rollout.vllm.base import VLLMBackend
 from grpo_ascend.rollout.vllm.collective_sync import (

@@ -18,7 +18,7 @@ from vllm_parity import STALE, long_prompts, max_error, sampling, train_steps  #
 from vllm_servers import OUR_SERVER, free_port, kill_server, running_server  # noqa: E402
 
 from grpo_ascend.errors import RolloutError  # noqa: E402
-from grpo_ascend.rollout.backend import PolicyWeights  # noqa: E402
+from grpo_ascend.rollout.policy_weights import PolicyWeights  # noqa: E402
 from grpo_ascend.rollout.vllm import VLLMServerRollout  # noqa: E402
 from grpo_ascend.rollout.vllm.collective_sync import TIED_HEAD_NAMES  # noqa: E402
 from grpo_ascend.rollout.vllm.transfer_engine import tensor_checksum  # noqa: E402

@@ -16,8 +16,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (docs/vllm.md: pip ins
 from vllm_parity import PARITY, STALE, Versions, long_prompts, max_error, sampling, train_steps  # noqa: E402
 
 from grpo_ascend.models.policy import apply_peft  # noqa: E402
-from grpo_ascend.rollout.backend import PolicyWeights  # noqa: E402
 from grpo_ascend.rollout.engine import RolloutEngine  # noqa: E402
+from grpo_ascend.rollout.policy_weights import PolicyWeights  # noqa: E402
 from grpo_ascend.rollout.vllm import VLLMColocatedRollout  # noqa: E402
 
 

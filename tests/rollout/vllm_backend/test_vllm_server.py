@@ -24,7 +24,7 @@ from vllm_servers import free_port, kill_server, running_server  # noqa: E402
 from grpo_ascend import GRPOConfig, GRPOTrainer  # noqa: E402
 from grpo_ascend.data.synthetic import arithmetic_dataset  # noqa: E402
 from grpo_ascend.models.policy import apply_peft, default_lora_config  # noqa: E402
-from grpo_ascend.rollout.backend import PolicyWeights  # noqa: E402
+from grpo_ascend.rollout.policy_weights import PolicyWeights  # noqa: E402
 from grpo_ascend.rollout.vllm import VLLMServerRollout  # noqa: E402
 from grpo_ascend.rollout.vllm.server import ServerGone  # noqa: E402
 

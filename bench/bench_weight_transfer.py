@@ -154,14 +154,15 @@ def async_run(rollout, model, first_version: int, steps: int, step_s: float) -> 
 def trainer_run(url: str, model_dir: Path, mode: str, out_dir: Path, steps: int, prompts: int, generations: int,
                 tokens: int) -> dict[str, float]:
     """An asynchronous full-fine-tuning GRPO run of ``steps`` steps of ``prompts`` x ``generations`` completions x
-    ``tokens`` tokens sampling on the server at ``url``, weights pushed through ``mode``: the medians of what the trainer
-    logged over the steps after the first."""
+    ``tokens`` tokens sampling on the server at ``url``, weights pushed through ``mode``: the medians of what the
+    trainer logged over the steps after the first."""
     from datasets import Dataset
 
     from grpo_ascend import GRPOConfig, GRPOTrainer
 
     cfg = GRPOConfig(output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=generations * prompts,
-                     num_generations=generations, learning_rate=1e-6, max_completion_length=tokens, max_prompt_length=64, temperature=1.0, beta=0.0,
+                     num_generations=generations, learning_rate=1e-6, max_completion_length=tokens,
+                     max_prompt_length=64, temperature=1.0, beta=0.0,
                      save_steps=0, logging_steps=1, disable_tqdm=True, log_completions_steps=0, report_to=[],
                      use_vllm=True, vllm_mode="server", vllm_server_base_url=[url], vllm_server_timeout=900,
                      vllm_sync_dir=str(out_dir / "sync"), weight_transfer=mode, weight_sync_timeout=1800,
